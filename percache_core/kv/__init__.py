@@ -1,0 +1,1 @@
+"""KV-state reuse: the chunk-state tree, its storage and the llama.cpp engine."""

@@ -1,0 +1,312 @@
+"""The llama.cpp engine: one model, one context, one sequence, driven token list by token list.
+
+It uses llama-cpp-python's low-level bindings rather than ``Llama`` because state reuse
+needs what ``Llama`` hides: per-sequence state bytes (``llama_state_seq_*``), weight
+repacking switched off (``use_extra_bufts=False``, so a prefill split at segment
+boundaries gives the same logits as one call), and no n_tokens x n_vocab score copies.
+
+Facts it relies on (llama-cpp-python 0.3.36, CPU): restoring a state saved after
+prefilling segments 1..d and then prefilling the rest gives bit-identical logits to
+prefilling every segment live with the same call schedule. A state is only valid for the
+same model file, llama.cpp build and context settings, which ``fingerprint`` captures.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EngineError, ModelNotFoundError, missing_dependency
+from ..models import file_sha256
+
+logger = logging.getLogger(__name__)
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_silent_log_callback = None  # kept alive for the process lifetime once installed
+
+
+def _import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise missing_dependency("llama_cpp", "llama-cpp") from error
+    return llama_cpp
+
+
+def _init_backend(lc, verbose: bool) -> None:
+    global _backend_ready, _silent_log_callback
+    with _backend_lock:
+        if not verbose and _silent_log_callback is None:
+            _silent_log_callback = lc.llama_log_callback(lambda level, text, data: None)
+            lc.llama_log_set(_silent_log_callback, ctypes.c_void_p(0))
+        if not _backend_ready:
+            lc.llama_backend_init()
+            _backend_ready = True
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy when ``temperature == 0``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class LlamaEngine:
+    """A GGUF model in a llama.cpp context with a single sequence (id 0).
+
+    The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,
+    so a streaming generator may release it from another thread) around any sequence of
+    calls that must not interleave (restore, prefill, generate).
+
+    >>> engine = LlamaEngine("gemma-3-270m-q4_k_m.gguf")   # doctest: +SKIP
+    >>> engine.reset(); engine.eval(engine.tokenize("The capital of France is", True))  # doctest: +SKIP
+    >>> "".join(engine.generate(max_new_tokens=3))   # doctest: +SKIP
+    ' Paris.'
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        verbose: bool = False,
+    ) -> None:
+        lc = _import_llama_cpp()
+        self._lc = lc
+        self.model_path = Path(model_path)
+        if not self.model_path.is_file():
+            raise ModelNotFoundError(f"model file not found: {self.model_path}")
+        _init_backend(lc, verbose)
+        self.lock = threading.Lock()
+
+        model_params = lc.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        model_params.use_extra_bufts = False
+        self._model = lc.llama_model_load_from_file(str(self.model_path).encode("utf-8"), model_params)
+        if not self._model:
+            raise ModelNotFoundError(f"llama.cpp could not load the model file {self.model_path}")
+        self._vocab = lc.llama_model_get_vocab(self._model)
+
+        threads = n_threads or os.cpu_count() or 1
+        context_params = lc.llama_context_default_params()
+        context_params.n_ctx = n_ctx
+        context_params.n_batch = n_batch
+        context_params.n_ubatch = n_batch
+        context_params.n_seq_max = 1
+        context_params.n_threads = threads
+        context_params.n_threads_batch = threads
+        context_params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        context_params.no_perf = True
+        self._ctx = lc.llama_init_from_model(self._model, context_params)
+        if not self._ctx:
+            lc.llama_model_free(self._model)
+            raise EngineError("llama.cpp could not create a context (out of memory?)")
+        self._memory = lc.llama_get_memory(self._ctx)
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_batch = n_batch
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_past = 0
+        self._settings = {
+            "llama_cpp_python": getattr(lc, "__version__", "unknown"),
+            "system_info": lc.llama_print_system_info().decode("utf-8", "replace"),
+            "type_k": int(context_params.type_k),
+            "type_v": int(context_params.type_v),
+            "flash_attn_type": int(context_params.flash_attn_type),
+            "use_extra_bufts": False,
+            "n_seq_max": 1,
+            "kv_unified": bool(context_params.kv_unified),
+            "swa_full": bool(context_params.swa_full),
+            "n_ctx": self.n_ctx,
+            "n_batch": n_batch,
+            "n_ubatch": n_batch,
+        }
+        self._model_sha256: str | None = None
+        self._closed = False
+
+    # -- identity -------------------------------------------------------------------------
+
+    def fingerprint(self, extra: str = "") -> str:
+        """A digest of everything that changes the state bytes, plus *extra* (e.g. the
+        prompt template version). States saved under one fingerprint are never loaded
+        under another."""
+        if self._model_sha256 is None:
+            self._model_sha256 = file_sha256(self.model_path)
+        payload = json.dumps(
+            {"model_sha256": self._model_sha256, "extra": extra, **self._settings}, sort_keys=True
+        )
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    @property
+    def model_name(self) -> str:
+        return self.model_path.name
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of *text* (special tokens are not parsed from the text)."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buffer = (self._lc.llama_token * capacity)()
+        count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, False)
+        if count < 0:
+            capacity = -count
+            buffer = (self._lc.llama_token * capacity)()
+            count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, False)
+        if count < 0:
+            raise EngineError(f"tokenization failed for a text of {len(data)} bytes")
+        return list(buffer[:count])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (may be part of a UTF-8 character)."""
+        buffer = ctypes.create_string_buffer(64)
+        count = self._lc.llama_token_to_piece(self._vocab, token, buffer, 64, 0, False)
+        if count < 0:
+            buffer = ctypes.create_string_buffer(-count)
+            count = self._lc.llama_token_to_piece(self._vocab, token, buffer, -count, 0, False)
+        return buffer.raw[:count]
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(self._lc.llama_vocab_is_eog(self._vocab, token))
+
+    def warm_up(self) -> None:
+        """Run one small prefill so that the first real question is not slowed by set-up."""
+        with self.lock:
+            self.reset()
+            self.eval(self.tokenize("Warm-up.\n\n", True))
+            self.reset()
+
+    # -- sequence state -------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empty the sequence."""
+        self._lc.llama_memory_clear(self._memory, True)
+        self.n_past = 0
+
+    def save_state(self) -> bytes:
+        """The sequence's state bytes (everything needed to continue from ``n_past``)."""
+        size = self._lc.llama_state_seq_get_size(self._ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = self._lc.llama_state_seq_get_data(self._ctx, buffer, size, 0)
+        if written == 0:
+            raise EngineError("llama.cpp returned an empty sequence state")
+        return ctypes.string_at(buffer, written)
+
+    def load_state(self, data: bytes, n_tokens: int) -> bool:
+        """Replace the sequence with *data* saved at *n_tokens*; False if llama.cpp refuses."""
+        self.reset()
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        read = self._lc.llama_state_seq_set_data(self._ctx, buffer, len(data), 0)
+        if read == 0 or self._lc.llama_memory_seq_pos_max(self._memory, 0) != n_tokens - 1:
+            self.reset()
+            return False
+        self.n_past = n_tokens
+        return True
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
+        """Feed *tokens* after the current position, ``n_batch`` at a time.
+
+        Logits are kept for the last token only. ``should_stop`` is polled between
+        batches (for pre-emption); when it returns True, evaluation stops early.
+        """
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise EngineError(
+                f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}"
+            )
+        batch = self._batch
+        for start in range(0, len(tokens), self.n_batch):
+            if should_stop is not None and should_stop():
+                return
+            piece = tokens[start : start + self.n_batch]
+            batch.n_tokens = len(piece)
+            for i, token in enumerate(piece):
+                batch.token[i] = token
+                batch.pos[i] = self.n_past + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = False
+            batch.logits[len(piece) - 1] = True
+            status = self._lc.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise EngineError(f"llama_decode returned {status}")
+            self.n_past += len(piece)
+
+    def last_logits(self) -> np.ndarray:
+        """Logits of the last evaluated token (a view into llama.cpp's buffer)."""
+        pointer = self._lc.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def _pick(self, logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+        if sampling.temperature <= 0:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / sampling.temperature
+        scaled -= scaled.max()
+        probabilities = np.exp(scaled)
+        probabilities /= probabilities.sum()
+        if sampling.top_p < 1.0:
+            order = np.argsort(-probabilities)
+            cumulative = np.cumsum(probabilities[order])
+            keep = order[: int(np.searchsorted(cumulative, sampling.top_p)) + 1]
+            mask = np.zeros_like(probabilities)
+            mask[keep] = probabilities[keep]
+            probabilities = mask / mask.sum()
+        return int(rng.choice(len(probabilities), p=probabilities))
+
+    def generate(
+        self,
+        *,
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[tuple[int, str]]:
+        """Decode up to *max_new_tokens* tokens after the evaluated prompt.
+
+        Yields ``(token, text)`` pairs, where *text* is the new complete UTF-8 text (possibly
+        empty while a multi-byte character is incomplete). Stops at end-of-generation.
+        """
+        rng = np.random.default_rng(sampling.seed)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        previous: int | None = None
+        for _ in range(max_new_tokens):
+            if previous is not None:  # evaluated lazily: the last token never needs it
+                if self.n_past >= self.n_ctx or (should_stop is not None and should_stop()):
+                    break
+                self.eval([previous])
+            token = self._pick(self.last_logits(), sampling, rng)
+            if self.is_end_of_generation(token):
+                break
+            yield token, decoder.decode(self.token_bytes(token))
+            previous = token
+
+    def close(self) -> None:
+        """Free the context and the model."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lc.llama_batch_free(self._batch)
+        self._lc.llama_free(self._ctx)
+        self._lc.llama_model_free(self._model)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,188 @@
+"""The chunk-state tree: which prompt prefixes have a stored KV state.
+
+A node stands for the prefix [segment 1, ..., segment d] of some prompt. Its key chains
+the parent's key with the segment's token ids (``node_key``), starting from a root key
+that fingerprints everything that changes the state bytes; so the same key always means
+the same tokens at the same positions under the same engine settings, and a key from
+another fingerprint can never match.
+
+The tree is metadata only (the state bytes live in a
+:class:`~percache_core.kv.state_store.StateStore`). Its API is ``match``, ``insert``,
+``remove`` and ``evict``; eviction is least-frequently-used over leaves and never touches a
+pinned node (one in use by a query).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+def node_key(parent_key: str, tokens: Sequence[int]) -> str:
+    """The key of the node reached from *parent_key* by a segment of *tokens*.
+
+    >>> node_key("root", [1, 2]) == node_key("root", (1, 2))
+    True
+    >>> node_key("root", [1, 2]) == node_key("other", [1, 2])
+    False
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent_key.encode("ascii"))
+    digest.update(b"|")
+    digest.update(b",".join(str(int(t)).encode("ascii") for t in tokens))
+    return digest.hexdigest()
+
+
+def path_keys(root_key: str, segments: Sequence[Sequence[int]]) -> list[str]:
+    """The keys of every prefix of *segments*: ``keys[i]`` covers ``segments[: i + 1]``."""
+    keys: list[str] = []
+    parent = root_key
+    for tokens in segments:
+        parent = node_key(parent, tokens)
+        keys.append(parent)
+    return keys
+
+
+@dataclass
+class StateNode:
+    """One stored prefix.
+
+    Attributes:
+        key, parent_key: chained keys (the parent of a depth-1 node is the root key).
+        depth: number of segments covered.
+        n_tokens: number of tokens covered (the sequence length of the stored state).
+        label: what the last segment is (a chunk id, or "system").
+        size: bytes of the stored state.
+        hits: times the node was restored (its LFU frequency).
+    """
+
+    key: str
+    parent_key: str
+    depth: int
+    n_tokens: int
+    label: str
+    size: int
+    hits: int = 0
+    last_used_at: float = field(default_factory=time.time)
+    children: int = 0
+
+
+class ChunkStateTree:
+    """The stored prefixes of one engine fingerprint (*root_key*).
+
+    >>> tree = ChunkStateTree("root")
+    >>> keys = path_keys("root", [[1], [2, 3], [4]])
+    >>> _ = tree.insert(keys[0], "root", depth=1, n_tokens=1, label="system", size=10)
+    >>> _ = tree.insert(keys[1], keys[0], depth=2, n_tokens=3, label="c1", size=30)
+    >>> [node.label for node in tree.match(keys)]
+    ['c1', 'system']
+    >>> [node.label for node in tree.evict(budget_bytes=15)]
+    ['c1']
+    """
+
+    def __init__(self, root_key: str) -> None:
+        self.root_key = root_key
+        self._nodes: dict[str, StateNode] = {}
+        self._lock = threading.RLock()
+        self._pins: dict[str, int] = {}
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def get(self, key: str) -> StateNode | None:
+        return self._nodes.get(key)
+
+    @property
+    def nodes(self) -> list[StateNode]:
+        with self._lock:
+            return list(self._nodes.values())
+
+    def match(self, keys: Sequence[str]) -> list[StateNode]:
+        """Stored nodes among the prefix *keys* (from ``path_keys``), deepest first.
+
+        The first is the deepest stored prefix; the rest are fall-backs if it cannot be
+        restored.
+        """
+        with self._lock:
+            return [self._nodes[key] for key in reversed(keys) if key in self._nodes]
+
+    def insert(
+        self, key: str, parent_key: str, *, depth: int, n_tokens: int, label: str, size: int
+    ) -> StateNode:
+        """Add a node (or return the existing one with that key)."""
+        with self._lock:
+            if key in self._nodes:
+                return self._nodes[key]
+            node = StateNode(key, parent_key, depth, n_tokens, label, size)
+            self._nodes[key] = node
+            self.bytes += size
+            parent = self._nodes.get(parent_key)
+            if parent is not None:
+                parent.children += 1
+            return node
+
+    def remove(self, key: str) -> StateNode | None:
+        """Remove one node.
+
+        Its children stay: each stores a whole state of its own and is found by its key.
+        """
+        with self._lock:
+            node = self._nodes.pop(key, None)
+            if node is None:
+                return None
+            self.bytes -= node.size
+            parent = self._nodes.get(node.parent_key)
+            if parent is not None:
+                parent.children -= 1
+            return node
+
+    def touch(self, node: StateNode) -> None:
+        """Count one restore of *node*."""
+        with self._lock:
+            node.hits += 1
+            node.last_used_at = time.time()
+
+    @contextmanager
+    def pinned(self, keys: Sequence[str]) -> Iterator[None]:
+        """Protect the nodes with these keys (present now or inserted inside) from eviction."""
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for key in keys:
+                    self._pins[key] -= 1
+                    if not self._pins[key]:
+                        del self._pins[key]
+
+    def _is_pinned(self, key: str) -> bool:
+        return key in self._pins
+
+    def evict(self, budget_bytes: int) -> list[StateNode]:
+        """Remove least-frequently-used unpinned leaves until ``bytes <= budget_bytes``.
+
+        Returns the removed nodes (the caller deletes their stored states).
+        """
+        removed: list[StateNode] = []
+        with self._lock:
+            while self.bytes > budget_bytes:
+                leaves = [
+                    node
+                    for node in self._nodes.values()
+                    if node.children == 0 and not self._is_pinned(node.key)
+                ]
+                if not leaves:
+                    break
+                victim = min(leaves, key=lambda n: (n.hits, n.last_used_at, -n.depth))
+                removed.append(self.remove(victim.key))
+        return removed

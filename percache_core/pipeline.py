@@ -1,0 +1,588 @@
+"""``PerCache``: the request path over the QA bank, the knowledge bank and the chunk-state tree.
+
+``answer(question)``: embed once -> QA-bank check (tau) -> hybrid retrieval with the same
+embedding -> lay out segments -> restore the deepest stored prefix state -> prefill the
+rest segment by segment (keeping states of new prefixes) -> decode -> store the QA entry.
+Hits and misses run the same segment schedule, so a chunk-state hit gives exactly the
+tokens the cache-off path gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import PerCacheConfig
+from .embedding import Embedder, SentenceTransformerEmbedder
+from .errors import CacheClosedError, CacheFolderError, InvalidQuestionError, PerCacheError
+from .knowledge import DocumentInput, KnowledgeBank
+from .kv.llama_cpp import LlamaEngine, Sampling
+from .kv.state_store import StateStore
+from .kv.tree import ChunkStateTree, StateNode, path_keys
+from .models import resolve_model_path
+from .prompting import TEMPLATE_VERSION, PromptLayout, lay_out
+from .qa_bank import QABank
+from .stopping import StopStringFilter
+from .storage import Store
+from .types import Answer, Chunk, QAHit, RetrievedChunk
+
+logger = logging.getLogger(__name__)
+
+MAX_QUESTION_CHARS = 100_000
+
+
+class AnswerStream:
+    """An answer arriving piece by piece; iterate it for text, then read ``answer``.
+
+    >>> stream = pc.answer_stream("When is the rehearsal?")   # doctest: +SKIP
+    >>> for piece in stream: print(piece, end="")              # doctest: +SKIP
+    >>> stream.answer.source                                    # doctest: +SKIP
+    'chunk_states'
+    """
+
+    def __init__(self, events: Generator[str, None, Answer]) -> None:
+        self._events = events
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:
+                piece = next(self._events)
+            except StopIteration as done:
+                self.answer = done.value
+                return
+            yield piece
+
+    def result(self) -> Answer:
+        """Consume what is left and return the finished answer."""
+        for _ in self:
+            pass
+        assert self.answer is not None
+        return self.answer
+
+    def close(self) -> None:
+        """Abandon the stream (releases the model for other questions)."""
+        self._events.close()
+
+
+@dataclass
+class _Counters:
+    queries: int = 0
+    qa_bank_hits: int = 0
+    chunk_state_hits: int = 0
+    full: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    restore_failures: int = 0
+    state_evictions: int = 0
+    latency_s: dict[str, float] = field(default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0})
+
+
+class PerCache:
+    """A two-tier cache in front of a local RAG pipeline on llama.cpp.
+
+    Open one with :meth:`open`; it is a context manager.
+
+    >>> with PerCache.open("~/.percache/mail") as pc:          # doctest: +SKIP
+    ...     pc.add_documents(["The rehearsal is on Friday at 3 pm in room B."])
+    ...     pc.answer("When is the rehearsal?").text
+    'Friday at 3 pm in room B.'
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        config: PerCacheConfig,
+        embedder: Embedder,
+        engine: LlamaEngine | None,
+        model_path: Path | None,
+        verbose: bool = False,
+    ) -> None:
+        self.folder = folder
+        self.config = config
+        self.embedder = embedder
+        self._engine = engine
+        self._model_path = model_path
+        self._verbose = verbose
+        self._owns_engine = engine is None
+        self._engine_load_lock = threading.Lock()
+        self._counters = _Counters()
+        self._counters_lock = threading.Lock()
+        self._closed = False
+
+        self._meta = Store(folder / "meta")
+        self._check_embedder()
+        self.knowledge = KnowledgeBank(
+            Store(folder / "knowledge"),
+            embedder,
+            chunk_words=config.chunk_words,
+            rrf_k=config.rrf_k,
+        )
+        self.qa_bank = QABank(
+            Store(folder / "qa_bank"),
+            dimension=self._embedding_dimension(),
+            budget_bytes=config.qa_bank_budget_bytes,
+        )
+        self._states: StateStore | None = None
+        self._tree: ChunkStateTree | None = None
+
+    # -- opening and closing --------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        config: PerCacheConfig | None = None,
+        embedder: Embedder | None = None,
+        engine: LlamaEngine | None = None,
+        verbose: bool = False,
+    ) -> PerCache:
+        """Open (or create) the cache in folder *path*.
+
+        Args:
+            path: the cache folder; created when missing.
+            config: settings; ``PerCacheConfig()`` when omitted.
+            embedder: any :class:`~percache_core.embedding.Embedder`; the bundled
+                all-MiniLM-L6-v2 when omitted (loaded on first use).
+            engine: a loaded :class:`~percache_core.kv.llama_cpp.LlamaEngine` to share;
+                otherwise ``config.model_path`` (or the bundled Gemma 3 270M) is loaded on
+                the first question that needs the model.
+        """
+        config = config or PerCacheConfig()
+        if not isinstance(config, PerCacheConfig):
+            raise TypeError(f"config must be a PerCacheConfig, got {type(config).__name__}")
+        folder = Path(path).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise CacheFolderError(f"cache path exists and is not a folder: {folder}")
+        model_path = None if engine is not None else resolve_model_path(config.model_path)
+        return cls(
+            folder,
+            config=config,
+            embedder=embedder or SentenceTransformerEmbedder(),
+            engine=engine,
+            model_path=model_path,
+            verbose=verbose,
+        )
+
+    def close(self) -> None:
+        """Persist counters and release files and (if it owns it) the model."""
+        if self._closed:
+            return
+        self._closed = True
+        self.qa_bank.close()
+        self.knowledge.close()
+        self._meta.close()
+        if self._states is not None:
+            self._states.close()
+        if self._owns_engine and self._engine is not None:
+            self._engine.close()
+
+    def __enter__(self) -> PerCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this PerCache is closed")
+
+    def _embedding_dimension(self) -> int:
+        dimension = getattr(self.embedder, "dimension", -1)
+        if not isinstance(dimension, int) or dimension <= 0:
+            dimension = int(self.embedder.embed(["dimension probe"]).shape[1])
+        return dimension
+
+    def _check_embedder(self) -> None:
+        if not isinstance(self.embedder, Embedder):
+            raise TypeError("embedder must have name, dimension and embed(texts)")
+        stored = self._meta.get("embedder")
+        if stored is None:
+            self._meta.put("embedder", self.embedder.name)
+        elif stored != self.embedder.name:
+            raise PerCacheError(
+                f"the cache at {self.folder} was built with embedder {stored!r}, not "
+                f"{self.embedder.name!r}: open it with the same embedder or use a new folder"
+            )
+
+    def preload(self) -> None:
+        """Load the embedder, the model and the chunk-state tree now (not on first use)."""
+        self._ensure_open()
+        self.embedder.embed(["warm-up"])
+        self.engine.warm_up()
+        self._open_states()
+
+    # -- the model and the chunk-state tier -----------------------------------------------
+
+    @property
+    def engine(self) -> LlamaEngine:
+        """The llama.cpp engine, loaded on first use."""
+        with self._engine_load_lock:
+            if self._engine is None:
+                assert self._model_path is not None
+                self._engine = LlamaEngine(
+                    self._model_path,
+                    n_ctx=self.config.n_ctx,
+                    n_batch=self.config.n_batch,
+                    n_threads=self.config.n_threads,
+                    verbose=self._verbose,
+                )
+            return self._engine
+
+    @property
+    def tree(self) -> ChunkStateTree:
+        """The chunk-state tree of this engine's fingerprint (loaded on first use)."""
+        self._open_states()
+        assert self._tree is not None
+        return self._tree
+
+    @property
+    def states(self) -> StateStore:
+        """The stored states of this engine's fingerprint."""
+        self._open_states()
+        assert self._states is not None
+        return self._states
+
+    def _open_states(self) -> None:
+        if self._states is None:
+            fingerprint = self.engine.fingerprint(TEMPLATE_VERSION)
+            self._states = StateStore(self.folder / "states", fingerprint)
+            self._tree = self._states.load_tree()
+
+    # -- knowledge ------------------------------------------------------------------------
+
+    def add_documents(
+        self, documents: Iterable[DocumentInput], *, split: bool = True, progress: bool = False
+    ) -> list[Chunk]:
+        """Add documents (strings, or dicts with ``text`` and optional ``id``/``metadata``).
+
+        Returns the new chunks. Re-adding a document with the same text does nothing;
+        with the same id and new text it replaces the old chunks.
+        """
+        self._ensure_open()
+        return self.knowledge.add_documents(documents, split=split, progress=progress)
+
+    def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
+        """The chunks hybrid retrieval gives for *question* (best first)."""
+        self._ensure_open()
+        return self.knowledge.retrieve(_validated(question), k or self.config.top_k)
+
+    # -- answering ------------------------------------------------------------------------
+
+    def answer(
+        self,
+        question: str,
+        *,
+        similarity_threshold: float | None = None,
+        top_k: int | None = None,
+        max_new_tokens: int | None = None,
+        stream: bool = False,
+    ) -> Answer | AnswerStream:
+        """Answer *question* from the QA bank, or generate it reusing chunk states.
+
+        Per-call overrides: ``similarity_threshold`` (tau), ``top_k``, ``max_new_tokens``.
+        With ``stream=True`` an :class:`AnswerStream` is returned instead.
+        """
+        events = self._answer_events(
+            question,
+            threshold=self._threshold(similarity_threshold),
+            top_k=top_k or self.config.top_k,
+            max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+        )
+        stream_object = AnswerStream(events)
+        return stream_object if stream else stream_object.result()
+
+    def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
+        """``answer(question, stream=True, **overrides)``."""
+        return self.answer(question, stream=True, **overrides)  # type: ignore[return-value]
+
+    def _threshold(self, value: float | None) -> float:
+        if value is None:
+            return self.config.similarity_threshold
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"similarity_threshold must be in [0, 1], got {value}")
+        return float(value)
+
+    def _answer_events(
+        self, question: str, *, threshold: float, top_k: int, max_new_tokens: int
+    ) -> Generator[str, None, Answer]:
+        self._ensure_open()
+        question = _validated(question)
+        if top_k <= 0 or max_new_tokens <= 0:
+            raise ValueError("top_k and max_new_tokens must be positive")
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+
+        def lap(name: str, since: float) -> float:
+            now = time.perf_counter()
+            timings[name] = timings.get(name, 0.0) + now - since
+            return now
+
+        clock = time.perf_counter()
+        embedding = self.embedder.embed([question])[0]
+        clock = lap("embed", clock)
+
+        best_similarity: float | None = None
+        if self.config.qa_bank:
+            hit = self.qa_bank.check(embedding, threshold=threshold)
+            clock = lap("qa_check", clock)
+            if hit is not None:
+                yield hit.entry.answer or ""
+                return self._finish(self._qa_answer(question, hit, started, timings))
+            best_similarity = self.qa_bank.best_similarity(embedding)
+
+        retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding)
+        clock = lap("retrieve", clock)
+        answer = yield from self._generate(
+            question,
+            [r.chunk for r in retrieved],
+            max_new_tokens=max_new_tokens,
+            started=started,
+            timings=timings,
+        )
+        answer.similarity = best_similarity
+        if self.config.qa_bank and answer.text:
+            clock = time.perf_counter()
+            self.qa_bank.store(question, embedding, answer.text, chunk_ids=answer.chunk_ids)
+            lap("store_qa", clock)
+        answer.latency_s = time.perf_counter() - started
+        return self._finish(answer)
+
+    def _qa_answer(self, question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:
+        elapsed = time.perf_counter() - started
+        return Answer(
+            text=hit.entry.answer or "",
+            source="qa_bank",
+            question=question,
+            similarity=hit.similarity,
+            chunk_ids=hit.entry.chunk_ids,
+            ttft_s=elapsed,
+            latency_s=elapsed,
+            matched_question=hit.entry.question,
+            timings=timings,
+        )
+
+    def _generate(
+        self,
+        question: str,
+        chunks: list[Chunk],
+        *,
+        max_new_tokens: int,
+        started: float,
+        timings: dict[str, float],
+    ) -> Generator[str, None, Answer]:
+        """Lay out the prompt and run it under the engine lock; yields answer text."""
+        engine = self.engine
+        use_states = self.config.chunk_states
+        with engine.lock:
+            layout = lay_out(
+                system_prompt=self.config.system_prompt,
+                chunks=chunks,
+                question=question,
+                tokenize=engine.tokenize,
+                max_prompt_tokens=engine.n_ctx - max_new_tokens,
+            )
+            segments = [list(s.tokens) for s in layout.segments]
+            keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
+            with self.tree.pinned(keys) if use_states else nullcontext():
+                answer = yield from self._run_segments(
+                    question, layout, segments, keys, max_new_tokens=max_new_tokens, started=started, timings=timings
+                )
+            if use_states:
+                self._evict_states()
+        return answer
+
+    def _run_segments(
+        self,
+        question: str,
+        layout: PromptLayout,
+        segments: list[list[int]],
+        keys: list[str],
+        *,
+        max_new_tokens: int,
+        started: float,
+        timings: dict[str, float],
+    ) -> Generator[str, None, Answer]:
+        """Restore the deepest stored prefix, prefill the rest, decode; yields answer text."""
+        engine = self.engine
+        use_states = bool(keys)
+        clock = time.perf_counter()
+        depth, reused = self._restore(keys) if use_states else (0, 0)
+        if depth == 0:
+            engine.reset()
+        timings["restore"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        new_states: list[tuple[int, bytes, int]] = []
+        for index in range(depth, len(segments)):
+            engine.eval(segments[index])
+            if use_states and index < len(keys) and keys[index] not in self.tree:
+                new_states.append((index, engine.save_state(), engine.n_past))
+        timings["prefill"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        stop = StopStringFilter(self.config.stop)
+        sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
+        ttft = None
+        generated = 0
+        for _token, piece in engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
+            generated += 1
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            shown = stop.feed(piece)
+            if shown:
+                yield shown
+            if stop.stopped:
+                break
+        tail = stop.finish()
+        if tail:
+            yield tail
+        timings["decode"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        self._keep_states(layout, keys, new_states)
+        timings["store_states"] = time.perf_counter() - clock
+
+        reused_chunks = max(0, depth - 1)
+        return Answer(
+            text=stop.text.strip(),
+            source="chunk_states" if reused_chunks > 0 else "full",
+            question=question,
+            chunk_ids=layout.chunk_ids,
+            reused_tokens=reused,
+            prefilled_tokens=sum(len(s) for s in segments) - reused,
+            generated_tokens=generated,
+            reused_chunks=reused_chunks,
+            ttft_s=ttft if ttft is not None else time.perf_counter() - started,
+            timings=timings,
+        )
+
+    def _restore(self, keys: list[str]) -> tuple[int, int]:
+        """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored."""
+        engine = self.engine
+        for node in self.tree.match(keys):
+            data = self.states.get(node.key)
+            if data is not None and engine.load_state(data, node.n_tokens):
+                self.tree.touch(node)
+                self.states.record_use(node)
+                return node.depth, node.n_tokens
+            logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
+            self._drop_node(node)
+            with self._counters_lock:
+                self._counters.restore_failures += 1
+        return 0, 0
+
+    def _drop_node(self, node: StateNode) -> None:
+        self.tree.remove(node.key)
+        self.states.delete(node.key)
+
+    def _keep_states(
+        self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
+    ) -> None:
+        """Store the states of new prefixes (as complete nodes: blob, record, tree)."""
+        segments = layout.segments
+        for index, data, n_tokens in new_states:
+            parent_key = keys[index - 1] if index > 0 else self.tree.root_key
+            label = segments[index].chunk_id or segments[index].kind
+            node = StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data))
+            self.states.put(node, data)
+            self.tree.insert(
+                node.key, parent_key, depth=node.depth, n_tokens=n_tokens, label=label, size=len(data)
+            )
+
+    def _evict_states(self) -> None:
+        """Evict least frequently used unpinned leaves down to the chunk-state budget."""
+        evicted = self.tree.evict(self.config.chunk_state_budget_bytes)
+        for node in evicted:
+            self.states.delete(node.key)
+        if evicted:
+            with self._counters_lock:
+                self._counters.state_evictions += len(evicted)
+
+    def _finish(self, answer: Answer) -> Answer:
+        with self._counters_lock:
+            counters = self._counters
+            counters.queries += 1
+            if answer.source == "qa_bank":
+                counters.qa_bank_hits += 1
+            elif answer.source == "chunk_states":
+                counters.chunk_state_hits += 1
+            else:
+                counters.full += 1
+            counters.reused_tokens += answer.reused_tokens
+            counters.prefilled_tokens += answer.prefilled_tokens
+            counters.generated_tokens += answer.generated_tokens
+            counters.latency_s[answer.source] += answer.latency_s
+        return answer
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Hit rates, token counts, bytes and entries per tier.
+
+        >>> pc.stats()["qa_bank"]["entries"]   # doctest: +SKIP
+        12
+        """
+        self._ensure_open()
+        with self._counters_lock:
+            c = self._counters
+            queries = max(1, c.queries)
+            summary: dict[str, Any] = {
+                "queries": c.queries,
+                "qa_bank_hits": c.qa_bank_hits,
+                "chunk_state_hits": c.chunk_state_hits,
+                "full": c.full,
+                "qa_bank_hit_rate": c.qa_bank_hits / queries,
+                "chunk_state_hit_rate": c.chunk_state_hits / queries,
+                "reused_tokens": c.reused_tokens,
+                "prefilled_tokens": c.prefilled_tokens,
+                "generated_tokens": c.generated_tokens,
+                "mean_latency_s": {
+                    source: total / max(1, count)
+                    for (source, total), count in zip(
+                        c.latency_s.items(), (c.qa_bank_hits, c.chunk_state_hits, c.full)
+                    )
+                },
+            }
+        summary["qa_bank"] = {
+            "entries": len(self.qa_bank),
+            "bytes": self.qa_bank.bytes,
+            "budget_bytes": self.qa_bank.budget_bytes,
+            "evictions": self.qa_bank.evictions,
+        }
+        summary["knowledge"] = {"chunks": len(self.knowledge)}
+        if self._tree is not None and self._states is not None:
+            summary["chunk_states"] = {
+                "nodes": len(self._tree),
+                "bytes": self._tree.bytes,
+                "budget_bytes": self.config.chunk_state_budget_bytes,
+                "evictions": c.state_evictions,
+                "restore_failures": c.restore_failures,
+                "corrupt_dropped": self._states.corrupt_dropped,
+            }
+        else:
+            summary["chunk_states"] = {"nodes": 0, "bytes": 0, "budget_bytes": self.config.chunk_state_budget_bytes}
+        return summary
+
+
+def _validated(question: object) -> str:
+    if not isinstance(question, str):
+        raise TypeError(f"question must be a string, got {type(question).__name__}")
+    if not question.strip():
+        raise InvalidQuestionError("question is empty")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise InvalidQuestionError(
+            f"question has {len(question):,} characters (max {MAX_QUESTION_CHARS:,})"
+        )
+    return question.strip()
+

@@ -1,0 +1,310 @@
+"""The QA bank: stored questions with embeddings and answers, searched by cosine similarity.
+
+Vocabulary: ``check`` (best servable entry at or above a threshold), ``search`` (the top
+candidates), ``store``, ``drop``, ``correct`` (replace an answer), ``clear``. Entries
+persist in a :class:`~percache_core.storage.Store`; the bank's bytes (the serialized size of
+its records) stay within a budget by evicting the least frequently used entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .storage import Store
+from .types import QAEntry, QAHit
+
+_PREFIX = "qa:"
+
+
+def _record(entry: QAEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "question": entry.question,
+        "embedding": entry.embedding,
+        "answer": entry.answer,
+        "chunk_ids": tuple(entry.chunk_ids),
+        "metadata": dict(entry.metadata),
+        "hits": entry.hits,
+        "created_at": entry.created_at,
+        "last_used_at": entry.last_used_at,
+    }
+
+
+def _entry(record: Mapping[str, Any]) -> QAEntry:
+    return QAEntry(
+        id=record["id"],
+        question=record["question"],
+        embedding=np.asarray(record["embedding"], dtype=np.float32),
+        answer=record["answer"],
+        chunk_ids=tuple(record["chunk_ids"]),
+        metadata=dict(record["metadata"]),
+        hits=record["hits"],
+        created_at=record["created_at"],
+        last_used_at=record["last_used_at"],
+    )
+
+
+def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> str:
+    """The identity of a question: its normalised text and its scope metadata.
+
+    >>> question_key("When is it? ") == question_key("when is it?")
+    True
+    """
+    scope = sorted((str(k), str(v)) for k, v in (metadata or {}).items() if k != "stale")
+    text = " ".join(question.lower().split())
+    return hashlib.sha1(repr((text, scope)).encode("utf-8")).hexdigest()
+
+
+class QABank:
+    """Questions with their embeddings and answers.
+
+    >>> import tempfile
+    >>> bank = QABank(Store(tempfile.mkdtemp()), dimension=2)
+    >>> entry = bank.store("When is the rehearsal?", np.array([1.0, 0.0]), "Friday at 3 pm")
+    >>> hit = bank.check(np.array([0.96, 0.28]), threshold=0.9)
+    >>> hit.entry.answer, round(hit.similarity, 2)
+    ('Friday at 3 pm', 0.96)
+    >>> bank.check(np.array([0.0, 1.0]), threshold=0.9) is None
+    True
+    """
+
+    def __init__(self, store: Store, *, dimension: int, budget_bytes: int = 100 * 1024 * 1024):
+        self._store = store
+        self._dimension = dimension
+        self.budget_bytes = budget_bytes
+        self._lock = threading.RLock()
+        self._entries: list[QAEntry] = []
+        self._sizes: list[int] = []
+        self._index: dict[str, int] = {}  # entry id -> row
+        self._by_question: dict[str, str] = {}  # question key -> entry id
+        self._matrix = np.zeros((16, dimension), dtype=np.float32)
+        self._servable = np.zeros(16, dtype=bool)
+        self._dirty: set[str] = set()
+        self.bytes = 0
+        self.evictions = 0
+        for key in list(store.keys(_PREFIX)):
+            record = store.get(key)
+            if record is None or np.asarray(record["embedding"]).shape != (dimension,):
+                store.delete(key)  # unreadable, or from another embedder
+                continue
+            self._append(_entry(record), len(pickle.dumps(record)))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, entry_id: object) -> bool:
+        return entry_id in self._index
+
+    def __getitem__(self, entry_id: str) -> QAEntry:
+        with self._lock:
+            return self._entries[self._index[entry_id]]
+
+    def get(self, entry_id: str, default: QAEntry | None = None) -> QAEntry | None:
+        """The entry with this id, or *default*."""
+        with self._lock:
+            row = self._index.get(entry_id)
+            return default if row is None else self._entries[row]
+
+    @property
+    def entries(self) -> list[QAEntry]:
+        """A snapshot of every entry."""
+        with self._lock:
+            return list(self._entries)
+
+    def _append(self, entry: QAEntry, size: int) -> None:
+        row = len(self._entries)
+        if row == self._matrix.shape[0]:
+            grown = max(16, 2 * row)
+            self._matrix = np.resize(self._matrix, (grown, self._dimension))
+            self._servable = np.resize(self._servable, grown)
+        self._matrix[row] = entry.embedding
+        self._servable[row] = entry.servable
+        self._entries.append(entry)
+        self._sizes.append(size)
+        self._index[entry.id] = row
+        self._by_question[question_key(entry.question, entry.metadata)] = entry.id
+        self.bytes += size
+
+    def _remove_row(self, row: int) -> QAEntry:
+        entry = self._entries[row]
+        last = len(self._entries) - 1
+        if row != last:  # move the last row into the hole
+            moved = self._entries[last]
+            self._entries[row] = moved
+            self._sizes[row], self._sizes[last] = self._sizes[last], self._sizes[row]
+            self._matrix[row] = self._matrix[last]
+            self._servable[row] = self._servable[last]
+            self._index[moved.id] = row
+        self._entries.pop()
+        self.bytes -= self._sizes.pop()
+        del self._index[entry.id]
+        key = question_key(entry.question, entry.metadata)
+        if self._by_question.get(key) == entry.id:
+            del self._by_question[key]
+        self._dirty.discard(entry.id)
+        return entry
+
+    def _write(self, entry: QAEntry) -> int:
+        record = _record(entry)
+        self._store.put(_PREFIX + entry.id, record)
+        return len(pickle.dumps(record))
+
+    def _check_embedding(self, embedding: np.ndarray) -> np.ndarray:
+        vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
+        if vector.shape != (self._dimension,):
+            raise ValueError(f"embedding must have {self._dimension} values, got {vector.shape[0]}")
+        return vector
+
+    def search(
+        self,
+        embedding: np.ndarray,
+        *,
+        top_n: int = 1,
+        min_similarity: float = 0.0,
+        servable_only: bool = True,
+    ) -> list[QAHit]:
+        """The *top_n* most similar entries at or above *min_similarity*, best first."""
+        vector = self._check_embedding(embedding)
+        with self._lock:
+            count = len(self._entries)
+            if count == 0:
+                return []
+            scores = self._matrix[:count] @ vector
+            if servable_only:
+                scores = np.where(self._servable[:count], scores, -np.inf)
+            if top_n == 1:
+                rows = [int(np.argmax(scores))]
+            else:
+                top_n = min(top_n, count)
+                rows = np.argpartition(-scores, top_n - 1)[:top_n]
+                rows = sorted(rows.tolist(), key=lambda r: -scores[r])
+            return [
+                QAHit(self._entries[r], float(min(1.0, scores[r])))
+                for r in rows
+                if scores[r] >= min_similarity
+            ]
+
+    def check(self, embedding: np.ndarray, *, threshold: float) -> QAHit | None:
+        """The best servable entry whose similarity reaches *threshold*, counted as a hit."""
+        hits = self.search(embedding, top_n=1, min_similarity=threshold)
+        if not hits:
+            return None
+        self.record_hit(hits[0].entry.id)
+        return hits[0]
+
+    def best_similarity(self, embedding: np.ndarray) -> float | None:
+        """The highest similarity of any servable entry (``None`` for an empty bank)."""
+        hits = self.search(embedding, top_n=1, min_similarity=-1.0)
+        return hits[0].similarity if hits else None
+
+    def record_hit(self, entry_id: str) -> None:
+        """Count one use of an entry (for LFU eviction); persisted on ``flush``."""
+        with self._lock:
+            entry = self.get(entry_id)
+            if entry is not None:
+                entry.hits += 1
+                entry.last_used_at = time.time()
+                self._dirty.add(entry_id)
+
+    def store(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        answer: str | None,
+        *,
+        chunk_ids: Sequence[str] = (),
+        metadata: Mapping[str, Any] | None = None,
+    ) -> QAEntry:
+        """Add an entry (``answer=None`` stores it as pending) and enforce the budget.
+
+        Storing the same question (same text and scope metadata) again replaces it.
+        """
+        vector = self._check_embedding(embedding)
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        now = time.time()
+        with self._lock:
+            existing = self._by_question.get(question_key(question, metadata))
+            entry = QAEntry(
+                id=existing or uuid.uuid4().hex,
+                question=question,
+                embedding=vector.copy(),
+                answer=answer,
+                chunk_ids=tuple(chunk_ids),
+                metadata=dict(metadata or {}),
+                created_at=now,
+                last_used_at=now,
+            )
+            if existing is not None:
+                old = self._entries[self._index[existing]]
+                entry.hits, entry.created_at = old.hits, old.created_at
+                self._remove_row(self._index[existing])
+            size = self._write(entry)
+            self._append(entry, size)
+            self._enforce_budget(keep=entry.id)
+            return entry
+
+    def correct(self, entry_id: str, answer: str | None, **metadata_changes: Any) -> QAEntry:
+        """Replace an entry's answer (and update metadata keys); raise KeyError if absent."""
+        with self._lock:
+            row = self._index[entry_id]
+            entry = self._entries[row]
+            entry.answer = answer
+            entry.metadata.update(metadata_changes)
+            self.bytes -= self._sizes[row]
+            self._sizes[row] = self._write(entry)
+            self.bytes += self._sizes[row]
+            self._servable[row] = entry.servable
+            self._dirty.discard(entry_id)
+            self._enforce_budget(keep=entry_id)
+            return entry
+
+    def drop(self, entry_id: str) -> bool:
+        """Remove an entry; return whether it existed."""
+        with self._lock:
+            row = self._index.get(entry_id)
+            if row is None:
+                return False
+            self._remove_row(row)
+            self._store.delete(_PREFIX + entry_id)
+            return True
+
+    def clear(self) -> None:
+        """Remove every entry."""
+        with self._lock:
+            for entry in list(self._entries):
+                self.drop(entry.id)
+
+    def _enforce_budget(self, keep: str) -> None:
+        while self.bytes > self.budget_bytes and len(self._entries) > 1:
+            candidates = [
+                (entry.hits, entry.last_used_at, row)
+                for row, entry in enumerate(self._entries)
+                if entry.id != keep
+            ]
+            _, _, row = min(candidates)
+            victim = self._entries[row]
+            self.drop(victim.id)
+            self.evictions += 1
+
+    def flush(self) -> None:
+        """Persist hit counters updated since the last write."""
+        with self._lock:
+            for entry_id in list(self._dirty):
+                entry = self.get(entry_id)
+                if entry is not None:
+                    self._write(entry)
+            self._dirty.clear()
+
+    def close(self) -> None:
+        """Persist counters and close the underlying store."""
+        self.flush()
+        self._store.close()

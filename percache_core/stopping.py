@@ -1,0 +1,58 @@
+"""Cutting a streamed answer at stop strings without ever showing part of one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStringFilter:
+    """Feed text as it is generated; get back the text that is safe to show.
+
+    Text that might be the start of a stop string is held back until it is known not
+    to be one. Leading whitespace of the answer is dropped.
+
+    >>> stop = StopStringFilter(["\\n\\n"])
+    >>> stop.feed(" Friday"), stop.feed(" at 3.\\n"), stop.feed("\\nQuestion"), stop.stopped
+    ('Friday', ' at 3.', '', True)
+    >>> stop.text
+    'Friday at 3.'
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = [s for s in stop if s]
+        self._held = ""
+        self._started = False
+        self.text = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """Add generated text; return what may be shown now."""
+        if self.stopped:
+            return ""
+        held = self._held + piece
+        if not self._started:
+            held = held.lstrip()
+            self._started = bool(held)
+        cut = min((held.find(s) for s in self._stop if s in held), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._emit(held[:cut].rstrip())
+        keep = 0
+        for s in self._stop:
+            for length in range(min(len(s) - 1, len(held)), 0, -1):
+                if held.endswith(s[:length]):
+                    keep = max(keep, length)
+                    break
+        self._held = held[len(held) - keep :] if keep else ""
+        return self._emit(held[: len(held) - keep])
+
+    def finish(self) -> str:
+        """End of generation: release anything held back."""
+        if self.stopped:
+            return ""
+        rest, self._held = self._held.rstrip(), ""
+        return self._emit(rest)
+
+    def _emit(self, text: str) -> str:
+        self.text += text
+        return text

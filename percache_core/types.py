@@ -1,0 +1,93 @@
+"""Typed records that PerCache's parts hand to each other and to users."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+AnswerSource = Literal["qa_bank", "chunk_states", "full"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a document, the unit of retrieval and of the chunk-state tree.
+
+    ``id`` is stable: ``"<doc_id>#c<index>"``, the same every time the same document is added.
+    """
+
+    id: str
+    doc_id: str
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """A chunk returned by hybrid retrieval, with its fused score (higher is better)."""
+
+    chunk: Chunk
+    score: float
+
+
+@dataclass
+class QAEntry:
+    """One question of the QA bank with its answer (``None`` while pending)."""
+
+    id: str
+    question: str
+    embedding: np.ndarray
+    answer: str | None
+    chunk_ids: tuple[str, ...] = ()
+    metadata: dict[str, Any] = field(default_factory=dict)
+    hits: int = 0
+    created_at: float = 0.0
+    last_used_at: float = 0.0
+
+    @property
+    def servable(self) -> bool:
+        """True when the entry holds an answer that may be returned to a user."""
+        return self.answer is not None and not self.metadata.get("stale", False)
+
+
+@dataclass(frozen=True)
+class QAHit:
+    """The result of a successful QA-bank check: the entry and its cosine similarity."""
+
+    entry: QAEntry
+    similarity: float
+
+
+@dataclass
+class Answer:
+    """What ``PerCache.answer`` returns.
+
+    Attributes:
+        text: the answer.
+        source: ``"qa_bank"`` (stored answer), ``"chunk_states"`` (at least one retrieved
+            chunk's KV state was restored) or ``"full"`` (prefilled from scratch).
+        similarity: cosine similarity of the matched QA entry (QA-bank hits), else the best
+            similarity seen in the QA bank (``None`` when the bank was not consulted).
+        chunk_ids: the chunks the answer was generated from.
+        reused_tokens: prompt tokens restored from stored states.
+        prefilled_tokens: prompt tokens computed for this answer.
+        generated_tokens: tokens decoded.
+        ttft_s: seconds from the call to the first answer token.
+        latency_s: seconds from the call to the full answer.
+        matched_question: the stored question, for QA-bank hits.
+    """
+
+    text: str
+    source: AnswerSource
+    question: str
+    similarity: float | None = None
+    chunk_ids: tuple[str, ...] = ()
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    reused_chunks: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    matched_question: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)

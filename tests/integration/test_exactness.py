@@ -1,0 +1,64 @@
+"""A chunk-state hit gives exactly the tokens the cache-off path gives (real model, greedy)."""
+
+import numpy as np
+
+from percache_core.prompting import lay_out
+
+QUESTIONS = [
+    "When is the presentation rehearsal for the launch talk?",
+    "Which room is the launch talk rehearsal in, and what should I bring?",
+    "How much budget did finance approve for the Harbor design work?",
+    "How much of the Harbor design budget is reserved for user testing?",
+    "When is my dentist appointment?",
+    "What did Ana say about the mooring map?",
+    "Why is the booking API late?",
+    "What should I bring to dinner on Saturday?",
+]
+
+
+def test_chunk_state_hits_match_cache_off_answers_token_for_token(make_cache):
+    # No stop strings: every answer runs the full 24 tokens, so any divergence shows.
+    off = make_cache("off", qa_bank=False, chunk_states=False, stop=())
+    on = make_cache("on", qa_bank=False, chunk_states=True, stop=())
+    expected = {q: off.answer(q) for q in QUESTIONS}
+    assert all(a.reused_tokens == 0 and a.source == "full" for a in expected.values())
+
+    first_pass = [on.answer(q) for q in QUESTIONS]  # later questions reuse earlier prefixes
+    second_pass = [on.answer(q) for q in QUESTIONS]  # every path is now stored
+    for answer in first_pass + second_pass:
+        reference = expected[answer.question]
+        assert answer.text == reference.text
+        assert answer.generated_tokens == reference.generated_tokens == 24
+        assert answer.chunk_ids == reference.chunk_ids
+
+    partial = [a for a in first_pass if 0 < a.reused_chunks < len(a.chunk_ids)]
+    assert len(partial) >= 2, [(a.reused_chunks, a.chunk_ids) for a in first_pass]
+    assert all(a.source == "chunk_states" and a.reused_chunks == len(a.chunk_ids) for a in second_pass)
+    assert all(a.reused_tokens + a.prefilled_tokens == r.prefilled_tokens for a, r in
+               zip(second_pass, (expected[q] for q in QUESTIONS)))
+
+
+def test_restoring_any_depth_gives_bit_identical_logits(make_cache, engine):
+    pc = make_cache("logits", qa_bank=False)
+    question = QUESTIONS[5]
+    chunks = [r.chunk for r in pc.retrieve(question, 3)]
+    layout = lay_out(system_prompt=pc.config.system_prompt, chunks=chunks, question=question,
+                     tokenize=engine.tokenize, max_prompt_tokens=1500)
+    segments = [list(s.tokens) for s in layout.segments]
+    with engine.lock:
+        engine.reset()
+        states = []
+        for tokens in segments:
+            engine.eval(tokens)
+            states.append((engine.save_state(), engine.n_past))
+        live = engine.last_logits().copy()
+        for depth in range(1, len(segments)):
+            data, n_tokens = states[depth - 1]
+            assert engine.load_state(data, n_tokens)
+            for tokens in segments[depth:]:
+                engine.eval(tokens)
+            assert np.array_equal(engine.last_logits(), live), f"depth {depth}"
+        engine.reset()
+        engine.eval([t for s in segments for t in s])  # one call for the whole prompt
+        assert np.array_equal(engine.last_logits(), live)
+        engine.reset()

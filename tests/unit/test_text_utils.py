@@ -1,0 +1,57 @@
+"""Chunking, stop strings, rank fusion and configuration: pure logic."""
+
+import pytest
+
+from percache_core import PerCacheConfig
+from percache_core.chunking import split_into_chunks
+from percache_core.knowledge import bm25_tokens, reciprocal_rank_fusion
+from percache_core.stopping import StopStringFilter
+
+
+def test_chunks_keep_sentences_and_respect_the_word_limit():
+    text = " ".join(f"Sentence number {i} has six words." for i in range(40))
+    chunks = split_into_chunks(text, chunk_words=20)
+    assert all(len(c.split()) <= 20 for c in chunks)
+    assert all(c.endswith(".") for c in chunks)
+    assert " ".join(chunks).split() == text.split()
+
+
+def test_chunks_keep_line_structure_of_notes():
+    chunks = split_into_chunks("Ana: hello there.\nTomasz: the API is late.", chunk_words=100)
+    assert chunks == ["Ana: hello there.\nTomasz: the API is late."]
+
+
+def test_a_long_sentence_is_split_by_words():
+    chunks = split_into_chunks("word " * 250, chunk_words=100)
+    assert [len(c.split()) for c in chunks] == [100, 100, 50]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "expected"),
+    [
+        ([" Fri", "day.\n", "Question: x"], "Friday."),
+        (["Room", " B", "Que", "stion:"], "Room B"),
+        (["Que", "ue"], "Queue"),  # a false start of a stop string is released
+        (["  ", " 3 pm"], "3 pm"),
+    ],
+)
+def test_stop_filter_never_shows_a_stop_string(pieces, expected):
+    stop = StopStringFilter(["\n", "Question:"])
+    shown = "".join(stop.feed(p) for p in pieces) + stop.finish()
+    assert shown == expected == stop.text
+
+
+def test_rrf_prefers_items_ranked_well_by_both():
+    scores = reciprocal_rank_fusion([[1, 2, 3], [3, 1, 2]], k=60)
+    assert max(scores, key=scores.get) == 1
+    assert bm25_tokens("What did Tomasz say about the API?") == ["tomasz", "say", "about", "api"]
+
+
+def test_config_validates_and_copies():
+    with pytest.raises(ValueError, match="top_k"):
+        PerCacheConfig(top_k=0)
+    with pytest.raises(ValueError, match="temperature"):
+        PerCacheConfig(temperature=-1)
+    with pytest.raises(TypeError):
+        PerCacheConfig(0.9)  # keyword-only
+    assert PerCacheConfig(stop=["x"]).stop == ("x",)
