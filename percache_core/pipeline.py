@@ -9,11 +9,12 @@ tokens the cache-off path gives.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,6 +303,38 @@ class PerCache:
         stream_object = AnswerStream(events)
         return stream_object if stream else stream_object.result()
 
+    def generate(
+        self,
+        question: str,
+        chunks: Sequence[Chunk | str],
+        *,
+        max_new_tokens: int | None = None,
+        stream: bool = False,
+    ) -> Answer | AnswerStream:
+        """Answer *question* from the given *chunks* (in this order) through the chunk-state
+        tree, without the QA bank or retrieval: for callers that retrieve on their own.
+
+        Strings are wrapped as chunks with a content-derived id.
+        """
+        self._ensure_open()
+        question = _validated(question)
+        chunk_list = [c if isinstance(c, Chunk) else _text_chunk(c) for c in chunks]
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+        tokens = max_new_tokens or self.config.max_new_tokens
+        if tokens <= 0:
+            raise ValueError("max_new_tokens must be positive")
+
+        def events() -> Generator[str, None, Answer]:
+            answer = yield from self._generate(
+                question, chunk_list, max_new_tokens=tokens, started=started, timings=timings
+            )
+            answer.latency_s = time.perf_counter() - started
+            return self._finish(answer)
+
+        stream_object = AnswerStream(events())
+        return stream_object if stream else stream_object.result()
+
     def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
         """``answer(question, stream=True, **overrides)``."""
         return self.answer(question, stream=True, **overrides)  # type: ignore[return-value]
@@ -573,6 +606,13 @@ class PerCache:
         else:
             summary["chunk_states"] = {"nodes": 0, "bytes": 0, "budget_bytes": self.config.chunk_state_budget_bytes}
         return summary
+
+
+def _text_chunk(text: str) -> Chunk:
+    if not isinstance(text, str) or not text.strip():
+        raise TypeError("chunks must be Chunk objects or non-empty strings")
+    digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+    return Chunk(f"text-{digest}", f"text-{digest}", text)
 
 
 def _validated(question: object) -> str:

@@ -211,8 +211,8 @@ class LlamaEngine:
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         """Replace the sequence with *data* saved at *n_tokens*; False if llama.cpp refuses."""
         self.reset()
-        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        read = self._lc.llama_state_seq_set_data(self._ctx, buffer, len(data), 0)
+        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy; read only
+        read = self._lc.llama_state_seq_set_data(self._ctx, source, len(data), 0)
         if read == 0 or self._lc.llama_memory_seq_pos_max(self._memory, 0) != n_tokens - 1:
             self.reset()
             return False

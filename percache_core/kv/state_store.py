@@ -9,7 +9,7 @@ orphan blob, which is removed at the next open: a node is either absent or compl
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,13 @@ _BLOB = "blob:"
 
 
 def blob_digest(data: bytes) -> str:
-    """A short digest that detects any change of a state blob."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """A checksum that detects damage to a state blob (CRC-32: about 6 GB/s, so checking
+    a 6 MB state costs about 1 ms; it guards against corruption, not tampering).
+
+    >>> blob_digest(b"state") == blob_digest(b"state"), blob_digest(b"state") == blob_digest(b"statf")
+    (True, False)
+    """
+    return f"crc32:{zlib.crc32(data):08x}"
 
 
 class StateStore:
