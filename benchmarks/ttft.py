@@ -56,7 +56,9 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def pick_paragraphs(data: Path, engine: LlamaEngine, count: int, seed: int) -> tuple[list[Chunk], dict[str, str]]:
+def pick_paragraphs(
+    data: Path, engine: LlamaEngine, count: int, seed: int
+) -> tuple[list[Chunk], dict[str, str]]:
     """Paragraphs whose chunk segment is 120-180 tokens, and one question per paragraph."""
     documents = load_jsonl(data / "squad11-dev" / "documents.jsonl")
     queries = load_jsonl(data / "squad11-dev" / "queries.jsonl")
@@ -86,7 +88,12 @@ def ttft_trials(args, engine, embedder, folder: Path) -> dict:
         a, b, c, x, y, z = chunks[6 * trial : 6 * trial + 6]
         question = question_for[a.id]
         with PerCache.open(folder / f"trial{trial}", config=config, engine=engine, embedder=embedder) as pc:
-            for name, path in (("miss", [a, b, c]), ("1-path", [a, x, y]), ("2-path", [a, b, z]), ("full-path", [a, b, c])):
+            for name, path in (
+                ("miss", [a, b, c]),
+                ("1-path", [a, x, y]),
+                ("2-path", [a, b, z]),
+                ("full-path", [a, b, c]),
+            ):
                 answer = pc.generate(question, path)
                 cases[name].append(answer.ttft_s)
                 reused[name].append(answer.reused_tokens)
@@ -135,7 +142,12 @@ def qa_hit_latency(args, engine, embedder, folder: Path) -> dict:
             started = time.perf_counter()
             embedder.embed([question])
             embed_times.append(time.perf_counter() - started)
-    return {"bank_entries": len(questions), "hits": hits, "latency": summary(latencies), "embedding_only": summary(embed_times)}
+    return {
+        "bank_entries": len(questions),
+        "hits": hits,
+        "latency": summary(latencies),
+        "embedding_only": summary(embed_times),
+    }
 
 
 def check_at_scale(args, folder: Path) -> dict:
@@ -157,7 +169,13 @@ def check_at_scale(args, folder: Path) -> dict:
         times.append(time.perf_counter() - started)
         found += hit is not None and hit.entry.question == f"synthetic question {i}"
     bank.close()
-    return {"entries": args.qa_entries, "fill_s": fill_s, "check": summary(times), "correct_hits": found, "queries": len(times)}
+    return {
+        "entries": args.qa_entries,
+        "fill_s": fill_s,
+        "check": summary(times),
+        "correct_hits": found,
+        "queries": len(times),
+    }
 
 
 def main() -> None:
@@ -188,7 +206,11 @@ def main() -> None:
                 "seed": args.seed,
                 "n_ctx": engine.n_ctx,
                 "n_batch": engine.n_batch,
-                "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+                "machine": {
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "cpus": __import__("os").cpu_count(),
+                },
             },
             "chunk_states": ttft_trials(args, engine, embedder, folder),
             "qa_bank_hit": qa_hit_latency(args, engine, embedder, folder),
@@ -200,17 +222,25 @@ def main() -> None:
     print(f"prompt: system + 3 chunks + question, {states['prompt_tokens_mean']:.0f} tokens on average")
     print(f"{'case':<10} {'TTFT p50 ms':>12} {'mean ms':>9} {'x miss':>7} {'reused tok':>11}")
     for name, timing in states["ttft"].items():
-        print(f"{name:<10} {timing['p50_ms']:>12.1f} {timing['mean_ms']:>9.1f} "
-              f"{states['ttft_ratio_to_miss'][name]:>7.3f} {states['reused_tokens_mean'][name]:>11.0f}")
+        print(
+            f"{name:<10} {timing['p50_ms']:>12.1f} {timing['mean_ms']:>9.1f} "
+            f"{states['ttft_ratio_to_miss'][name]:>7.3f} {states['reused_tokens_mean'][name]:>11.0f}"
+        )
     restore = states["state_load_and_restore"]
-    print(f"full-path state ({restore['state_bytes'] / 1e6:.1f} MB): load {restore['load_from_disk']['p50_ms']:.2f} ms"
-          f" + restore {restore['llama_state_seq_set_data']['p50_ms']:.2f} ms = {restore['total']['p50_ms']:.2f} ms (p50)")
+    print(
+        f"full-path state ({restore['state_bytes'] / 1e6:.1f} MB): load {restore['load_from_disk']['p50_ms']:.2f} ms"
+        f" + restore {restore['llama_state_seq_set_data']['p50_ms']:.2f} ms = {restore['total']['p50_ms']:.2f} ms (p50)"
+    )
     qa = result["qa_bank_hit"]
-    print(f"QA-bank hit, embedding included: p50 {qa['latency']['p50_ms']:.1f} ms ({qa['hits']}/{qa['bank_entries']} hits; "
-          f"embedding alone p50 {qa['embedding_only']['p50_ms']:.1f} ms)")
+    print(
+        f"QA-bank hit, embedding included: p50 {qa['latency']['p50_ms']:.1f} ms ({qa['hits']}/{qa['bank_entries']} hits; "
+        f"embedding alone p50 {qa['embedding_only']['p50_ms']:.1f} ms)"
+    )
     scale = result["qa_bank_check_at_scale"]
-    print(f"QABank.check over {scale['entries']:,} entries: p50 {scale['check']['p50_ms']:.2f} ms, "
-          f"p95 {scale['check']['p95_ms']:.2f} ms ({scale['correct_hits']}/{scale['queries']} found)")
+    print(
+        f"QABank.check over {scale['entries']:,} entries: p50 {scale['check']['p50_ms']:.2f} ms, "
+        f"p95 {scale['check']['p95_ms']:.2f} ms ({scale['correct_hits']}/{scale['queries']} found)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

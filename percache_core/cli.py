@@ -1,9 +1,9 @@
 """The ``percache`` command: ``demo``, ``ingest``, ``ask`` and ``stats``.
 
-    percache demo                          # scripted tour on the bundled corpus
-    percache ingest notes/*.txt --cache ~/.percache/me
-    percache ask "When is the rehearsal?" --cache ~/.percache/me --stream
-    percache stats --cache ~/.percache/me
+percache demo                          # scripted tour on the bundled corpus
+percache ingest notes/*.txt --cache ~/.percache/me
+percache ask "When is the rehearsal?" --cache ~/.percache/me --stream
+percache stats --cache ~/.percache/me
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def _read_documents(paths: Sequence[str]) -> list[dict[str, Any]]:
                     record.setdefault("id", record.get("doc_id") or f"{path.stem}-{line_number}")
                     documents.append(record)
         else:
-            documents.append({"id": path.stem, "text": path.read_text("utf-8"), "metadata": {"path": str(path)}})
+            documents.append(
+                {"id": path.stem, "text": path.read_text("utf-8"), "metadata": {"path": str(path)}}
+            )
     return documents
 
 
@@ -146,7 +148,7 @@ def run_ask(args: argparse.Namespace) -> int:
 
 def run_stats(args: argparse.Namespace) -> int:
     with PerCache.open(args.cache, config=_config(args)) as pc:
-        pc.tree  # load the chunk-state tier so its size is reported
+        pc.preload()  # load the chunk-state tier so its size is reported
         print(json.dumps(pc.stats(), indent=2))
     return 0
 
@@ -183,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if not args.verbose:
         warnings.simplefilter("ignore", FutureWarning)
     try:

@@ -72,9 +72,7 @@ class PerCacheConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.similarity_threshold <= 1.0:
-            raise ValueError(
-                f"similarity_threshold must be in [0, 1], got {self.similarity_threshold}"
-            )
+            raise ValueError(f"similarity_threshold must be in [0, 1], got {self.similarity_threshold}")
         positive = {
             "top_k": self.top_k,
             "chunk_words": self.chunk_words,

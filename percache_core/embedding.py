@@ -43,9 +43,7 @@ class SentenceTransformerEmbedder:
     (1, 384)
     """
 
-    def __init__(
-        self, model_path: str | None = None, *, device: str = "cpu", batch_size: int = 32
-    ) -> None:
+    def __init__(self, model_path: str | None = None, *, device: str = "cpu", batch_size: int = 32) -> None:
         self._model_path = model_path
         self._device = device
         self._batch_size = batch_size
@@ -82,8 +80,9 @@ class SentenceTransformerEmbedder:
                     pass
                 path = self._resolve_path()
                 self._model = SentenceTransformer(path, device=self._device)
-                get_dimension = getattr(self._model, "get_embedding_dimension", None) or getattr(
-                    self._model, "get_sentence_embedding_dimension"
+                get_dimension = (
+                    getattr(self._model, "get_embedding_dimension", None)
+                    or self._model.get_sentence_embedding_dimension
                 )
                 self.dimension = int(get_dimension())
         return self._model

@@ -13,7 +13,7 @@ import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from .errors import InvalidDocumentError, missing_dependency
 from .storage import Store
 from .types import Chunk, RetrievedChunk
 
-DocumentInput = Union[str, Mapping[str, Any]]
+DocumentInput = str | Mapping[str, Any]
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _STOPWORDS = frozenset(
@@ -76,9 +76,7 @@ def _as_document(item: DocumentInput) -> _Document:
         if doc_id is not None and not isinstance(doc_id, str):
             raise InvalidDocumentError(f"document id must be a string, got {type(doc_id).__name__}")
     else:
-        raise TypeError(
-            f"a document must be a string or a dict with 'text', got {type(item).__name__}"
-        )
+        raise TypeError(f"a document must be a string or a dict with 'text', got {type(item).__name__}")
     if not text.strip():
         raise InvalidDocumentError(f"document {doc_id or ''!r} is empty")
     if len(text) > MAX_DOCUMENT_CHARS:
@@ -100,9 +98,7 @@ class KnowledgeBank:
         rrf_k: reciprocal-rank-fusion constant.
     """
 
-    def __init__(
-        self, store: Store, embedder: Embedder, *, chunk_words: int = 100, rrf_k: int = 60
-    ) -> None:
+    def __init__(self, store: Store, embedder: Embedder, *, chunk_words: int = 100, rrf_k: int = 60) -> None:
         self._store = store
         self._embedder = embedder
         self._chunk_words = chunk_words
@@ -127,9 +123,7 @@ class KnowledgeBank:
             if records
             else np.zeros((0, 0), dtype=np.float32)
         )
-        self._documents = {
-            key.removeprefix("doc:"): self._store.get(key) for key in self._store.keys("doc:")
-        }
+        self._documents = {key.removeprefix("doc:"): self._store.get(key) for key in self._store.keys("doc:")}
         self._bm25 = None
 
     def __len__(self) -> int:
@@ -170,9 +164,7 @@ class KnowledgeBank:
                 if document.id in self._documents:
                     self._remove_document(document.id)
                 texts = (
-                    split_into_chunks(document.text, self._chunk_words)
-                    if split
-                    else [document.text.strip()]
+                    split_into_chunks(document.text, self._chunk_words) if split else [document.text.strip()]
                 )
                 for index, text in enumerate(texts):
                     new_chunks.append(
@@ -199,9 +191,7 @@ class KnowledgeBank:
                 self._store.put(f"doc:{document.id}", self._documents[document.id])
             self._chunks.extend(new_chunks)
             self._embeddings = (
-                embeddings
-                if self._embeddings.size == 0
-                else np.concatenate([self._embeddings, embeddings])
+                embeddings if self._embeddings.size == 0 else np.concatenate([self._embeddings, embeddings])
             )
             self._bm25 = None
         return new_chunks

@@ -84,7 +84,9 @@ class _Counters:
     generated_tokens: int = 0
     restore_failures: int = 0
     state_evictions: int = 0
-    latency_s: dict[str, float] = field(default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0})
+    latency_s: dict[str, float] = field(
+        default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
+    )
 
 
 class PerCache:
@@ -429,7 +431,13 @@ class PerCache:
             keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
             with self.tree.pinned(keys) if use_states else nullcontext():
                 answer = yield from self._run_segments(
-                    question, layout, segments, keys, max_new_tokens=max_new_tokens, started=started, timings=timings
+                    question,
+                    layout,
+                    segments,
+                    keys,
+                    max_new_tokens=max_new_tokens,
+                    started=started,
+                    timings=timings,
                 )
             if use_states:
                 self._evict_states()
@@ -604,7 +612,11 @@ class PerCache:
                 "corrupt_dropped": self._states.corrupt_dropped,
             }
         else:
-            summary["chunk_states"] = {"nodes": 0, "bytes": 0, "budget_bytes": self.config.chunk_state_budget_bytes}
+            summary["chunk_states"] = {
+                "nodes": 0,
+                "bytes": 0,
+                "budget_bytes": self.config.chunk_state_budget_bytes,
+            }
         return summary
 
 
@@ -621,8 +633,5 @@ def _validated(question: object) -> str:
     if not question.strip():
         raise InvalidQuestionError("question is empty")
     if len(question) > MAX_QUESTION_CHARS:
-        raise InvalidQuestionError(
-            f"question has {len(question):,} characters (max {MAX_QUESTION_CHARS:,})"
-        )
+        raise InvalidQuestionError(f"question has {len(question):,} characters (max {MAX_QUESTION_CHARS:,})")
     return question.strip()
-

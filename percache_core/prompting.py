@@ -116,8 +116,7 @@ def lay_out(
         used += len(segment.tokens)
     if dropped:
         warnings.warn(
-            f"prompt too long for the context: dropped the {len(dropped)} lowest-ranked "
-            f"chunk(s) {dropped}",
+            f"prompt too long for the context: dropped the {len(dropped)} lowest-ranked chunk(s) {dropped}",
             stacklevel=3,
         )
     return PromptLayout((system, *kept, last), tuple(dropped))

@@ -53,9 +53,7 @@ def make_cache(
 
     def open_cache(name: str = "cache", *, documents: bool = True, **config: Any) -> PerCache:
         config.setdefault("max_new_tokens", 24)
-        pc = PerCache.open(
-            tmp_path / name, config=PerCacheConfig(**config), engine=engine, embedder=embedder
-        )
+        pc = PerCache.open(tmp_path / name, config=PerCacheConfig(**config), engine=engine, embedder=embedder)
         if documents:
             pc.add_documents(corpus["documents"])
         opened.append(pc)

@@ -228,9 +228,7 @@ class LlamaEngine:
         batches (for pre-emption); when it returns True, evaluation stops early.
         """
         if self.n_past + len(tokens) > self.n_ctx:
-            raise EngineError(
-                f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}"
-            )
+            raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
         batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             if should_stop is not None and should_stop():

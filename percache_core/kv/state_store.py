@@ -9,8 +9,8 @@ orphan blob, which is removed at the next open: a node is either absent or compl
 
 from __future__ import annotations
 
-import zlib
 import logging
+import zlib
 from pathlib import Path
 from typing import Any
 

@@ -34,16 +34,23 @@ def test_chunk_state_hits_match_cache_off_answers_token_for_token(make_cache):
     partial = [a for a in first_pass if 0 < a.reused_chunks < len(a.chunk_ids)]
     assert len(partial) >= 2, [(a.reused_chunks, a.chunk_ids) for a in first_pass]
     assert all(a.source == "chunk_states" and a.reused_chunks == len(a.chunk_ids) for a in second_pass)
-    assert all(a.reused_tokens + a.prefilled_tokens == r.prefilled_tokens for a, r in
-               zip(second_pass, (expected[q] for q in QUESTIONS)))
+    assert all(
+        a.reused_tokens + a.prefilled_tokens == r.prefilled_tokens
+        for a, r in zip(second_pass, (expected[q] for q in QUESTIONS))
+    )
 
 
 def test_restoring_any_depth_gives_bit_identical_logits(make_cache, engine):
     pc = make_cache("logits", qa_bank=False)
     question = QUESTIONS[5]
     chunks = [r.chunk for r in pc.retrieve(question, 3)]
-    layout = lay_out(system_prompt=pc.config.system_prompt, chunks=chunks, question=question,
-                     tokenize=engine.tokenize, max_prompt_tokens=1500)
+    layout = lay_out(
+        system_prompt=pc.config.system_prompt,
+        chunks=chunks,
+        question=question,
+        tokenize=engine.tokenize,
+        max_prompt_tokens=1500,
+    )
     segments = [list(s.tokens) for s in layout.segments]
     with engine.lock:
         engine.reset()

@@ -46,7 +46,9 @@ def test_a_state_llama_cpp_refuses_is_a_logged_miss(make_cache, caplog):
     reference = pc.answer(QUESTION)
     node = deepest_node(pc)
     junk = b"\x00" * node.size  # right size and a matching digest, but not a state
-    pc.states.put(StateNode(node.key, node.parent_key, node.depth, node.n_tokens, node.label, len(junk)), junk)
+    pc.states.put(
+        StateNode(node.key, node.parent_key, node.depth, node.n_tokens, node.label, len(junk)), junk
+    )
     again = pc.answer(QUESTION)
     assert again.text == reference.text
     assert pc.stats()["chunk_states"]["restore_failures"] == 1
@@ -60,8 +62,12 @@ def test_states_of_another_configuration_are_never_loaded(make_cache, model_path
     pc.close()
     other = LlamaEngine(model_path, n_ctx=2048, n_batch=256)  # another batch size: other state bytes
     try:
-        with PerCache.open(tmp_path / "shared", config=PerCacheConfig(qa_bank=False, max_new_tokens=24),
-                           engine=other, embedder=pc.embedder) as second:
+        with PerCache.open(
+            tmp_path / "shared",
+            config=PerCacheConfig(qa_bank=False, max_new_tokens=24),
+            engine=other,
+            embedder=pc.embedder,
+        ) as second:
             answer = second.answer(QUESTION)
             assert answer.reused_tokens == 0 and answer.source == "full"
             assert answer.text == reference.text
@@ -90,7 +96,13 @@ def test_bad_questions_get_clear_errors_and_lose_nothing(make_cache):
 def test_chunks_that_overflow_the_context_are_dropped_with_a_warning(make_cache):
     pc = make_cache(documents=False, n_ctx=2048, max_new_tokens=16)
     long_note = "The harbour crane inspection is on Tuesday. " + "Routine maintenance log entry. " * 450
-    pc.add_documents([{"id": "long", "text": long_note}, {"id": "short", "text": "The crane inspection is on Tuesday at noon."}], split=False)
+    pc.add_documents(
+        [
+            {"id": "long", "text": long_note},
+            {"id": "short", "text": "The crane inspection is on Tuesday at noon."},
+        ],
+        split=False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         answer = pc.answer("When is the crane inspection?")

@@ -57,7 +57,9 @@ def test_everything_persists_across_reopen(make_cache, tmp_path, engine, embedde
         hit = again.answer("When do I have the dentist appointment?")
         assert hit.source == "qa_bank" and hit.text == first.text
         assert again.answer(QUESTIONS[0], similarity_threshold=1.0).source in {"qa_bank", "chunk_states"}
-    with PerCache.open(tmp_path / "persist", config=config.replace(qa_bank=False), engine=engine, embedder=embedder) as states_only:
+    with PerCache.open(
+        tmp_path / "persist", config=config.replace(qa_bank=False), engine=engine, embedder=embedder
+    ) as states_only:
         reused = states_only.answer(QUESTIONS[0])
         assert reused.source == "chunk_states" and reused.text == first.text
 

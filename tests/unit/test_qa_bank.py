@@ -56,7 +56,12 @@ def test_persists_and_reloads_with_counters(tmp_path):
     bank.close()
     again = QABank(Store(tmp_path / "qa"), dimension=3)
     loaded = again[entry.id]
-    assert (loaded.answer, loaded.chunk_ids, loaded.metadata, loaded.hits) == ("a", ("d#c000",), {"thread": "t1"}, 1)
+    assert (loaded.answer, loaded.chunk_ids, loaded.metadata, loaded.hits) == (
+        "a",
+        ("d#c000",),
+        {"thread": "t1"},
+        1,
+    )
     assert again.bytes == bank.bytes
     again.close()
 
