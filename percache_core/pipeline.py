@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,14 +23,14 @@ from typing import Any
 from .config import PerCacheConfig
 from .embedding import Embedder, SentenceTransformerEmbedder
 from .errors import CacheClosedError, CacheFolderError, InvalidQuestionError, PerCacheError
+from .generation import PromptRunner
 from .knowledge import DocumentInput, KnowledgeBank
-from .kv.llama_cpp import LlamaEngine, Sampling
+from .kv.llama_cpp import LlamaEngine
 from .kv.state_store import StateStore
-from .kv.tree import ChunkStateTree, StateNode, path_keys
+from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
-from .prompting import TEMPLATE_VERSION, PromptLayout, lay_out
+from .prompting import TEMPLATE_VERSION
 from .qa_bank import QABank
-from .stopping import StopStringFilter
 from .storage import Store
 from .types import Answer, Chunk, QAHit, RetrievedChunk
 
@@ -82,8 +82,6 @@ class _Counters:
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
-    restore_failures: int = 0
-    state_evictions: int = 0
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
     )
@@ -137,6 +135,8 @@ class PerCache:
         )
         self._states: StateStore | None = None
         self._tree: ChunkStateTree | None = None
+        self._runner: PromptRunner | None = None
+        self._users_waiting = 0
 
     # -- opening and closing --------------------------------------------------------------
 
@@ -256,11 +256,24 @@ class PerCache:
         assert self._states is not None
         return self._states
 
+    @property
+    def runner(self) -> PromptRunner:
+        """Runs prompts on the model through the chunk-state tree."""
+        self._open_states()
+        assert self._runner is not None
+        return self._runner
+
     def _open_states(self) -> None:
-        if self._states is None:
-            fingerprint = self.engine.fingerprint(TEMPLATE_VERSION)
-            self._states = StateStore(self.folder / "states", fingerprint)
-            self._tree = self._states.load_tree()
+        with self._engine_load_lock:
+            if self._states is not None:
+                return
+        engine = self.engine
+        with self._engine_load_lock:
+            if self._states is None:
+                states = StateStore(self.folder / "states", engine.fingerprint(TEMPLATE_VERSION))
+                self._tree = states.load_tree()
+                self._runner = PromptRunner(engine, self._tree, states, self.config)
+                self._states = states
 
     # -- knowledge ------------------------------------------------------------------------
 
@@ -416,139 +429,39 @@ class PerCache:
         started: float,
         timings: dict[str, float],
     ) -> Generator[str, None, Answer]:
-        """Lay out the prompt and run it under the engine lock; yields answer text."""
-        engine = self.engine
-        use_states = self.config.chunk_states
-        with engine.lock:
-            layout = lay_out(
-                system_prompt=self.config.system_prompt,
-                chunks=chunks,
-                question=question,
-                tokenize=engine.tokenize,
-                max_prompt_tokens=engine.n_ctx - max_new_tokens,
+        """Generate through the chunk-state tree for a user; yields answer text."""
+        with self._user_turn():
+            result = yield from self.runner.run(
+                question, chunks, max_new_tokens=max_new_tokens, started=started
             )
-            segments = [list(s.tokens) for s in layout.segments]
-            keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
-            with self.tree.pinned(keys) if use_states else nullcontext():
-                answer = yield from self._run_segments(
-                    question,
-                    layout,
-                    segments,
-                    keys,
-                    max_new_tokens=max_new_tokens,
-                    started=started,
-                    timings=timings,
-                )
-            if use_states:
-                self._evict_states()
-        return answer
-
-    def _run_segments(
-        self,
-        question: str,
-        layout: PromptLayout,
-        segments: list[list[int]],
-        keys: list[str],
-        *,
-        max_new_tokens: int,
-        started: float,
-        timings: dict[str, float],
-    ) -> Generator[str, None, Answer]:
-        """Restore the deepest stored prefix, prefill the rest, decode; yields answer text."""
-        engine = self.engine
-        use_states = bool(keys)
-        clock = time.perf_counter()
-        depth, reused = self._restore(keys) if use_states else (0, 0)
-        if depth == 0:
-            engine.reset()
-        timings["restore"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        new_states: list[tuple[int, bytes, int]] = []
-        for index in range(depth, len(segments)):
-            engine.eval(segments[index])
-            if use_states and index < len(keys) and keys[index] not in self.tree:
-                new_states.append((index, engine.save_state(), engine.n_past))
-        timings["prefill"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        stop = StopStringFilter(self.config.stop)
-        sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
-        ttft = None
-        generated = 0
-        for _token, piece in engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
-            generated += 1
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            shown = stop.feed(piece)
-            if shown:
-                yield shown
-            if stop.stopped:
-                break
-        tail = stop.finish()
-        if tail:
-            yield tail
-        timings["decode"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        self._keep_states(layout, keys, new_states)
-        timings["store_states"] = time.perf_counter() - clock
-
-        reused_chunks = max(0, depth - 1)
+        timings.update(result.timings)
         return Answer(
-            text=stop.text.strip(),
-            source="chunk_states" if reused_chunks > 0 else "full",
+            text=result.text,
+            source="chunk_states" if result.reused_chunks > 0 else "full",
             question=question,
-            chunk_ids=layout.chunk_ids,
-            reused_tokens=reused,
-            prefilled_tokens=sum(len(s) for s in segments) - reused,
-            generated_tokens=generated,
-            reused_chunks=reused_chunks,
-            ttft_s=ttft if ttft is not None else time.perf_counter() - started,
+            chunk_ids=result.layout.chunk_ids,
+            reused_tokens=result.reused_tokens,
+            prefilled_tokens=result.prefilled_tokens,
+            generated_tokens=result.generated_tokens,
+            reused_chunks=result.reused_chunks,
+            ttft_s=result.ttft_s if result.ttft_s is not None else time.perf_counter() - started,
             timings=timings,
         )
 
-    def _restore(self, keys: list[str]) -> tuple[int, int]:
-        """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored."""
-        engine = self.engine
-        for node in self.tree.match(keys):
-            data = self.states.get(node.key)
-            if data is not None and engine.load_state(data, node.n_tokens):
-                self.tree.touch(node)
-                self.states.record_use(node)
-                return node.depth, node.n_tokens
-            logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
-            self._drop_node(node)
+    @contextmanager
+    def _user_turn(self) -> Iterator[None]:
+        """Mark a user's question as waiting (idle work yields the model to it)."""
+        with self._counters_lock:
+            self._users_waiting += 1
+        try:
+            yield
+        finally:
             with self._counters_lock:
-                self._counters.restore_failures += 1
-        return 0, 0
+                self._users_waiting -= 1
 
-    def _drop_node(self, node: StateNode) -> None:
-        self.tree.remove(node.key)
-        self.states.delete(node.key)
-
-    def _keep_states(
-        self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
-    ) -> None:
-        """Store the states of new prefixes (as complete nodes: blob, record, tree)."""
-        segments = layout.segments
-        for index, data, n_tokens in new_states:
-            parent_key = keys[index - 1] if index > 0 else self.tree.root_key
-            label = segments[index].chunk_id or segments[index].kind
-            node = StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data))
-            self.states.put(node, data)
-            self.tree.insert(
-                node.key, parent_key, depth=node.depth, n_tokens=n_tokens, label=label, size=len(data)
-            )
-
-    def _evict_states(self) -> None:
-        """Evict least frequently used unpinned leaves down to the chunk-state budget."""
-        evicted = self.tree.evict(self.config.chunk_state_budget_bytes)
-        for node in evicted:
-            self.states.delete(node.key)
-        if evicted:
-            with self._counters_lock:
-                self._counters.state_evictions += len(evicted)
+    def user_waiting(self) -> bool:
+        """True while a user's question is waiting for or using the model."""
+        return self._users_waiting > 0
 
     def _finish(self, answer: Answer) -> Answer:
         with self._counters_lock:
@@ -607,8 +520,8 @@ class PerCache:
                 "nodes": len(self._tree),
                 "bytes": self._tree.bytes,
                 "budget_bytes": self.config.chunk_state_budget_bytes,
-                "evictions": c.state_evictions,
-                "restore_failures": c.restore_failures,
+                "evictions": self.runner.evictions,
+                "restore_failures": self.runner.restore_failures,
                 "corrupt_dropped": self._states.corrupt_dropped,
             }
         else:

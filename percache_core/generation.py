@@ -1,0 +1,247 @@
+"""Running a prompt through the chunk-state tree: restore, prefill, decode, keep new states.
+
+``PromptRunner.run`` is the one place where prompts meet the model. It restores the
+deepest stored prefix of the prompt's segments, prefills the rest one segment per call
+(on hits and misses alike, so outputs do not depend on the cache), keeps the states of
+new prefixes, and decodes. Idle work passes ``should_stop`` so that a user's question can
+pre-empt it between segments or tokens; a pre-empted prefill stores nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+from .config import PerCacheConfig
+from .errors import PerCacheError
+from .kv.llama_cpp import LlamaEngine, Sampling
+from .kv.state_store import StateStore
+from .kv.tree import ChunkStateTree, StateNode, path_keys
+from .prompting import PromptLayout, lay_out
+from .stopping import StopStringFilter
+from .types import Chunk
+
+logger = logging.getLogger(__name__)
+
+StopCheck = Callable[[], bool]
+
+
+class Preempted(PerCacheError):
+    """Idle work stopped because a user's question is waiting."""
+
+
+@dataclass
+class RunResult:
+    """What one prompt run did."""
+
+    layout: PromptLayout
+    text: str = ""
+    depth: int = 0  # segments restored
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reused_chunks(self) -> int:
+        return max(0, self.depth - 1)
+
+
+class PromptRunner:
+    """Runs prompts on *engine*, reusing and filling the chunk-state *tree*."""
+
+    def __init__(
+        self,
+        engine: LlamaEngine,
+        tree: ChunkStateTree,
+        states: StateStore,
+        config: PerCacheConfig,
+    ) -> None:
+        self.engine = engine
+        self.tree = tree
+        self.states = states
+        self.config = config
+        self.restore_failures = 0
+        self.evictions = 0
+
+    def run(
+        self,
+        question: str,
+        chunks: Sequence[Chunk],
+        *,
+        max_new_tokens: int,
+        decode: bool = True,
+        use_states: bool | None = None,
+        should_stop: StopCheck | None = None,
+        started: float | None = None,
+    ) -> Generator[str, None, RunResult]:
+        """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
+
+        With ``decode=False`` only the prefill runs (to populate chunk states). When
+        ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
+        not complete, no new state is kept.
+        """
+        started = time.perf_counter() if started is None else started
+        use_states = self.config.chunk_states if use_states is None else use_states
+        engine = self.engine
+        with engine.lock:
+            layout = lay_out(
+                system_prompt=self.config.system_prompt,
+                chunks=chunks,
+                question=question,
+                tokenize=engine.tokenize,
+                max_prompt_tokens=engine.n_ctx - max_new_tokens,
+            )
+            segments = [list(s.tokens) for s in layout.segments]
+            keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
+            result = RunResult(layout)
+            with self.tree.pinned(keys):
+                yield from self._run_segments(result, segments, keys, max_new_tokens, decode, should_stop, started)
+            if use_states:
+                self.evict_to_budget()
+        return result
+
+    def _run_segments(
+        self,
+        result: RunResult,
+        segments: list[list[int]],
+        keys: list[str],
+        max_new_tokens: int,
+        decode: bool,
+        should_stop: StopCheck | None,
+        started: float,
+    ) -> Generator[str, None, None]:
+        engine = self.engine
+        timings = result.timings
+        clock = time.perf_counter()
+        depth, reused = self._restore(keys) if keys else (0, 0)
+        if depth == 0:
+            engine.reset()
+        result.depth, result.reused_tokens = depth, reused
+        timings["restore"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        new_states: list[tuple[int, bytes, int]] = []
+        for index in range(depth, len(segments)):
+            if should_stop is not None and should_stop():
+                raise Preempted("prefill pre-empted by a user question")
+            engine.eval(segments[index], should_stop)
+            if engine.n_past != sum(len(s) for s in segments[: index + 1]):
+                raise Preempted("prefill pre-empted by a user question")
+            if keys and index < len(keys) and keys[index] not in self.tree:
+                new_states.append((index, engine.save_state(), engine.n_past))
+        result.prefilled_tokens = sum(len(s) for s in segments) - reused
+        timings["prefill"] = time.perf_counter() - clock
+        try:
+            if decode:
+                yield from self._decode(result, max_new_tokens, should_stop, started)
+        finally:
+            # The prefill is complete, so its states are whole whatever happened while
+            # decoding; they are written after the answer so that they do not delay it.
+            clock = time.perf_counter()
+            self._keep_states(result.layout, keys, new_states)
+            timings["store_states"] = time.perf_counter() - clock
+
+    def _decode(
+        self, result: RunResult, max_new_tokens: int, should_stop: StopCheck | None, started: float
+    ) -> Generator[str, None, None]:
+        clock = time.perf_counter()
+        stop = StopStringFilter(self.config.stop)
+        sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
+        for _token, piece in self.engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
+            result.generated_tokens += 1
+            if result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - started
+            shown = stop.feed(piece)
+            if shown:
+                yield shown
+            if stop.stopped:
+                break
+            if should_stop is not None and should_stop():
+                raise Preempted("decoding pre-empted by a user question")
+        tail = stop.finish()
+        if tail:
+            yield tail
+        result.text = stop.text.strip()
+        result.timings["decode"] = time.perf_counter() - clock
+
+    def complete(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        should_stop: StopCheck | None = None,
+    ) -> tuple[str, int, int]:
+        """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated)."""
+        engine = self.engine
+        with engine.lock:
+            tokens = engine.tokenize(prompt, True)[-(engine.n_ctx - max_new_tokens) :]
+            engine.reset()
+            engine.eval(tokens, should_stop)
+            if engine.n_past != len(tokens):
+                raise Preempted("completion pre-empted by a user question")
+            stopper = StopStringFilter(stop)
+            generated = 0
+            sampling = Sampling(temperature, 1.0, seed)
+            for _token, piece in engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
+                generated += 1
+                stopper.feed(piece)
+                if stopper.stopped:
+                    break
+                if should_stop is not None and should_stop():
+                    raise Preempted("completion pre-empted by a user question")
+            stopper.finish()
+            return stopper.text, len(tokens), generated
+
+    def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
+        """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
+        layout = lay_out(
+            system_prompt=self.config.system_prompt,
+            chunks=chunks,
+            question=question,
+            tokenize=self.engine.tokenize,
+            max_prompt_tokens=self.engine.n_ctx - max_new_tokens,
+        )
+        keys = path_keys(self.tree.root_key, [list(s.tokens) for s in layout.segments[:-1]])
+        return keys[-1] in self.tree
+
+    def _restore(self, keys: list[str]) -> tuple[int, int]:
+        """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored."""
+        for node in self.tree.match(keys):
+            data = self.states.get(node.key)
+            if data is not None and self.engine.load_state(data, node.n_tokens):
+                self.tree.touch(node)
+                self.states.record_use(node)
+                return node.depth, node.n_tokens
+            logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
+            self.tree.remove(node.key)
+            self.states.delete(node.key)
+            self.restore_failures += 1
+        return 0, 0
+
+    def _keep_states(
+        self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
+    ) -> None:
+        """Store the states of new prefixes (as complete nodes: blob, record, tree)."""
+        segments = layout.segments
+        for index, data, n_tokens in new_states:
+            parent_key = keys[index - 1] if index > 0 else self.tree.root_key
+            label = segments[index].chunk_id or segments[index].kind
+            node = StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data))
+            self.states.put(node, data)
+            self.tree.insert(
+                node.key, parent_key, depth=node.depth, n_tokens=n_tokens, label=label, size=len(data)
+            )
+
+    def evict_to_budget(self) -> None:
+        """Evict least frequently used unpinned leaves down to the chunk-state budget."""
+        evicted = self.tree.evict(self.config.chunk_state_budget_bytes)
+        for node in evicted:
+            self.states.delete(node.key)
+        self.evictions += len(evicted)
