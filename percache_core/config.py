@@ -39,6 +39,23 @@ class PerCacheConfig:
     Budgets (bytes on disk; least frequently used entries are evicted beyond them):
         qa_bank_budget_bytes, chunk_state_budget_bytes.
 
+    Prediction and idle-time population (used when ``prediction`` is on):
+        prediction_stride: questions predicted per prediction step.
+        knowledge_kind: what the documents are ("personal e-mails and meeting notes").
+        prediction_template: "completion" (base models), "chat" (instruction-tuned models,
+            through the GGUF's chat template) or "auto" (chat when the model file name says
+            it is instruction-tuned: "-it", "instruct", "chat").
+        dedup_similarity: S_gen; a predicted question this similar to a known one is dropped.
+        history_size: recent user questions kept for history-based prediction.
+        abstract_max_lines: the knowledge abstract is condensed beyond this many lines.
+        abstract_batch_chunks: chunks summarised per LLM call.
+        strategy_cutoff: tau above it -> populate by prefill only (chunk states + pending
+            QA entries); at or below it -> prefill and decode.
+        knowledge_prediction_rounds: knowledge-based prediction steps the background worker
+            runs per version of the abstract (an explicit ``warm()`` always runs one).
+        abstract_batches_per_round: LLM summary calls per idle round at most.
+        idle_after_s: the background worker starts a round after this long without a query.
+
     >>> PerCacheConfig(top_k=2).top_k
     2
     >>> PerCacheConfig(similarity_threshold=1.5)
@@ -70,6 +87,18 @@ class PerCacheConfig:
     qa_bank_budget_bytes: int = 100 * MB
     chunk_state_budget_bytes: int = 1024 * MB
 
+    prediction_stride: int = 5
+    knowledge_kind: str = "personal e-mails and meeting notes"
+    prediction_template: str = "auto"
+    dedup_similarity: float = 0.99
+    history_size: int = 10
+    abstract_max_lines: int = 40
+    abstract_batch_chunks: int = 3
+    strategy_cutoff: float = 0.875
+    knowledge_prediction_rounds: int = 2
+    abstract_batches_per_round: int = 8
+    idle_after_s: float = 30.0
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.similarity_threshold <= 1.0:
             raise ValueError(f"similarity_threshold must be in [0, 1], got {self.similarity_threshold}")
@@ -82,6 +111,11 @@ class PerCacheConfig:
             "max_new_tokens": self.max_new_tokens,
             "qa_bank_budget_bytes": self.qa_bank_budget_bytes,
             "chunk_state_budget_bytes": self.chunk_state_budget_bytes,
+            "prediction_stride": self.prediction_stride,
+            "history_size": self.history_size,
+            "abstract_max_lines": self.abstract_max_lines,
+            "abstract_batch_chunks": self.abstract_batch_chunks,
+            "abstract_batches_per_round": self.abstract_batches_per_round,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -92,6 +126,15 @@ class PerCacheConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("dedup_similarity", "strategy_cutoff"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.prediction_template not in ("auto", "completion", "chat"):
+            raise ValueError(
+                f"prediction_template must be 'auto', 'completion' or 'chat', got {self.prediction_template!r}"
+            )
+        if self.idle_after_s < 0:
+            raise ValueError(f"idle_after_s must be >= 0, got {self.idle_after_s}")
         if not self.system_prompt.strip():
             raise ValueError("system_prompt must not be empty")
         object.__setattr__(self, "stop", tuple(self.stop))

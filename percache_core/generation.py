@@ -176,12 +176,18 @@ class PromptRunner:
         temperature: float = 0.0,
         seed: int = 0,
         stop: Sequence[str] = (),
+        chat: bool = False,
         should_stop: StopCheck | None = None,
     ) -> tuple[str, int, int]:
-        """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated)."""
+        """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated).
+
+        With ``chat=True`` the prompt was made by ``engine.chat_prompt`` and its markup is
+        tokenized as special tokens.
+        """
         engine = self.engine
         with engine.lock:
-            tokens = engine.tokenize(prompt, True)[-(engine.n_ctx - max_new_tokens) :]
+            tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
+            tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
             engine.reset()
             engine.eval(tokens, should_stop)
             if engine.n_past != len(tokens):

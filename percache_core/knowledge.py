@@ -254,13 +254,11 @@ class KnowledgeBank:
             best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
             return [RetrievedChunk(self._chunks[i], fused[i]) for i in best]
 
+    def embedding_matrix(self) -> tuple[list[Chunk], np.ndarray]:
+        """Every chunk and its embedding row (a snapshot)."""
+        with self._lock:
+            return list(self._chunks), self._embeddings.copy()
+
     def close(self) -> None:
         """Close the underlying store."""
         self._store.close()
-
-    def similar_chunk_scores(self, embedding: np.ndarray) -> np.ndarray:
-        """Cosine similarity of *embedding* with every chunk, in ``chunks`` order."""
-        with self._lock:
-            if not self._chunks:
-                return np.zeros(0, dtype=np.float32)
-            return self._embeddings @ np.asarray(embedding, dtype=np.float32)

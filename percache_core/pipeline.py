@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +31,10 @@ from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
 from .prompting import TEMPLATE_VERSION
 from .qa_bank import QABank
+from .scheduler import Scheduler, WarmReport
 from .storage import Store
 from .types import Answer, Chunk, QAHit, RetrievedChunk
+from .worker import IdleWorker
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,9 @@ class PerCache:
         self._tree: ChunkStateTree | None = None
         self._runner: PromptRunner | None = None
         self._users_waiting = 0
+        self.last_activity = time.monotonic()
+        self.scheduler = Scheduler(self)
+        self._worker: IdleWorker | None = None
 
     # -- opening and closing --------------------------------------------------------------
 
@@ -181,6 +186,7 @@ class PerCache:
         """Persist counters and release files and (if it owns it) the model."""
         if self._closed:
             return
+        self.stop_worker()
         self._closed = True
         self.qa_bank.close()
         self.knowledge.close()
@@ -286,7 +292,11 @@ class PerCache:
         with the same id and new text it replaces the old chunks.
         """
         self._ensure_open()
-        return self.knowledge.add_documents(documents, split=split, progress=progress)
+        self.last_activity = time.monotonic()
+        chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
+        if chunks and self.config.qa_bank:
+            self.scheduler.mark_stale(chunks)
+        return chunks
 
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
         """The chunks hybrid retrieval gives for *question* (best first)."""
@@ -368,6 +378,13 @@ class PerCache:
         question = _validated(question)
         if top_k <= 0 or max_new_tokens <= 0:
             raise ValueError("top_k and max_new_tokens must be positive")
+        with self._user_turn():
+            answer = yield from self._answer_now(question, threshold, top_k, max_new_tokens)
+        return answer
+
+    def _answer_now(
+        self, question: str, threshold: float, top_k: int, max_new_tokens: int
+    ) -> Generator[str, None, Answer]:
         started = time.perf_counter()
         timings: dict[str, float] = {}
 
@@ -385,9 +402,11 @@ class PerCache:
             hit = self.qa_bank.check(embedding, threshold=threshold)
             clock = lap("qa_check", clock)
             if hit is not None:
+                self.scheduler.record_question(question, embedding, hit)
                 yield hit.entry.answer or ""
                 return self._finish(self._qa_answer(question, hit, started, timings))
             best_similarity = self.qa_bank.best_similarity(embedding)
+        self.scheduler.record_question(question, embedding, None)
 
         retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding)
         clock = lap("retrieve", clock)
@@ -431,9 +450,7 @@ class PerCache:
     ) -> Generator[str, None, Answer]:
         """Generate through the chunk-state tree for a user; yields answer text."""
         with self._user_turn():
-            result = yield from self.runner.run(
-                question, chunks, max_new_tokens=max_new_tokens, started=started
-            )
+            result = yield from self.runner.run(question, chunks, max_new_tokens=max_new_tokens, started=started)
         timings.update(result.timings)
         return Answer(
             text=result.text,
@@ -458,6 +475,70 @@ class PerCache:
         finally:
             with self._counters_lock:
                 self._users_waiting -= 1
+            self.last_activity = time.monotonic()
+
+    # -- idle time ------------------------------------------------------------------------
+
+    def warm(
+        self,
+        *,
+        max_seconds: float | None = None,
+        max_predictions: int | None = None,
+        progress: bool = True,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> WarmReport:
+        """Run one idle round now: abstract, refresh, follow-ups, prediction and population
+        (``max_predictions`` per view, default ``prediction_stride``), conversions.
+
+        A user question pre-empts it (``report.preempted``).
+
+        >>> report = pc.warm(max_seconds=60)   # doctest: +SKIP
+        >>> report.predicted                   # doctest: +SKIP
+        ['When is the launch talk?', ...]
+        """
+        self._ensure_open()
+        return self.scheduler.warm(
+            max_seconds=max_seconds, max_predictions=max_predictions, progress=progress, should_stop=should_stop
+        )
+
+    def start_worker(
+        self,
+        *,
+        idle_after_s: float | None = None,
+        should_run: Callable[[], bool] | None = None,
+        round_seconds: float | None = 60.0,
+    ) -> IdleWorker:
+        """Start the background worker (idle rounds after ``idle_after_s`` without a query,
+        while ``should_run()`` allows); returns it. One worker per cache."""
+        self._ensure_open()
+        if self._worker is not None and self._worker.running:
+            return self._worker
+        self._worker = IdleWorker(
+            self,
+            idle_after_s=self.config.idle_after_s if idle_after_s is None else idle_after_s,
+            should_run=should_run,
+            round_seconds=round_seconds,
+        ).start()
+        return self._worker
+
+    def stop_worker(self) -> None:
+        """Stop the background worker, if any."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    def configure(self, **changes: Any) -> PerCacheConfig:
+        """Change settings at run time (e.g. ``similarity_threshold``, budgets): the next
+        idle round adapts its strategy and conversions to them.
+
+        >>> pc.configure(similarity_threshold=0.8)   # doctest: +SKIP
+        """
+        self._ensure_open()
+        self.config = self.config.replace(**changes)
+        self.qa_bank.budget_bytes = self.config.qa_bank_budget_bytes
+        if self._runner is not None:
+            self._runner.config = self.config
+        return self.config
 
     def user_waiting(self) -> bool:
         """True while a user's question is waiting for or using the model."""
@@ -515,6 +596,7 @@ class PerCache:
             "evictions": self.qa_bank.evictions,
         }
         summary["knowledge"] = {"chunks": len(self.knowledge)}
+        summary["idle"] = self.scheduler.stats()
         if self._tree is not None and self._states is not None:
             summary["chunk_states"] = {
                 "nodes": len(self._tree),

@@ -52,15 +52,25 @@ def _entry(record: Mapping[str, Any]) -> QAEntry:
     )
 
 
-def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> str:
-    """The identity of a question: its normalised text and its scope metadata.
+def normalized_question(question: str) -> str:
+    """A question's text with case and spacing normalised.
 
-    >>> question_key("When is it? ") == question_key("when is it?")
-    True
+    >>> normalized_question("  When is  it? ")
+    'when is it?'
     """
-    scope = sorted((str(k), str(v)) for k, v in (metadata or {}).items() if k != "stale")
-    text = " ".join(question.lower().split())
-    return hashlib.sha1(repr((text, scope)).encode("utf-8")).hexdigest()
+    return " ".join(question.lower().split())
+
+
+def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> str:
+    """The identity of a question: its normalised text and its scope (``metadata["scope"]``).
+
+    >>> question_key("When is it? ") == question_key("when is it?", {"origin": "predicted"})
+    True
+    >>> question_key("When is it?", {"scope": {"thread": "a"}}) == question_key("When is it?")
+    False
+    """
+    scope = sorted((str(k), str(v)) for k, v in ((metadata or {}).get("scope") or {}).items())
+    return hashlib.sha1(repr((normalized_question(question), scope)).encode("utf-8")).hexdigest()
 
 
 class QABank:
@@ -252,12 +262,22 @@ class QABank:
             self._enforce_budget(keep=entry.id)
             return entry
 
-    def correct(self, entry_id: str, answer: str | None, **metadata_changes: Any) -> QAEntry:
-        """Replace an entry's answer (and update metadata keys); raise KeyError if absent."""
+    def correct(
+        self,
+        entry_id: str,
+        answer: str | None,
+        *,
+        chunk_ids: Sequence[str] | None = None,
+        **metadata_changes: Any,
+    ) -> QAEntry:
+        """Replace an entry's answer (and its chunk ids, and update metadata keys); raise
+        KeyError if absent. ``stale=True`` makes it unservable until corrected again."""
         with self._lock:
             row = self._index[entry_id]
             entry = self._entries[row]
             entry.answer = answer
+            if chunk_ids is not None:
+                entry.chunk_ids = tuple(chunk_ids)
             entry.metadata.update(metadata_changes)
             self.bytes -= self._sizes[row]
             self._sizes[row] = self._write(entry)

@@ -159,27 +159,61 @@ class LlamaEngine:
 
     # -- tokens ---------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of *text* (special tokens are not parsed from the text)."""
+    def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]:
+        """Token ids of *text*; with *special*, markup such as ``<start_of_turn>`` in the
+        text becomes special tokens (for chat-template prompts)."""
         data = text.encode("utf-8")
         capacity = len(data) + 8
         buffer = (self._lc.llama_token * capacity)()
-        count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, False)
+        count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
         if count < 0:
             capacity = -count
             buffer = (self._lc.llama_token * capacity)()
-            count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, False)
+            count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
         if count < 0:
             raise EngineError(f"tokenization failed for a text of {len(data)} bytes")
         return list(buffer[:count])
 
-    def token_bytes(self, token: int) -> bytes:
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template stored in the GGUF file, if any."""
+        template = self._lc.llama_model_chat_template(self._model, None)
+        return template.decode("utf-8", "replace") if template else None
+
+    def chat_prompt(self, user_message: str) -> str:
+        """*user_message* as one user turn in the model's chat template, ready for the
+        assistant's reply (tokenize it with ``special=True`` and no extra BOS)."""
+        template = self._lc.llama_model_chat_template(self._model, None)
+        if not template:
+            raise EngineError(f"{self.model_name} has no chat template")
+        messages = (self._lc.llama_chat_message * 1)()
+        messages[0].role = b"user"
+        messages[0].content = user_message.encode("utf-8")
+        size = 4 * len(user_message) + 1024
+        buffer = ctypes.create_string_buffer(size)
+        count = self._lc.llama_chat_apply_template(template, messages, 1, True, buffer, size)
+        if count > size:
+            buffer = ctypes.create_string_buffer(count)
+            count = self._lc.llama_chat_apply_template(template, messages, 1, True, buffer, count)
+        if count < 0:
+            raise EngineError("llama.cpp could not apply the chat template")
+        return buffer.raw[:count].decode("utf-8", "replace")
+
+    def tokenize_chat(self, prompt: str) -> list[int]:
+        """Tokens of a chat-template prompt: markup as special tokens, BOS added only if the
+        template did not write it."""
+        bos = self._lc.llama_vocab_bos(self._vocab)
+        bos_text = self.token_bytes(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
+        starts_with_bos = bool(bos_text) and prompt.startswith(bos_text)
+        return self.tokenize(prompt, not starts_with_bos, special=True)
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The bytes a token stands for (may be part of a UTF-8 character)."""
         buffer = ctypes.create_string_buffer(64)
-        count = self._lc.llama_token_to_piece(self._vocab, token, buffer, 64, 0, False)
+        count = self._lc.llama_token_to_piece(self._vocab, token, buffer, 64, 0, special)
         if count < 0:
             buffer = ctypes.create_string_buffer(-count)
-            count = self._lc.llama_token_to_piece(self._vocab, token, buffer, -count, 0, False)
+            count = self._lc.llama_token_to_piece(self._vocab, token, buffer, -count, 0, special)
         return buffer.raw[:count]
 
     def is_end_of_generation(self, token: int) -> bool:

@@ -1,0 +1,146 @@
+"""Idle-time prediction, population, conversion, refresh and pre-emption with the real model."""
+
+import threading
+import time
+
+import pytest
+
+IDLE = dict(prediction_stride=2, abstract_batch_chunks=5, max_new_tokens=24)
+
+
+def all_nodes_restorable(pc) -> bool:
+    engine = pc.engine
+    with engine.lock:
+        return all(
+            (data := pc.states.get(node.key)) is not None and engine.load_state(data, node.n_tokens)
+            for node in pc.tree.nodes
+        )
+
+
+def test_warm_round_predicts_and_populates_both_tiers_below_the_cutoff(make_cache):
+    pc = make_cache(similarity_threshold=0.85, **IDLE)
+    report = pc.warm(progress=False)
+    assert report.strategy == "prefill_decode" and not report.preempted
+    assert report.chunks_summarised == 10 and pc.scheduler.abstract.lines
+    assert 1 <= len(report.predicted) <= 2 and report.populated == len(report.predicted)
+    predicted = [e for e in pc.qa_bank.entries if e.metadata.get("origin") == "predicted-knowledge"]
+    assert {e.question for e in predicted} == set(report.predicted)
+    assert all(e.answer for e in predicted)
+    assert len(pc.tree) > 0 and report.prefill_tokens > 0 and report.decode_tokens > 0
+    hit = pc.answer(report.predicted[0])
+    assert hit.source == "qa_bank" and hit.matched_question == report.predicted[0]
+    idle = pc.stats()["idle"]["prefill_decode"]
+    assert idle["rounds"] == 1 and idle["prefill_tokens"] == report.prefill_tokens and idle["seconds"] > 0
+
+
+def test_prefill_only_above_the_cutoff_stores_pending_entries_that_are_never_served(make_cache):
+    pc = make_cache(similarity_threshold=0.9, **IDLE)
+    report = pc.warm(progress=False)
+    assert report.strategy == "prefill_only" and report.pending_stored == len(report.predicted) > 0
+    assert report.decode_tokens > 0  # the abstract and the prediction itself decode
+    pending = [e for e in pc.qa_bank.entries if e.answer is None]
+    assert {e.question for e in pending} == set(report.predicted)
+    answer = pc.answer(pending[0].question)
+    assert answer.source != "qa_bank"  # pending entries are never served
+    assert answer.reused_chunks == len(answer.chunk_ids)  # but its chunk states were populated
+
+    pc.configure(similarity_threshold=0.8)  # tau falls below the cutoff: convert
+    converted = pc.warm(progress=False, max_predictions=0)
+    assert converted.strategy == "prefill_decode" and converted.pending_decoded == len(pending) - 1
+    assert all(e.answer for e in pc.qa_bank.entries)
+
+
+def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
+    pc = make_cache(**IDLE)
+    first = pc.answer("When is the presentation rehearsal for the launch talk?")
+    assert pc.answer("When is the presentation rehearsal for the launch talk?").source == "qa_bank"
+    pc.add_documents([{
+        "id": "mail-rehearsal-moved",
+        "text": "From: Priya Raman\nSubject: Rehearsal moved\n\nThe presentation rehearsal for the launch talk moved to Friday at 10 am in the Oak room.",
+    }])
+    entry = next(e for e in pc.qa_bank.entries if e.question.startswith("When is the presentation"))
+    assert entry.metadata.get("stale") is True
+    again = pc.answer("When is the presentation rehearsal for the launch talk?")
+    assert again.source != "qa_bank"  # a stale answer is never served
+    assert "mail-rehearsal-moved#c000" in again.chunk_ids
+    assert first.chunk_ids != again.chunk_ids
+
+
+def test_refresh_regenerates_stale_entries_in_idle_time(make_cache):
+    pc = make_cache(**IDLE)
+    pc.answer("How much budget did finance approve for the Harbor design work?")
+    pc.add_documents([{"id": "budget-update", "text": "Update: finance approved a Harbor design budget of 21,000 euros, up from 18,500 euros."}])
+    stale = [e for e in pc.qa_bank.entries if e.metadata.get("stale")]
+    assert len(stale) == 1
+    report = pc.warm(progress=False, max_predictions=0)
+    assert report.refreshed == 1
+    refreshed = pc.qa_bank[stale[0].id]
+    assert not refreshed.metadata.get("stale") and "budget-update#c000" in refreshed.chunk_ids
+    assert pc.answer("How much budget did finance approve for the Harbor design work?").source == "qa_bank"
+
+
+def test_a_similar_question_served_from_the_bank_gets_its_own_answer_later(make_cache):
+    pc = make_cache(**IDLE)
+    pc.answer("How much budget did finance approve for the Harbor design work?")
+    paraphrase = "How much money did finance approve for Harbor design?"
+    assert pc.answer(paraphrase).source == "qa_bank"
+    report = pc.warm(progress=False, max_predictions=0)
+    assert report.followups_answered == 1
+    own = pc.answer(paraphrase)
+    assert own.source == "qa_bank" and own.matched_question == paraphrase
+
+
+def test_a_user_question_preempts_a_running_round(make_cache):
+    reference = make_cache("reference", qa_bank=False, chunk_states=False, **IDLE)
+    expected = reference.answer("Why is the booking API late?").text
+    pc = make_cache(**{**IDLE, "prediction_stride": 5})
+    done = {}
+
+    def idle_round():
+        done["report"] = pc.warm(progress=False)
+        done["warm_end"] = time.monotonic()
+
+    worker = threading.Thread(target=idle_round)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while pc.scheduler._report is None or pc.scheduler._report.prefill_tokens == 0:
+        assert time.monotonic() < deadline and worker.is_alive()
+        time.sleep(0.01)
+    answer = pc.answer("Why is the booking API late?")
+    answer_end = time.monotonic()
+    worker.join()
+    report = done["report"]
+    # the round gave the model up mid-work, before the answer was done
+    assert report.preempted and done["warm_end"] <= answer_end
+    assert report.chunks_summarised < 10 and report.populated == 0
+    assert answer.text == expected
+    assert pc.stats()["idle"]["preemptions"] == 1
+    assert all_nodes_restorable(pc)  # nothing half-written
+
+
+def test_background_worker_runs_only_when_idle_and_allowed(make_cache):
+    pc = make_cache(**IDLE)
+    allowed = threading.Event()
+    worker = pc.start_worker(idle_after_s=0.3, should_run=allowed.is_set, round_seconds=120)
+    time.sleep(1.0)
+    assert worker.rounds == 0 and len(pc.qa_bank) == 0  # not on charger: nothing ran
+    allowed.set()
+    deadline = time.monotonic() + 120
+    while worker.rounds == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert len(pc.qa_bank) > 0 and worker.errors == 0
+    pc.stop_worker()
+    assert not worker.running
+
+
+@pytest.mark.parametrize("origin", ["history"])
+def test_history_prediction_follows_user_questions(make_cache, origin):
+    pc = make_cache(**IDLE)
+    pc.answer("When is my dentist appointment?")
+    pc.answer("What is my flight booking reference?")
+    report = pc.warm(progress=False)
+    assert report.history.llm_calls >= 1
+    assert pc.scheduler.new_history == 0
+    origins = {e.metadata.get("origin") for e in pc.qa_bank.entries}
+    assert f"predicted-{origin}" in origins or report.history.accepted == 0
