@@ -25,6 +25,7 @@ from .pipeline import PerCache
 from .types import Answer
 
 DEFAULT_CACHE = "~/.percache/default"
+TABLE_HEADER = ["#", "source", "TTFT ms", "total ms", "reused/prompt tok", "QA sim"]
 
 
 def demo_corpus() -> dict[str, Any]:
@@ -101,8 +102,18 @@ def run_demo(args: argparse.Namespace) -> int:
             if answer.matched_question:
                 print(f"       (stored answer of: {answer.matched_question!r})")
         print()
-        _print_table(["#", "source", "TTFT ms", "total ms", "reused/prompt tok", "QA sim"], rows)
+        _print_table(TABLE_HEADER, rows)
+        _summarise_sources(answers)
+        _demo_prediction(pc)
         stats = pc.stats()
+    print(
+        f"\nQA bank: {stats['qa_bank']['entries']} entries, {stats['qa_bank']['bytes']:,} bytes; "
+        f"chunk states: {stats['chunk_states']['nodes']} nodes, {stats['chunk_states']['bytes']:,} bytes"
+    )
+    return 0
+
+
+def _summarise_sources(answers: list[Answer]) -> None:
     full = [a.ttft_s for a in answers if a.source == "full"]
     if full:
         baseline = sum(full) / len(full)
@@ -111,10 +122,35 @@ def run_demo(args: argparse.Namespace) -> int:
             if times:
                 mean = sum(times) / len(times)
                 print(f"{source:>12}: mean TTFT {mean * 1000:6.0f} ms = {mean / baseline:5.1%} of a full run")
+
+
+def _demo_prediction(pc: PerCache) -> None:
+    """Part two of the demo: an idle round predicts questions; asking them hits the cache."""
+    print("\nIdle time: one warm round predicts likely questions and populates both tiers ...")
+    report = pc.warm(progress=True)
     print(
-        f"\nQA bank: {stats['qa_bank']['entries']} entries, {stats['qa_bank']['bytes']:,} bytes; "
-        f"chunk states: {stats['chunk_states']['nodes']} nodes, {stats['chunk_states']['bytes']:,} bytes"
+        f"  {report.seconds:.1f} s idle compute ({report.strategy}): {report.chunks_summarised} chunks "
+        f"summarised, {len(report.predicted)} questions predicted and populated, "
+        f"{report.prefill_tokens} tokens prefilled, {report.decode_tokens} decoded"
     )
+    for question in report.predicted:
+        print(f"  predicted: {question}")
+    rows = []
+    for number, question in enumerate(report.predicted[:3], 1):
+        answer = pc.answer(question)
+        rows.append(_row(answer, f"P{number}"))
+        print(f"\nP{number}: {question}\n    -> [{answer.source}] {answer.text}")
+    if rows:
+        print()
+        _print_table(TABLE_HEADER, rows)
+
+
+def run_warm(args: argparse.Namespace) -> int:
+    with PerCache.open(args.cache, config=_config(args)) as pc:
+        report = pc.warm(max_seconds=args.max_seconds, max_predictions=args.max_predictions)
+        for question in report.predicted:
+            print(f"predicted: {question}")
+        print(json.dumps({k: v for k, v in report.as_dict().items() if k != "predicted"}, indent=2))
     return 0
 
 
@@ -177,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--stream", action="store_true")
     ask.set_defaults(handler=run_ask)
+    warm = commands.add_parser("warm", help="run one idle round: predict questions and populate the cache")
+    common(warm, DEFAULT_CACHE)
+    warm.add_argument("--max-seconds", type=float, help="stop the round after this long")
+    warm.add_argument("--max-predictions", type=int, help="questions predicted per view (default 5)")
+    warm.set_defaults(handler=run_warm)
     stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
     common(stats, DEFAULT_CACHE)
     stats.set_defaults(handler=run_stats)

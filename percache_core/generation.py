@@ -99,7 +99,9 @@ class PromptRunner:
             keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
             result = RunResult(layout)
             with self.tree.pinned(keys):
-                yield from self._run_segments(result, segments, keys, max_new_tokens, decode, should_stop, started)
+                yield from self._run_segments(
+                    result, segments, keys, max_new_tokens, decode, should_stop, started
+                )
             if use_states:
                 self.evict_to_budget()
         return result

@@ -450,7 +450,9 @@ class PerCache:
     ) -> Generator[str, None, Answer]:
         """Generate through the chunk-state tree for a user; yields answer text."""
         with self._user_turn():
-            result = yield from self.runner.run(question, chunks, max_new_tokens=max_new_tokens, started=started)
+            result = yield from self.runner.run(
+                question, chunks, max_new_tokens=max_new_tokens, started=started
+            )
         timings.update(result.timings)
         return Answer(
             text=result.text,
@@ -498,7 +500,10 @@ class PerCache:
         """
         self._ensure_open()
         return self.scheduler.warm(
-            max_seconds=max_seconds, max_predictions=max_predictions, progress=progress, should_stop=should_stop
+            max_seconds=max_seconds,
+            max_predictions=max_predictions,
+            progress=progress,
+            should_stop=should_stop,
         )
 
     def start_worker(

@@ -181,7 +181,9 @@ class QueryPredictor:
         facts = "\n".join(f"- {line}" for line in abstract) or "- (no summary yet)"
         if self._chat_format is not None:
             avoid = self._masked(PROMPT_TOKEN_BUDGET - self._count_tokens(facts) - 80)
-            avoid_text = ("\nDo not repeat these questions:\n" + "\n".join(f"- {q}" for q in avoid)) if avoid else ""
+            avoid_text = (
+                ("\nDo not repeat these questions:\n" + "\n".join(f"- {q}" for q in avoid)) if avoid else ""
+            )
             message = (
                 f"Here are key facts from a person's {kind}:\n{facts}\n\nWrite {n} different "
                 f"questions this person might ask an assistant about them: some general, some "
@@ -189,11 +191,14 @@ class QueryPredictor:
             )
             return self._chat_format(message), False
         head = (
-            f"Key facts from a person's {kind}:\n{facts}\n\n"
-            f"Questions the person might ask an assistant about these {kind}, some general and "
+            f"Facts from a person's {kind}:\n{facts}\n\n"
+            f"Questions the person asked their assistant about these facts, some general and "
             f"some about specific details:\n"
         )
         masked = self._masked(PROMPT_TOKEN_BUDGET - self._count_tokens(head))
+        if not masked and abstract:
+            # a base model continues a list far better than it starts one
+            masked = [f"What do my notes say about {abstract[0][0].lower()}{abstract[0][1:].rstrip('.')}?"]
         listed = "".join(f"{i}. {q}\n" for i, q in enumerate(masked, 1))
         return f"{head}{listed}{len(masked) + 1}.", True
 
@@ -211,22 +216,24 @@ class QueryPredictor:
                 f"list of questions only.{avoid_text}"
             )
             return self._chat_format(message), False
-        head = (
-            f"A person asked an assistant these questions about their {kind}:\n{asked}\n\n"
-            f"Other questions the same person asked next, in the same style and about the same "
-            f"interests:\n"
-        )
-        masked = self._masked(PROMPT_TOKEN_BUDGET - self._count_tokens(head))
-        listed = "".join(f"{i}. {q}\n" for i, q in enumerate(masked, 1))
-        return f"{head}{listed}{len(masked) + 1}.", True
+        head = f"Questions a person asked their assistant about their {kind}:\n"
+        asked_items = list(history)
+        masked = self._masked(PROMPT_TOKEN_BUDGET - self._count_tokens(head + asked))
+        items = asked_items + [q for q in masked if q not in asked_items]
+        listed = "".join(f"{i}. {q}\n" for i, q in enumerate(items, 1))
+        return f"{head}{listed}{len(items) + 1}.", True
 
     # -- generation -----------------------------------------------------------------------
 
-    def predict_from_knowledge(self, abstract: Sequence[str], n: int, max_calls: int = 3) -> tuple[list[PredictedQuestion], PredictionTally]:
+    def predict_from_knowledge(
+        self, abstract: Sequence[str], n: int, max_calls: int = 3
+    ) -> tuple[list[PredictedQuestion], PredictionTally]:
         """Up to *n* new questions about the knowledge described by *abstract*."""
         return self._predict(lambda: self.knowledge_prompt(abstract, n), n, "knowledge", max_calls)
 
-    def predict_from_history(self, history: Sequence[str], n: int, max_calls: int = 3) -> tuple[list[PredictedQuestion], PredictionTally]:
+    def predict_from_history(
+        self, history: Sequence[str], n: int, max_calls: int = 3
+    ) -> tuple[list[PredictedQuestion], PredictionTally]:
         """Up to *n* new questions in the style and interests of *history*."""
         if not history:
             return [], PredictionTally()

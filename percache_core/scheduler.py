@@ -194,7 +194,13 @@ class Scheduler:
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
                 self._step("refresh", bar, deadline, should_stop, self._refresh_stale)
                 self._step("follow-ups", bar, deadline, should_stop, self._answer_followups)
-                self._step("predict", bar, deadline, should_stop, lambda stop: self._predict_and_populate(stop, stride, deadline, bar))
+                self._step(
+                    "predict",
+                    bar,
+                    deadline,
+                    should_stop,
+                    lambda stop: self._predict_and_populate(stop, stride, deadline, bar),
+                )
                 self._step("convert", bar, deadline, should_stop, self._convert)
             except Preempted:
                 report.preempted = True
@@ -214,7 +220,14 @@ class Scheduler:
                 self._report = None
             return report
 
-    def _step(self, name: str, bar: Any, deadline: float | None, should_stop: Callable[[], bool], work: Callable[[Callable[[], bool]], None]) -> None:
+    def _step(
+        self,
+        name: str,
+        bar: Any,
+        deadline: float | None,
+        should_stop: Callable[[], bool],
+        work: Callable[[Callable[[], bool]], None],
+    ) -> None:
         if should_stop():
             raise Preempted(f"idle round pre-empted before {name}")
         if deadline is not None and time.perf_counter() > deadline:
@@ -255,7 +268,12 @@ class Scheduler:
                 count_tokens=lambda text: len(pc.engine.tokenize(text)),
                 embedder=pc.embedder,
                 known_similarity=lambda embedding: max(
-                    (h.similarity for h in pc.qa_bank.search(embedding, top_n=1, min_similarity=-1.0, servable_only=False)),
+                    (
+                        h.similarity
+                        for h in pc.qa_bank.search(
+                            embedding, top_n=1, min_similarity=-1.0, servable_only=False
+                        )
+                    ),
                     default=-1.0,
                 ),
                 config=pc.config,
@@ -269,15 +287,28 @@ class Scheduler:
             return
         before = len(self.abstract.summarized)
         self._report.abstract_facts_added += self.abstract.summarise(
-            pending, self._llm, chat_format=self._chat_format(), max_batches=self._pc.config.abstract_batches_per_round
+            pending,
+            self._llm,
+            chat_format=self._chat_format(),
+            max_batches=self._pc.config.abstract_batches_per_round,
         )
         self._report.chunks_summarised += len(self.abstract.summarized) - before
 
-    def _run(self, question: str, embedding: np.ndarray, *, decode: bool, should_stop: Callable[[], bool]) -> RunResult:
+    def _run(
+        self, question: str, embedding: np.ndarray, *, decode: bool, should_stop: Callable[[], bool]
+    ) -> RunResult:
         pc = self._pc
-        chunks = [r.chunk for r in pc.knowledge.retrieve(question, pc.config.top_k, question_embedding=embedding)]
+        chunks = [
+            r.chunk for r in pc.knowledge.retrieve(question, pc.config.top_k, question_embedding=embedding)
+        ]
         result = _drain(
-            pc.runner.run(question, chunks, max_new_tokens=pc.config.max_new_tokens, decode=decode, should_stop=should_stop)
+            pc.runner.run(
+                question,
+                chunks,
+                max_new_tokens=pc.config.max_new_tokens,
+                decode=decode,
+                should_stop=should_stop,
+            )
         )
         assert self._report is not None
         self._report.prefill_tokens += result.prefilled_tokens
@@ -302,11 +333,19 @@ class Scheduler:
             result = self._run(question, embedding, decode=True, should_stop=should_stop)
             self.followups.popleft()
             if result.text:
-                self._pc.qa_bank.store(question, embedding, result.text, chunk_ids=result.layout.chunk_ids, metadata={"origin": "follow-up"})
+                self._pc.qa_bank.store(
+                    question,
+                    embedding,
+                    result.text,
+                    chunk_ids=result.layout.chunk_ids,
+                    metadata={"origin": "follow-up"},
+                )
                 assert self._report is not None
                 self._report.followups_answered += 1
 
-    def _predict_and_populate(self, should_stop: Callable[[], bool], stride: int, deadline: float | None, bar: Any) -> None:
+    def _predict_and_populate(
+        self, should_stop: Callable[[], bool], stride: int, deadline: float | None, bar: Any
+    ) -> None:
         pc = self._pc
         report = self._report
         assert report is not None
@@ -368,7 +407,15 @@ class Scheduler:
             chunks = [c for c in (pc.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
             if not chunks or runner.path_is_stored(entry.question, chunks, pc.config.max_new_tokens):
                 continue
-            result = _drain(runner.run(entry.question, chunks, max_new_tokens=pc.config.max_new_tokens, decode=False, should_stop=should_stop))
+            result = _drain(
+                runner.run(
+                    entry.question,
+                    chunks,
+                    max_new_tokens=pc.config.max_new_tokens,
+                    decode=False,
+                    should_stop=should_stop,
+                )
+            )
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 

@@ -74,7 +74,9 @@ class IdleWorker:
                     self._pc.warm(
                         max_seconds=self._round_seconds,
                         progress=False,
-                        should_stop=lambda: self._stop.is_set() or self._pc.user_waiting() or not self._should_run(),
+                        should_stop=lambda: (
+                            self._stop.is_set() or self._pc.user_waiting() or not self._should_run()
+                        ),
                     )
                 finally:
                     self.busy.clear()

@@ -54,10 +54,14 @@ def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
     pc = make_cache(**IDLE)
     first = pc.answer("When is the presentation rehearsal for the launch talk?")
     assert pc.answer("When is the presentation rehearsal for the launch talk?").source == "qa_bank"
-    pc.add_documents([{
-        "id": "mail-rehearsal-moved",
-        "text": "From: Priya Raman\nSubject: Rehearsal moved\n\nThe presentation rehearsal for the launch talk moved to Friday at 10 am in the Oak room.",
-    }])
+    pc.add_documents(
+        [
+            {
+                "id": "mail-rehearsal-moved",
+                "text": "From: Priya Raman\nSubject: Rehearsal moved\n\nThe presentation rehearsal for the launch talk moved to Friday at 10 am in the Oak room.",
+            }
+        ]
+    )
     entry = next(e for e in pc.qa_bank.entries if e.question.startswith("When is the presentation"))
     assert entry.metadata.get("stale") is True
     again = pc.answer("When is the presentation rehearsal for the launch talk?")
@@ -69,7 +73,14 @@ def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
 def test_refresh_regenerates_stale_entries_in_idle_time(make_cache):
     pc = make_cache(**IDLE)
     pc.answer("How much budget did finance approve for the Harbor design work?")
-    pc.add_documents([{"id": "budget-update", "text": "Update: finance approved a Harbor design budget of 21,000 euros, up from 18,500 euros."}])
+    pc.add_documents(
+        [
+            {
+                "id": "budget-update",
+                "text": "Update: finance approved a Harbor design budget of 21,000 euros, up from 18,500 euros.",
+            }
+        ]
+    )
     stale = [e for e in pc.qa_bank.entries if e.metadata.get("stale")]
     assert len(stale) == 1
     report = pc.warm(progress=False, max_predictions=0)

@@ -45,19 +45,30 @@ def predictor(llm, known=lambda e: 0.0, **config):
 
 
 def test_bad_outputs_are_filtered_and_duplicates_raise_the_temperature():
-    llm = ScriptedLLM([
-        " When is the rehearsal?\n2. When is the rehearsal?\n3. \n4. Budget.\n5. Who books the room?\n6. " + "why " * 60 + "?",
-        " Where is the Birch room?",
-    ])
+    llm = ScriptedLLM(
+        [
+            " When is the rehearsal?\n2. When is the rehearsal?\n3. \n4. Budget.\n5. Who books the room?\n6. "
+            + "why " * 60
+            + "?",
+            " Where is the Birch room?",
+        ]
+    )
     questions, tally = predictor(llm).predict_from_knowledge(["Rehearsal Thursday 4 pm"], 3)
-    assert [q.text for q in questions] == ["When is the rehearsal?", "Who books the room?", "Where is the Birch room?"]
+    assert [q.text for q in questions] == [
+        "When is the rehearsal?",
+        "Who books the room?",
+        "Where is the Birch room?",
+    ]
     assert tally.duplicates == 1 and tally.malformed == 2 and tally.llm_calls == 2
     assert llm.temperatures == [0.7, 0.8]
 
 
 def test_questions_known_to_the_bank_are_dropped():
     llm = ScriptedLLM([" When is the rehearsal?\n2. Who books the room?"])
-    known = lambda e: 1.0 if e @ WordEmbedder().embed(["When is the rehearsal?"])[0] > 0.99 else 0.0
+
+    def known(e):
+        return 1.0 if e @ WordEmbedder().embed(["When is the rehearsal?"])[0] > 0.99 else 0.0
+
     questions, tally = predictor(llm, known=known).predict_from_knowledge(["facts"], 2, max_calls=1)
     assert [q.text for q in questions] == ["Who books the room?"] and tally.duplicates == 1
 
@@ -86,11 +97,13 @@ def test_abstract_merges_facts_in_batches_and_condenses(tmp_path):
     store = Store(tmp_path / "meta")
     abstract = KnowledgeAbstract(store, max_lines=3, batch_chunks=2)
     chunks = [Chunk(f"d#c{i}", "d", f"text {i}") for i in range(4)]
-    llm = ScriptedLLM([
-        " Rehearsal on Thursday\n- Budget 18,500 euros\n- x",
-        " Dentist on Monday\n- Rehearsal on Thursday\n- Flight KX7Q2M to Lisbon",
-        " Rehearsal and budget facts",
-    ])
+    llm = ScriptedLLM(
+        [
+            " Rehearsal on Thursday\n- Budget 18,500 euros\n- x",
+            " Dentist on Monday\n- Rehearsal on Thursday\n- Flight KX7Q2M to Lisbon",
+            " Rehearsal and budget facts",
+        ]
+    )
     added = abstract.summarise(chunks, llm)
     assert added == 4  # the repeated fact and the too-short line are dropped
     assert abstract.pending(chunks) == []
