@@ -154,6 +154,22 @@ def run_warm(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench_verify(args: argparse.Namespace) -> int:
+    from .bench_verify import evaluate, print_table, read_pairs
+    from .embedding import SentenceTransformerEmbedder
+
+    pairs_path = Path(args.pairs)
+    if not pairs_path.is_file():
+        raise PerCacheError(f"no pair file at {pairs_path}: pass --pairs")
+    result = evaluate(read_pairs(pairs_path), SentenceTransformerEmbedder())
+    print_table(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def run_ingest(args: argparse.Namespace) -> int:
     documents = _read_documents(args.paths)
     with PerCache.open(args.cache, config=_config(args)) as pc:
@@ -218,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--max-seconds", type=float, help="stop the round after this long")
     warm.add_argument("--max-predictions", type=int, help="questions predicted per view (default 5)")
     warm.set_defaults(handler=run_warm)
+    bench = commands.add_parser("bench", help="measurements (JSON out)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    verify = benches.add_parser("verify", help="QA-hit verification on labelled question pairs")
+    verify.add_argument(
+        "--pairs", default="tests/data/verify_pairs.jsonl", help="JSON lines of labelled pairs"
+    )
+    verify.add_argument("--out", help="write the result as JSON here")
+    verify.set_defaults(handler=run_bench_verify)
     stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
     common(stats, DEFAULT_CACHE)
     stats.set_defaults(handler=run_stats)

@@ -29,6 +29,13 @@ class PerCacheConfig:
         rrf_k: the constant of reciprocal-rank fusion of BM25 and dense rankings.
         system_prompt: the first prompt segment (shared by every question).
 
+    QA-bank hit verification:
+        verifier: "lexical" (reject candidates that differ in negation, numbers, dates,
+            names, name order, antonyms or the kind of answer) or "none" (cosine only).
+        verifier_margin: with a verifier, candidates down to ``similarity_threshold -
+            verifier_margin`` are verified (the verifier makes lower similarities safe).
+        verifier_candidates: candidates verified per question, best first.
+
     Generation (llama.cpp):
         model_path: a GGUF file; ``None`` uses the bundled Gemma 3 270M.
         n_ctx, n_batch, n_threads: llama.cpp context settings (``n_threads=None``: all cores).
@@ -73,6 +80,9 @@ class PerCacheConfig:
     chunk_words: int = 100
     rrf_k: int = 60
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    verifier: str = "lexical"
+    verifier_margin: float = 0.15
+    verifier_candidates: int = 3
 
     model_path: str | None = None
     n_ctx: int = 2048
@@ -126,7 +136,11 @@ class PerCacheConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("dedup_similarity", "strategy_cutoff"):
+        if self.verifier not in ("lexical", "none"):
+            raise ValueError(f"verifier must be 'lexical' or 'none', got {self.verifier!r}")
+        if self.verifier_candidates <= 0:
+            raise ValueError(f"verifier_candidates must be positive, got {self.verifier_candidates}")
+        for name in ("dedup_similarity", "strategy_cutoff", "verifier_margin"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.prediction_template not in ("auto", "completion", "chat"):

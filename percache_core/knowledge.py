@@ -226,11 +226,17 @@ class KnowledgeBank:
         return self._bm25
 
     def retrieve(
-        self, question: str, k: int, *, question_embedding: np.ndarray | None = None
+        self,
+        question: str,
+        k: int,
+        *,
+        question_embedding: np.ndarray | None = None,
+        where: Mapping[str, Any] | None = None,
     ) -> list[RetrievedChunk]:
         """The *k* chunks most relevant to *question*, best first (hybrid BM25 + dense).
 
-        Pass *question_embedding* (a unit vector) to skip embedding the question again.
+        Pass *question_embedding* (a unit vector) to skip embedding the question again, and
+        *where* to keep only chunks whose metadata has all these key/value pairs.
         """
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
@@ -250,6 +256,15 @@ class KnowledgeBank:
                     i for i in np.argsort(-sparse, kind="stable")[:pool].tolist() if sparse[i] > 0
                 ]
                 rankings.append(sparse_ranking)
+            if where:
+                keep = {
+                    i
+                    for i, c in enumerate(self._chunks)
+                    if all(c.metadata.get(key) == value for key, value in where.items())
+                }
+                rankings = [[i for i in ranking if i in keep] for ranking in rankings]
+                if not rankings[0]:  # none of the pool matched: rank every matching chunk
+                    rankings = [sorted(keep, key=lambda i: -dense[i])]
             fused = reciprocal_rank_fusion(rankings, k=self._rrf_k)
             best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
             return [RetrievedChunk(self._chunks[i], fused[i]) for i in best]

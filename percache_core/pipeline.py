@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from .qa_bank import QABank
 from .scheduler import Scheduler, WarmReport
 from .storage import Store
 from .types import Answer, Chunk, QAHit, RetrievedChunk
+from .verifier import make_verifier
 from .worker import IdleWorker
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class _Counters:
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
+    verifier_rejections: int = 0
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
     )
@@ -122,6 +124,7 @@ class PerCache:
         self._counters_lock = threading.Lock()
         self._closed = False
 
+        self._verifier = make_verifier(config.verifier)
         self._meta = Store(folder / "meta")
         self._check_embedder()
         self.knowledge = KnowledgeBank(
@@ -312,18 +315,24 @@ class PerCache:
         similarity_threshold: float | None = None,
         top_k: int | None = None,
         max_new_tokens: int | None = None,
+        scope: Mapping[str, Any] | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
         """Answer *question* from the QA bank, or generate it reusing chunk states.
 
         Per-call overrides: ``similarity_threshold`` (tau), ``top_k``, ``max_new_tokens``.
+        ``scope`` (e.g. ``{"meeting": "kickoff"}``) confines both the QA bank (only entries
+        stored with the same scope) and retrieval (only chunks whose metadata match) to it.
         With ``stream=True`` an :class:`AnswerStream` is returned instead.
         """
+        if scope is not None and not isinstance(scope, Mapping):
+            raise TypeError(f"scope must be a mapping, got {type(scope).__name__}")
         events = self._answer_events(
             question,
             threshold=self._threshold(similarity_threshold),
             top_k=top_k or self.config.top_k,
             max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+            scope=dict(scope) if scope else None,
         )
         stream_object = AnswerStream(events)
         return stream_object if stream else stream_object.result()
@@ -372,18 +381,24 @@ class PerCache:
         return float(value)
 
     def _answer_events(
-        self, question: str, *, threshold: float, top_k: int, max_new_tokens: int
+        self,
+        question: str,
+        *,
+        threshold: float,
+        top_k: int,
+        max_new_tokens: int,
+        scope: dict[str, Any] | None = None,
     ) -> Generator[str, None, Answer]:
         self._ensure_open()
         question = _validated(question)
         if top_k <= 0 or max_new_tokens <= 0:
             raise ValueError("top_k and max_new_tokens must be positive")
         with self._user_turn():
-            answer = yield from self._answer_now(question, threshold, top_k, max_new_tokens)
+            answer = yield from self._answer_now(question, threshold, top_k, max_new_tokens, scope)
         return answer
 
     def _answer_now(
-        self, question: str, threshold: float, top_k: int, max_new_tokens: int
+        self, question: str, threshold: float, top_k: int, max_new_tokens: int, scope: dict[str, Any] | None
     ) -> Generator[str, None, Answer]:
         started = time.perf_counter()
         timings: dict[str, float] = {}
@@ -399,16 +414,16 @@ class PerCache:
 
         best_similarity: float | None = None
         if self.config.qa_bank:
-            hit = self.qa_bank.check(embedding, threshold=threshold)
+            hit = self._verified_hit(question, embedding, threshold, scope)
             clock = lap("qa_check", clock)
             if hit is not None:
                 self.scheduler.record_question(question, embedding, hit)
                 yield hit.entry.answer or ""
                 return self._finish(self._qa_answer(question, hit, started, timings))
-            best_similarity = self.qa_bank.best_similarity(embedding)
+            best_similarity = self.qa_bank.best_similarity(embedding, scope)
         self.scheduler.record_question(question, embedding, None)
 
-        retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding)
+        retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
         clock = lap("retrieve", clock)
         answer = yield from self._generate(
             question,
@@ -420,10 +435,42 @@ class PerCache:
         answer.similarity = best_similarity
         if self.config.qa_bank and answer.text:
             clock = time.perf_counter()
-            self.qa_bank.store(question, embedding, answer.text, chunk_ids=answer.chunk_ids)
+            self.qa_bank.store(
+                question,
+                embedding,
+                answer.text,
+                chunk_ids=answer.chunk_ids,
+                metadata={"scope": scope} if scope else None,
+            )
             lap("store_qa", clock)
         answer.latency_s = time.perf_counter() - started
         return self._finish(answer)
+
+    def _verified_hit(
+        self, question: str, embedding: Any, threshold: float, scope: dict[str, Any] | None
+    ) -> QAHit | None:
+        """The best stored entry that answers *question*: cosine >= tau without a verifier;
+        with one, the first of the top candidates down to ``tau - verifier_margin`` that the
+        verifier accepts."""
+        if self.config.verifier == "none":
+            return self.qa_bank.check(embedding, threshold=threshold, scope=scope)
+        candidates = self.qa_bank.search(
+            embedding,
+            top_n=self.config.verifier_candidates,
+            min_similarity=max(0.0, threshold - self.config.verifier_margin),
+            scope=scope,
+        )
+        for candidate in candidates:
+            verdict = self._verifier.verify(question, candidate.entry, candidate.similarity)
+            if verdict.accepted:
+                self.qa_bank.record_hit(candidate.entry.id)
+                return candidate
+            with self._counters_lock:
+                self._counters.verifier_rejections += 1
+            logger.debug(
+                "verifier rejected %r for %r: %s", candidate.entry.question, question, verdict.reason
+            )
+        return None
 
     def _qa_answer(self, question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:
         elapsed = time.perf_counter() - started
@@ -486,6 +533,7 @@ class PerCache:
         *,
         max_seconds: float | None = None,
         max_predictions: int | None = None,
+        knowledge_prediction: bool = True,
         progress: bool = True,
         should_stop: Callable[[], bool] | None = None,
     ) -> WarmReport:
@@ -502,6 +550,7 @@ class PerCache:
         return self.scheduler.warm(
             max_seconds=max_seconds,
             max_predictions=max_predictions,
+            knowledge_prediction=knowledge_prediction,
             progress=progress,
             should_stop=should_stop,
         )
@@ -540,6 +589,7 @@ class PerCache:
         """
         self._ensure_open()
         self.config = self.config.replace(**changes)
+        self._verifier = make_verifier(self.config.verifier)
         self.qa_bank.budget_bytes = self.config.qa_bank_budget_bytes
         if self._runner is not None:
             self._runner.config = self.config
@@ -587,6 +637,7 @@ class PerCache:
                 "reused_tokens": c.reused_tokens,
                 "prefilled_tokens": c.prefilled_tokens,
                 "generated_tokens": c.generated_tokens,
+                "verifier_rejections": c.verifier_rejections,
                 "mean_latency_s": {
                     source: total / max(1, count)
                     for (source, total), count in zip(

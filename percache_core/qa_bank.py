@@ -61,6 +61,15 @@ def normalized_question(question: str) -> str:
     return " ".join(question.lower().split())
 
 
+def scope_code_key(scope: Mapping[str, Any] | None) -> str:
+    """A canonical text for a scope (an empty scope is no scope).
+
+    >>> scope_code_key({"b": 1, "a": "x"}) == scope_code_key({"a": "x", "b": 1}), scope_code_key({})
+    (True, '')
+    """
+    return "" if not scope else repr(sorted((str(k), str(v)) for k, v in scope.items()))
+
+
 def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> str:
     """The identity of a question: its normalised text and its scope (``metadata["scope"]``).
 
@@ -69,7 +78,7 @@ def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> st
     >>> question_key("When is it?", {"scope": {"thread": "a"}}) == question_key("When is it?")
     False
     """
-    scope = sorted((str(k), str(v)) for k, v in ((metadata or {}).get("scope") or {}).items())
+    scope = scope_code_key((metadata or {}).get("scope"))
     return hashlib.sha1(repr((normalized_question(question), scope)).encode("utf-8")).hexdigest()
 
 
@@ -97,6 +106,8 @@ class QABank:
         self._by_question: dict[str, str] = {}  # question key -> entry id
         self._matrix = np.zeros((16, dimension), dtype=np.float32)
         self._servable = np.zeros(16, dtype=bool)
+        self._scope = np.zeros(16, dtype=np.int32)  # row -> scope code (0: no scope)
+        self._scope_codes: dict[str, int] = {scope_code_key(None): 0}
         self._dirty: set[str] = set()
         self.bytes = 0
         self.evictions = 0
@@ -135,8 +146,10 @@ class QABank:
             grown = max(16, 2 * row)
             self._matrix = np.resize(self._matrix, (grown, self._dimension))
             self._servable = np.resize(self._servable, grown)
+            self._scope = np.resize(self._scope, grown)
         self._matrix[row] = entry.embedding
         self._servable[row] = entry.servable
+        self._scope[row] = self._scope_code(entry.metadata.get("scope"))
         self._entries.append(entry)
         self._sizes.append(size)
         self._index[entry.id] = row
@@ -152,6 +165,7 @@ class QABank:
             self._sizes[row], self._sizes[last] = self._sizes[last], self._sizes[row]
             self._matrix[row] = self._matrix[last]
             self._servable[row] = self._servable[last]
+            self._scope[row] = self._scope[last]
             self._index[moved.id] = row
         self._entries.pop()
         self.bytes -= self._sizes.pop()
@@ -161,6 +175,12 @@ class QABank:
             del self._by_question[key]
         self._dirty.discard(entry.id)
         return entry
+
+    def _scope_code(self, scope: Mapping[str, Any] | None) -> int:
+        key = scope_code_key(scope)
+        if key not in self._scope_codes:
+            self._scope_codes[key] = len(self._scope_codes)
+        return self._scope_codes[key]
 
     def _write(self, entry: QAEntry) -> int:
         record = _record(entry)
@@ -180,16 +200,24 @@ class QABank:
         top_n: int = 1,
         min_similarity: float = 0.0,
         servable_only: bool = True,
+        scope: Mapping[str, Any] | None = None,
     ) -> list[QAHit]:
-        """The *top_n* most similar entries at or above *min_similarity*, best first."""
+        """The *top_n* most similar entries at or above *min_similarity*, best first.
+
+        Only entries stored with exactly this *scope* (``metadata["scope"]``; None: entries
+        without one) are searched.
+        """
         vector = self._check_embedding(embedding)
         with self._lock:
             count = len(self._entries)
-            if count == 0:
+            code = self._scope_codes.get(scope_code_key(scope))
+            if count == 0 or code is None:
                 return []
             scores = self._matrix[:count] @ vector
+            allowed = self._scope[:count] == code
             if servable_only:
-                scores = np.where(self._servable[:count], scores, -np.inf)
+                allowed &= self._servable[:count]
+            scores = np.where(allowed, scores, -np.inf)
             if top_n == 1:
                 rows = [int(np.argmax(scores))]
             else:
@@ -202,17 +230,19 @@ class QABank:
                 if scores[r] >= min_similarity
             ]
 
-    def check(self, embedding: np.ndarray, *, threshold: float) -> QAHit | None:
+    def check(
+        self, embedding: np.ndarray, *, threshold: float, scope: Mapping[str, Any] | None = None
+    ) -> QAHit | None:
         """The best servable entry whose similarity reaches *threshold*, counted as a hit."""
-        hits = self.search(embedding, top_n=1, min_similarity=threshold)
+        hits = self.search(embedding, top_n=1, min_similarity=threshold, scope=scope)
         if not hits:
             return None
         self.record_hit(hits[0].entry.id)
         return hits[0]
 
-    def best_similarity(self, embedding: np.ndarray) -> float | None:
+    def best_similarity(self, embedding: np.ndarray, scope: Mapping[str, Any] | None = None) -> float | None:
         """The highest similarity of any servable entry (``None`` for an empty bank)."""
-        hits = self.search(embedding, top_n=1, min_similarity=-1.0)
+        hits = self.search(embedding, top_n=1, min_similarity=-1.0, scope=scope)
         return hits[0].similarity if hits else None
 
     def record_hit(self, entry_id: str) -> None:

@@ -174,11 +174,13 @@ class Scheduler:
         *,
         max_seconds: float | None = None,
         max_predictions: int | None = None,
+        knowledge_prediction: bool = True,
         progress: bool = True,
         should_stop: Callable[[], bool] | None = None,
     ) -> WarmReport:
         """Run one idle round (see the module docstring); stops early when a user question
-        waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``)."""
+        waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
+        With ``knowledge_prediction=False`` only history-based prediction runs."""
         pc = self._pc
         should_stop = should_stop or pc.user_waiting
         with self._lock:
@@ -199,7 +201,9 @@ class Scheduler:
                     bar,
                     deadline,
                     should_stop,
-                    lambda stop: self._predict_and_populate(stop, stride, deadline, bar),
+                    lambda stop: self._predict_and_populate(
+                        stop, stride, deadline, bar, knowledge_prediction
+                    ),
                 )
                 self._step("convert", bar, deadline, should_stop, self._convert)
             except Preempted:
@@ -344,7 +348,12 @@ class Scheduler:
                 self._report.followups_answered += 1
 
     def _predict_and_populate(
-        self, should_stop: Callable[[], bool], stride: int, deadline: float | None, bar: Any
+        self,
+        should_stop: Callable[[], bool],
+        stride: int,
+        deadline: float | None,
+        bar: Any,
+        use_knowledge: bool = True,
     ) -> None:
         pc = self._pc
         report = self._report
@@ -359,11 +368,12 @@ class Scheduler:
             report.history.add(tally)
             predicted += history
         self._tick(deadline)
-        version = self.abstract.version
-        knowledge, tally = predictor.predict_from_knowledge(self.abstract.lines, stride)
-        self._knowledge_rounds[version] = self._knowledge_rounds.get(version, 0) + 1
-        report.knowledge.add(tally)
-        predicted += knowledge
+        if use_knowledge:
+            version = self.abstract.version
+            knowledge, tally = predictor.predict_from_knowledge(self.abstract.lines, stride)
+            self._knowledge_rounds[version] = self._knowledge_rounds.get(version, 0) + 1
+            report.knowledge.add(tally)
+            predicted += knowledge
         report.predicted = [p.text for p in predicted]
         decode = self.strategy() == PREFILL_DECODE
         for prediction in predicted:

@@ -1,0 +1,56 @@
+"""Reading evaluation data: ``documents.jsonl`` + ``queries.jsonl`` per set (see
+``../shared/data/README.md``), grouped by user, with queries sampled by a fixed seed and
+kept in their original order."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class User:
+    dataset: str
+    name: str
+    documents: list[dict]
+    queries: list[dict]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+
+
+def default_data_folder() -> Path:
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, seed: int) -> list[User]:
+    """The first *users* users of *dataset* (by query count, then name), each with
+    *queries_per_user* queries sampled with *seed* and kept in order."""
+    folder = data / dataset
+    if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
+        raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
+    documents, queries = read_jsonl(folder / "documents.jsonl"), read_jsonl(folder / "queries.jsonl")
+    by_user: dict[str, list[dict]] = {}
+    for query in queries:
+        by_user.setdefault(query["user"], []).append(query)
+    names = sorted(by_user, key=lambda name: (len(by_user[name]), name))[:users]
+    chosen = []
+    for name in names:
+        user_queries = by_user[name]
+        picked = sorted(
+            random.Random(f"{seed}:{name}").sample(
+                range(len(user_queries)), min(queries_per_user, len(user_queries))
+            )
+        )
+        chosen.append(
+            User(
+                dataset,
+                name,
+                [{"id": d["doc_id"], "text": d["text"]} for d in documents if d["user"] == name],
+                [user_queries[i] for i in picked],
+            )
+        )
+    return chosen

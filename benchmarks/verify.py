@@ -1,0 +1,35 @@
+"""Paraphrase hit rate and near-miss false-hit rate at several tau, with and without the
+hit verifier, on labelled question pairs (``--pairs``, default the project's own set).
+
+    .venv/bin/python benchmarks/verify.py --pairs tests/data/verify_pairs.jsonl --out benchmarks/results/verify.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from percache_core.bench_verify import evaluate, print_table, read_pairs
+from percache_core.embedding import SentenceTransformerEmbedder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--pairs",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "tests" / "data" / "verify_pairs.jsonl",
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/verify.json"))
+    args = parser.parse_args()
+    result = evaluate(read_pairs(args.pairs), SentenceTransformerEmbedder())
+    result["pairs_file"] = str(args.pairs)
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
