@@ -19,7 +19,7 @@ from .errors import PerCacheError
 from .kv.llama_cpp import LlamaEngine, Sampling
 from .kv.state_store import StateStore
 from .kv.tree import ChunkStateTree, StateNode, path_keys
-from .prompting import PromptLayout, lay_out
+from .prompting import PromptLayout, PromptSpec, chunk_text, lay_out, rag_prompt, system_text
 from .stopping import StopStringFilter
 from .types import Chunk
 
@@ -72,6 +72,8 @@ class PromptRunner:
         question: str,
         chunks: Sequence[Chunk],
         *,
+        spec: PromptSpec | None = None,
+        stop: Sequence[str] | None = None,
         max_new_tokens: int,
         decode: bool = True,
         use_states: bool | None = None,
@@ -79,6 +81,8 @@ class PromptRunner:
         started: float | None = None,
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
+
+        *spec* replaces PerCache's own prompt (for callers with their own template).
 
         With ``decode=False`` only the prefill runs (to populate chunk states). When
         ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
@@ -89,9 +93,7 @@ class PromptRunner:
         engine = self.engine
         with engine.lock:
             layout = lay_out(
-                system_prompt=self.config.system_prompt,
-                chunks=chunks,
-                question=question,
+                spec or rag_prompt(self.config.system_prompt, chunks, question),
                 tokenize=engine.tokenize,
                 max_prompt_tokens=engine.n_ctx - max_new_tokens,
             )
@@ -100,7 +102,7 @@ class PromptRunner:
             result = RunResult(layout)
             with self.tree.pinned(keys):
                 yield from self._run_segments(
-                    result, segments, keys, max_new_tokens, decode, should_stop, started
+                    result, segments, keys, max_new_tokens, decode, should_stop, started, stop
                 )
             if use_states:
                 self.evict_to_budget()
@@ -115,6 +117,7 @@ class PromptRunner:
         decode: bool,
         should_stop: StopCheck | None,
         started: float,
+        stop: Sequence[str] | None = None,
     ) -> Generator[str, None, None]:
         engine = self.engine
         timings = result.timings
@@ -139,7 +142,7 @@ class PromptRunner:
         timings["prefill"] = time.perf_counter() - clock
         try:
             if decode:
-                yield from self._decode(result, max_new_tokens, should_stop, started)
+                yield from self._decode(result, max_new_tokens, should_stop, started, stop)
         finally:
             # The prefill is complete, so its states are whole whatever happened while
             # decoding; they are written after the answer so that they do not delay it.
@@ -148,10 +151,15 @@ class PromptRunner:
             timings["store_states"] = time.perf_counter() - clock
 
     def _decode(
-        self, result: RunResult, max_new_tokens: int, should_stop: StopCheck | None, started: float
+        self,
+        result: RunResult,
+        max_new_tokens: int,
+        should_stop: StopCheck | None,
+        started: float,
+        stop_strings: Sequence[str] | None = None,
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
-        stop = StopStringFilter(self.config.stop)
+        stop = StopStringFilter(self.config.stop if stop_strings is None else stop_strings)
         sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
         for _token, piece in self.engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
             result.generated_tokens += 1
@@ -210,14 +218,31 @@ class PromptRunner:
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
         layout = lay_out(
-            system_prompt=self.config.system_prompt,
-            chunks=chunks,
-            question=question,
+            rag_prompt(self.config.system_prompt, chunks, question),
             tokenize=self.engine.tokenize,
             max_prompt_tokens=self.engine.n_ctx - max_new_tokens,
         )
         keys = path_keys(self.tree.root_key, [list(s.tokens) for s in layout.segments[:-1]])
         return keys[-1] in self.tree
+
+    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
+        position, a chunk whose prefix state is stored comes first; the rest keep their order."""
+        tokenize = self.engine.tokenize
+        parent = path_keys(self.tree.root_key, [tokenize(system_text(self.config.system_prompt), True)])[0]
+        remaining = list(chunks)
+        ordered: list[Chunk] = []
+        while remaining and parent in self.tree:
+            for chunk in remaining:
+                key = path_keys(parent, [tokenize(chunk_text(chunk), False)])[0]
+                if key in self.tree:
+                    ordered.append(chunk)
+                    remaining.remove(chunk)
+                    parent = key
+                    break
+            else:
+                break
+        return ordered + remaining
 
     def _restore(self, keys: list[str]) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored."""

@@ -29,11 +29,11 @@ from .kv.llama_cpp import LlamaEngine
 from .kv.state_store import StateStore
 from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
-from .prompting import TEMPLATE_VERSION
+from .prompting import TEMPLATE_VERSION, PromptSpec
 from .qa_bank import QABank
 from .scheduler import Scheduler, WarmReport
 from .storage import Store
-from .types import Answer, Chunk, QAHit, RetrievedChunk
+from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 from .verifier import make_verifier
 from .worker import IdleWorker
 
@@ -353,6 +353,16 @@ class PerCache:
         self._ensure_open()
         question = _validated(question)
         chunk_list = [c if isinstance(c, Chunk) else _text_chunk(c) for c in chunks]
+        return self._generate_stream(question, chunk_list, max_new_tokens, stream, None)
+
+    def _generate_stream(
+        self,
+        question: str,
+        chunks: list[Chunk],
+        max_new_tokens: int | None,
+        stream: bool,
+        spec: PromptSpec | None,
+    ) -> Answer | AnswerStream:
         started = time.perf_counter()
         timings: dict[str, float] = {}
         tokens = max_new_tokens or self.config.max_new_tokens
@@ -361,13 +371,83 @@ class PerCache:
 
         def events() -> Generator[str, None, Answer]:
             answer = yield from self._generate(
-                question, chunk_list, max_new_tokens=tokens, started=started, timings=timings
+                question, chunks, max_new_tokens=tokens, started=started, timings=timings, spec=spec
             )
             answer.latency_s = time.perf_counter() - started
             return self._finish(answer)
 
         stream_object = AnswerStream(events())
         return stream_object if stream else stream_object.result()
+
+    def complete_with_documents(
+        self,
+        prefix: str,
+        documents: Sequence[Chunk | str],
+        suffix: str,
+        *,
+        max_new_tokens: int | None = None,
+        stream: bool = False,
+    ) -> Answer | AnswerStream:
+        """Continue the prompt ``prefix + documents + suffix`` (a caller's own template),
+        laid out as segments [prefix, document 1, ..., suffix] so that stored states of
+        the same prefix and documents are reused. Document texts are used verbatim.
+
+        >>> pc.complete_with_documents("Context: ", ["Lunch is at noon. "], "Q: When? A:")  # doctest: +SKIP
+        """
+        self._ensure_open()
+        if not isinstance(prefix, str) or not isinstance(suffix, str):
+            raise TypeError("prefix and suffix must be strings")
+        chunks = [c if isinstance(c, Chunk) else _text_chunk(c) for c in documents]
+        spec = PromptSpec(prefix, tuple((c.id, c.text) for c in chunks), suffix)
+        return self._generate_stream(suffix or prefix, chunks, max_new_tokens, stream, spec)
+
+    def lookup(
+        self,
+        question: str,
+        *,
+        similarity_threshold: float | None = None,
+        scope: Mapping[str, Any] | None = None,
+    ) -> Answer | None:
+        """The QA bank's answer for *question* (verified, within *scope*), or None: for
+        callers that generate on their own and then call :meth:`remember`."""
+        self._ensure_open()
+        question = _validated(question)
+        started = time.perf_counter()
+        with self._user_turn():
+            embedding = self.embedder.embed([question])[0]
+            hit = self._verified_hit(
+                question, embedding, self._threshold(similarity_threshold), dict(scope) if scope else None
+            )
+            self.scheduler.record_question(question, embedding, hit)
+        if hit is None:
+            return None
+        return self._finish(self._qa_answer(question, hit, started, {}))
+
+    def remember(
+        self,
+        question: str,
+        answer: str,
+        *,
+        chunk_ids: Sequence[str] = (),
+        scope: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> QAEntry:
+        """Store *answer* for *question* in the QA bank (replacing the same question)."""
+        self._ensure_open()
+        question = _validated(question)
+        if not isinstance(answer, str):
+            raise TypeError(f"answer must be a string, got {type(answer).__name__}")
+        extra = dict(metadata or {})
+        if scope:
+            extra["scope"] = dict(scope)
+        embedding = self.embedder.embed([question])[0]
+        return self.qa_bank.store(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)
+
+    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        """*chunks* reordered so that the longest stored chunk-state path comes first (this
+        changes the prompt, and so possibly the answer)."""
+        self._ensure_open()
+        return self.runner.stored_order(chunks)
 
     def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
         """``answer(question, stream=True, **overrides)``."""

@@ -82,23 +82,41 @@ class PromptLayout:
         return "".join(s.text for s in self.segments)
 
 
+@dataclass(frozen=True)
+class PromptSpec:
+    """A prompt before tokenization: a prefix, chunk segments (id, text), a suffix."""
+
+    prefix: str
+    chunks: tuple[tuple[str | None, str], ...]
+    suffix: str
+
+
+def rag_prompt(system_prompt: str, chunks: Sequence[Chunk], question: str) -> PromptSpec:
+    """PerCache's own completion-style RAG prompt.
+
+    >>> rag_prompt("Be brief.", [Chunk("d#c000", "d", "Lunch at noon.")], "When is lunch?").chunks
+    (('d#c000', 'Note: Lunch at noon.\\n\\n'),)
+    """
+    return PromptSpec(
+        system_text(system_prompt), tuple((c.id, chunk_text(c)) for c in chunks), question_text(question)
+    )
+
+
 def lay_out(
+    spec: PromptSpec,
     *,
-    system_prompt: str,
-    chunks: Sequence[Chunk],
-    question: str,
     tokenize: Tokenizer,
     max_prompt_tokens: int,
 ) -> PromptLayout:
-    """Build the segments of a prompt that fits in *max_prompt_tokens*.
+    """Tokenize the segments of *spec*, dropping chunks so that it fits *max_prompt_tokens*.
 
     Chunks are kept in the given (rank) order; when the prompt is too long the
-    lowest-ranked chunks are dropped with a warning. If the system prompt and the question
-    alone do not fit, :class:`ContextOverflowError` is raised.
+    lowest-ranked chunks are dropped with a warning. If the prefix and the suffix alone do
+    not fit, :class:`ContextOverflowError` is raised. The first segment starts with BOS.
     """
-    system = Segment("system", system_text(system_prompt), tuple(tokenize(system_text(system_prompt), True)))
-    last = Segment("question", question_text(question), tuple(tokenize(question_text(question), False)))
-    fixed = len(system.tokens) + len(last.tokens)
+    first = Segment("system", spec.prefix, tuple(tokenize(spec.prefix, True)))
+    last = Segment("question", spec.suffix, tuple(tokenize(spec.suffix, False)))
+    fixed = len(first.tokens) + len(last.tokens)
     if fixed > max_prompt_tokens:
         raise ContextOverflowError(
             f"the question needs {fixed} prompt tokens with the system prompt, but only "
@@ -107,10 +125,10 @@ def lay_out(
     kept: list[Segment] = []
     dropped: list[str] = []
     used = fixed
-    for chunk in chunks:
-        segment = Segment("chunk", chunk_text(chunk), tuple(tokenize(chunk_text(chunk), False)), chunk.id)
+    for chunk_id, text in spec.chunks:
+        segment = Segment("chunk", text, tuple(tokenize(text, False)), chunk_id)
         if dropped or used + len(segment.tokens) > max_prompt_tokens:
-            dropped.append(chunk.id)
+            dropped.append(chunk_id or "?")
             continue
         kept.append(segment)
         used += len(segment.tokens)
@@ -119,4 +137,4 @@ def lay_out(
             f"prompt too long for the context: dropped the {len(dropped)} lowest-ranked chunk(s) {dropped}",
             stacklevel=3,
         )
-    return PromptLayout((system, *kept, last), tuple(dropped))
+    return PromptLayout((first, *kept, last), tuple(dropped))

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 from .types import QAEntry
 
-_TOKEN = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+(?:[.,:]\d+)*[A-Za-z]?")
+_TOKEN = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+(?:[.,:]\d+)*[A-Za-z]{0,2}")
 _NEGATIONS = frozenset(
     "not no never none nobody nothing nowhere neither nor without cannot n't isn't aren't "
     "wasn't weren't don't doesn't didn't won't wouldn't can't couldn't shouldn't hasn't "
