@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the CPU build of torch, before anything that depends on torch
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet -e ".[llama-cpp,embed,dev]"
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet -e ".[all,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check percache_core tests benchmarks
+	$(BIN)/ruff check percache_core percache_llamaindex percache_langchain tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft.py --out benchmarks/results/ttft.json

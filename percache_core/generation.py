@@ -189,31 +189,21 @@ class PromptRunner:
         chat: bool = False,
         should_stop: StopCheck | None = None,
     ) -> tuple[str, int, int]:
-        """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated).
-
-        With ``chat=True`` the prompt was made by ``engine.chat_prompt`` and its markup is
-        tokenized as special tokens.
-        """
-        engine = self.engine
-        with engine.lock:
-            tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
-            tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
-            engine.reset()
-            engine.eval(tokens, should_stop)
-            if engine.n_past != len(tokens):
-                raise Preempted("completion pre-empted by a user question")
-            stopper = StopStringFilter(stop)
-            generated = 0
-            sampling = Sampling(temperature, 1.0, seed)
-            for _token, piece in engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
-                generated += 1
-                stopper.feed(piece)
-                if stopper.stopped:
-                    break
-                if should_stop is not None and should_stop():
-                    raise Preempted("completion pre-empted by a user question")
-            stopper.finish()
-            return stopper.text, len(tokens), generated
+        """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated)."""
+        pieces = complete_text(
+            self.engine,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop=stop,
+            chat=chat,
+            should_stop=should_stop,
+        )
+        text = "".join(piece for piece in pieces if isinstance(piece, str))
+        counts = pieces[-1]
+        assert isinstance(counts, tuple)
+        return text, counts[0], counts[1]
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
@@ -278,3 +268,75 @@ class PromptRunner:
         for node in evicted:
             self.states.delete(node.key)
         self.evictions += len(evicted)
+
+
+def complete_text(
+    engine: LlamaEngine,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    should_stop: StopCheck | None = None,
+) -> list[str | tuple[int, int]]:
+    """Complete *prompt* on *engine* without chunk states (for plain LLM calls).
+
+    Returns the shown text pieces followed by ``(prompt tokens, generated tokens)``. With
+    ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is tokenized
+    as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
+    """
+    return list(
+        stream_text(
+            engine,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            chat=chat,
+            should_stop=should_stop,
+        )
+    )
+
+
+def stream_text(
+    engine: LlamaEngine,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    should_stop: StopCheck | None = None,
+) -> Generator[str | tuple[int, int], None, None]:
+    """Like :func:`complete_text`, yielding pieces as they are decoded."""
+    with engine.lock:
+        tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
+        tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
+        engine.reset()
+        engine.eval(tokens, should_stop)
+        if engine.n_past != len(tokens):
+            raise Preempted("completion pre-empted by a user question")
+        stopper = StopStringFilter(stop)
+        generated = 0
+        for _token, piece in engine.generate(
+            max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed)
+        ):
+            generated += 1
+            shown = stopper.feed(piece)
+            if shown:
+                yield shown
+            if stopper.stopped:
+                break
+            if should_stop is not None and should_stop():
+                raise Preempted("completion pre-empted by a user question")
+        tail = stopper.finish()
+        if tail:
+            yield tail
+        yield (len(tokens), generated)

@@ -362,6 +362,7 @@ class PerCache:
         max_new_tokens: int | None,
         stream: bool,
         spec: PromptSpec | None,
+        stop: Sequence[str] | None = None,
     ) -> Answer | AnswerStream:
         started = time.perf_counter()
         timings: dict[str, float] = {}
@@ -371,7 +372,13 @@ class PerCache:
 
         def events() -> Generator[str, None, Answer]:
             answer = yield from self._generate(
-                question, chunks, max_new_tokens=tokens, started=started, timings=timings, spec=spec
+                question,
+                chunks,
+                max_new_tokens=tokens,
+                started=started,
+                timings=timings,
+                spec=spec,
+                stop=stop,
             )
             answer.latency_s = time.perf_counter() - started
             return self._finish(answer)
@@ -386,11 +393,13 @@ class PerCache:
         suffix: str,
         *,
         max_new_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
         """Continue the prompt ``prefix + documents + suffix`` (a caller's own template),
         laid out as segments [prefix, document 1, ..., suffix] so that stored states of
-        the same prefix and documents are reused. Document texts are used verbatim.
+        the same prefix and documents are reused. Document texts are used verbatim;
+        ``stop`` replaces the configured stop strings.
 
         >>> pc.complete_with_documents("Context: ", ["Lunch is at noon. "], "Q: When? A:")  # doctest: +SKIP
         """
@@ -399,7 +408,7 @@ class PerCache:
             raise TypeError("prefix and suffix must be strings")
         chunks = [c if isinstance(c, Chunk) else _text_chunk(c) for c in documents]
         spec = PromptSpec(prefix, tuple((c.id, c.text) for c in chunks), suffix)
-        return self._generate_stream(suffix or prefix, chunks, max_new_tokens, stream, spec)
+        return self._generate_stream(suffix or prefix, chunks, max_new_tokens, stream, spec, stop)
 
     def lookup(
         self,
@@ -563,6 +572,7 @@ class PerCache:
             ttft_s=elapsed,
             latency_s=elapsed,
             matched_question=hit.entry.question,
+            entry_id=hit.entry.id,
             timings=timings,
         )
 
@@ -574,11 +584,13 @@ class PerCache:
         max_new_tokens: int,
         started: float,
         timings: dict[str, float],
+        spec: PromptSpec | None = None,
+        stop: Sequence[str] | None = None,
     ) -> Generator[str, None, Answer]:
         """Generate through the chunk-state tree for a user; yields answer text."""
         with self._user_turn():
             result = yield from self.runner.run(
-                question, chunks, max_new_tokens=max_new_tokens, started=started
+                question, chunks, spec=spec, stop=stop, max_new_tokens=max_new_tokens, started=started
             )
         timings.update(result.timings)
         return Answer(

@@ -126,6 +126,8 @@ def lay_out(
     dropped: list[str] = []
     used = fixed
     for chunk_id, text in spec.chunks:
+        if not text:
+            continue
         segment = Segment("chunk", text, tuple(tokenize(text, False)), chunk_id)
         if dropped or used + len(segment.tokens) > max_prompt_tokens:
             dropped.append(chunk_id or "?")

@@ -90,4 +90,5 @@ class Answer:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     matched_question: str | None = None
+    entry_id: str | None = None
     timings: dict[str, float] = field(default_factory=dict)

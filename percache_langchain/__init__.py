@@ -1,0 +1,19 @@
+"""PerCache for LangChain: a semantic ``BaseCache``, a recording retriever and a llama.cpp
+LLM that reuses chunk states.
+
+>>> from langchain_core.globals import set_llm_cache                       # doctest: +SKIP
+>>> set_llm_cache(PerCacheSemanticCache(pc))                                # doctest: +SKIP
+>>> chain = PerCacheRetriever(inner=retriever, percache=pc) | prompt | PerCacheLlamaCpp(percache=pc)  # doctest: +SKIP
+
+Importing this package imports langchain-core but loads no model.
+"""
+
+from ._imports import require_langchain
+
+require_langchain()
+
+from .cache import PerCacheSemanticCache  # noqa: E402
+from .llm import PerCacheLlamaCpp  # noqa: E402
+from .retriever import PerCacheRetriever  # noqa: E402
+
+__all__ = ["PerCacheLlamaCpp", "PerCacheRetriever", "PerCacheSemanticCache"]

@@ -1,0 +1,10 @@
+"""A clear error when langchain-core is missing."""
+
+from percache_core.errors import missing_dependency
+
+
+def require_langchain() -> None:
+    try:
+        import langchain_core  # noqa: F401
+    except ImportError as error:
+        raise missing_dependency("langchain-core", "langchain") from error

@@ -1,0 +1,10 @@
+"""A clear error when LlamaIndex is missing."""
+
+from percache_core.errors import missing_dependency
+
+
+def require_llama_index() -> None:
+    try:
+        import llama_index.core  # noqa: F401
+    except ImportError as error:
+        raise missing_dependency("llama-index-core", "llamaindex") from error

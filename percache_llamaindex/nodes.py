@@ -1,0 +1,47 @@
+"""Translating LlamaIndex nodes to PerCache chunks."""
+
+from __future__ import annotations
+
+from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+
+from percache_core import Chunk, PerCache
+
+
+def _plain_metadata(metadata: dict) -> dict:
+    return {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
+
+
+def node_chunks(nodes: list[NodeWithScore]) -> list[Chunk]:
+    """PerCache chunks with the nodes' ids and the text LlamaIndex would put in a prompt."""
+    return [
+        Chunk(
+            n.node.node_id,
+            n.node.node_id,
+            n.node.get_content(metadata_mode=MetadataMode.LLM),
+            _plain_metadata(n.node.metadata),
+        )
+        for n in nodes
+    ]
+
+
+def record_nodes(percache: PerCache, nodes: list[NodeWithScore]) -> None:
+    """Add the nodes to the knowledge bank (known nodes with the same text are skipped)."""
+    chunks = [c for c in node_chunks(nodes) if c.text.strip()]
+    if chunks:
+        percache.add_documents(
+            [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chunks], split=False
+        )
+
+
+def chunk_nodes(percache: PerCache, chunk_ids: tuple[str, ...]) -> list[NodeWithScore]:
+    """Nodes for stored chunk ids (the source nodes of a QA-bank hit)."""
+    nodes = []
+    for chunk_id in chunk_ids:
+        chunk = percache.knowledge.get_chunk(chunk_id) or percache.knowledge.get_chunk(f"{chunk_id}#c000")
+        if chunk is not None:
+            nodes.append(
+                NodeWithScore(
+                    node=TextNode(id_=chunk.doc_id, text=chunk.text, metadata=chunk.metadata), score=None
+                )
+            )
+    return nodes

@@ -1,0 +1,201 @@
+"""``PerCacheQueryEngine``: ``index.as_query_engine()`` with PerCache in front.
+
+A QA-bank hit returns a ``Response`` without calling the LLM. A miss retrieves with the
+index's own retriever (and node postprocessors), then generates through the chunk-state
+tree when the LLM is a llama.cpp model (``PerCacheLlamaCPP``, or
+``llama-index-llms-llama-cpp``'s ``LlamaCPP``, whose GGUF file PerCache loads itself), or
+through LlamaIndex's response synthesizer with any other LLM (then only the QA bank
+applies). ``response.metadata["percache"]`` says what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Generator
+from typing import Any
+
+from llama_index.core import Settings
+from llama_index.core.base.base_query_engine import BaseQueryEngine
+from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
+from llama_index.core.indices.base import BaseIndex
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import NodeWithScore, QueryBundle
+
+from percache_core import Answer, PerCache, PerCacheConfig
+
+from .embedding import PerCacheEmbedding
+from .llm import PerCacheLlamaCPP
+from .nodes import chunk_nodes, node_chunks, record_nodes
+
+
+def _default_llm() -> Any:
+    """``Settings.llm`` when one was set, else None (LlamaIndex's default needs OpenAI)."""
+    return getattr(Settings, "_llm", None)
+
+
+def _llama_cpp_model_path(llm: Any) -> str | None:
+    """The GGUF file of ``llama-index-llms-llama-cpp``'s ``LlamaCPP``, else None."""
+    if type(llm).__name__ == "LlamaCPP" and isinstance(getattr(llm, "model_path", None), str):
+        return llm.model_path
+    return None
+
+
+def supports_chunk_states(llm: Any) -> bool:
+    """Whether answers from *llm* can go through PerCache's chunk-state tree."""
+    return isinstance(llm, PerCacheLlamaCPP) or _llama_cpp_model_path(llm) is not None
+
+
+def _metadata(answer: Answer) -> dict[str, Any]:
+    return {
+        "source": answer.source,
+        "similarity": answer.similarity,
+        "matched_question": answer.matched_question,
+        "reused_tokens": answer.reused_tokens,
+        "prefilled_tokens": answer.prefilled_tokens,
+        "ttft_s": answer.ttft_s,
+        "latency_s": answer.latency_s,
+    }
+
+
+class PerCacheQueryEngine(BaseQueryEngine):
+    """A query engine that answers from PerCache first.
+
+    Build it with :meth:`from_index`, which takes the keyword arguments of
+    ``index.as_query_engine()``.
+    """
+
+    def __init__(
+        self, *, inner: RetrieverQueryEngine, percache: PerCache, llm: Any, streaming: bool = False
+    ) -> None:
+        super().__init__(callback_manager=inner.callback_manager)
+        self._inner = inner
+        self._percache = percache
+        self._llm = llm
+        self._uses_states = supports_chunk_states(llm)
+        self._streaming = streaming
+
+    @classmethod
+    def from_index(
+        cls,
+        index: BaseIndex,
+        *,
+        cache_dir: str | os.PathLike[str],
+        llm: Any = None,
+        config: PerCacheConfig | None = None,
+        **kwargs: Any,
+    ) -> PerCacheQueryEngine:
+        """Like ``index.as_query_engine(llm=llm, **kwargs)`` (``similarity_top_k``,
+        ``response_mode``, ``streaming``, ``node_postprocessors``, ...), with a PerCache
+        in *cache_dir*. Without an LLM (and no ``Settings.llm``), the bundled Gemma 3 270M
+        is used through :class:`PerCacheLlamaCPP`.
+        """
+        if not isinstance(index, BaseIndex):
+            raise TypeError(f"index must be a LlamaIndex index, got {type(index).__name__}")
+        llm = llm or _default_llm() or PerCacheLlamaCPP()
+        model_path = _llama_cpp_model_path(llm)
+        config = config or PerCacheConfig()
+        if "similarity_top_k" in kwargs:
+            config = config.replace(top_k=kwargs["similarity_top_k"])
+        embed_model = getattr(index, "_embed_model", None)
+        embedder = embed_model.embedder if isinstance(embed_model, PerCacheEmbedding) else None
+        if isinstance(llm, PerCacheLlamaCPP):
+            percache = PerCache.open(cache_dir, config=config, embedder=embedder, engine=llm.engine)
+        elif model_path is not None:
+            percache = PerCache.open(
+                cache_dir, config=config.replace(model_path=model_path), embedder=embedder
+            )
+        else:
+            percache = PerCache.open(cache_dir, config=config.replace(chunk_states=False), embedder=embedder)
+        inner = index.as_query_engine(llm=llm, **kwargs)
+        return cls(inner=inner, percache=percache, llm=llm, streaming=bool(kwargs.get("streaming")))
+
+    @property
+    def percache(self) -> PerCache:
+        """The cache behind this engine (for ``stats()``, ``close()``, ...)."""
+        return self._percache
+
+    def warm(self, **kwargs: Any):
+        """One idle round of prediction and population (see ``PerCache.warm``)."""
+        return self._percache.warm(**kwargs)
+
+    def start_worker(self, **kwargs: Any):
+        """Start PerCache's background idle worker (see ``PerCache.start_worker``)."""
+        return self._percache.start_worker(**kwargs)
+
+    def _get_prompt_modules(self) -> dict[str, Any]:
+        return {"inner": self._inner}
+
+    def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return self._inner.retrieve(query_bundle)
+
+    def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        question = query_bundle.query_str
+        hit = self._percache.lookup(question)
+        if hit is not None:
+            nodes = chunk_nodes(self._percache, hit.chunk_ids)
+            if self._streaming:
+                return StreamingResponse(
+                    response_gen=iter([hit.text]), source_nodes=nodes, metadata={"percache": _metadata(hit)}
+                )
+            return Response(hit.text, source_nodes=nodes, metadata={"percache": _metadata(hit)})
+        nodes = self._inner.retrieve(query_bundle)
+        record_nodes(self._percache, nodes)
+        if self._uses_states:
+            return self._generate(question, nodes)
+        return self._synthesize(query_bundle, nodes)
+
+    def _generate(self, question: str, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
+        stream = self._percache.generate(question, node_chunks(nodes), stream=True)
+        if not self._streaming:
+            answer = stream.result()
+            self._remember(question, answer)
+            return Response(answer.text, source_nodes=nodes, metadata={"percache": _metadata(answer)})
+        metadata: dict[str, Any] = {}
+
+        def pieces() -> Generator[str, None, None]:
+            yield from stream
+            answer = stream.answer
+            assert answer is not None
+            self._remember(question, answer)
+            metadata.update(_metadata(answer))
+
+        return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata={"percache": metadata})
+
+    def _synthesize(self, query_bundle: QueryBundle, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
+        response = self._inner.synthesize(query_bundle, nodes)
+        question = query_bundle.query_str
+        info = {"source": "full", "similarity": None, "reused_tokens": 0}
+        if isinstance(response, StreamingResponse):
+            original = response.response_gen
+
+            def pieces() -> Generator[str, None, None]:
+                text = ""
+                for piece in original:
+                    text += piece
+                    yield piece
+                if text.strip():
+                    self._percache.remember(question, text.strip(), chunk_ids=[n.node.node_id for n in nodes])
+
+            response.response_gen = pieces()
+            response.metadata = {**(response.metadata or {}), "percache": info}
+            return response
+        text = str(response)
+        if text.strip():
+            self._percache.remember(question, text.strip(), chunk_ids=[n.node.node_id for n in nodes])
+        response.metadata = {**(response.metadata or {}), "percache": info}
+        return response
+
+    def _remember(self, question: str, answer: Answer) -> None:
+        if answer.text and self._percache.config.qa_bank:
+            self._percache.remember(question, answer.text, chunk_ids=answer.chunk_ids)
+
+    async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        return await asyncio.to_thread(self._query, query_bundle)
+
+    def close(self) -> None:
+        """Close the cache (the engine can no longer answer)."""
+        self._percache.close()
+
+
+__all__ = ["PerCacheQueryEngine"]

@@ -1,0 +1,126 @@
+"""The LangChain adapter: the standard cache suites, a real LCEL chain, the real model."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.outputs import Generation
+from langchain_core.retrievers import BaseRetriever
+from langchain_tests.integration_tests import AsyncCacheTestSuite, SyncCacheTestSuite
+
+from percache_core import MissingDependencyError, PerCache, PerCacheConfig
+from percache_langchain import PerCacheLlamaCpp, PerCacheRetriever, PerCacheSemanticCache
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+NOTES = [
+    Document(
+        page_content="The rehearsal for the launch talk is on Thursday at 4 pm in the Birch room.", id="r"
+    ),
+    Document(page_content="Finance approved 18,500 euros for the Harbor design work.", id="b"),
+]
+
+
+def empty_cache(tmp_path, engine, embedder) -> PerCacheSemanticCache:
+    return PerCacheSemanticCache(PerCache.open(tmp_path / "lc", engine=engine, embedder=embedder))
+
+
+class TestSyncCache(SyncCacheTestSuite):
+    @pytest.fixture
+    def cache(self, tmp_path, engine, embedder):
+        return empty_cache(tmp_path, engine, embedder)
+
+
+class TestAsyncCache(AsyncCacheTestSuite):
+    @pytest.fixture
+    async def cache(self, tmp_path, engine, embedder):
+        return empty_cache(tmp_path, engine, embedder)
+
+
+class FixedRetriever(BaseRetriever):
+    def _get_relevant_documents(self, query, *, run_manager):
+        return list(NOTES)
+
+
+class RetrieverEvents(BaseCallbackHandler):
+    def __init__(self):
+        self.starts = 0
+
+    def on_retriever_start(self, *args, **kwargs):
+        self.starts += 1
+
+
+def prompt_for(question: str) -> str:
+    context = "\n\n".join(d.page_content for d in NOTES)
+    return f"Use the notes.\n\n{context}\n\nQuestion: {question}\nAnswer:"
+
+
+def test_entries_are_scoped_by_llm_string_and_keyed_on_the_recorded_question(make_cache):
+    pc = make_cache(documents=False)
+    cache = PerCacheSemanticCache(pc)
+    cache.update("prompt one", "model A", [Generation(text="one")])
+    assert cache.lookup("prompt one", "model B") is None
+    assert cache.lookup("prompt one", "model A") == [Generation(text="one")]
+    retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
+    retriever.invoke("When is the launch talk rehearsal?")
+    cache.update(
+        prompt_for("When is the launch talk rehearsal?"), "model A", [Generation(text="Thursday 4 pm")]
+    )
+    stored = {e.question for e in pc.qa_bank.entries}
+    assert "When is the launch talk rehearsal?" in stored  # the question, not the long prompt
+    retriever.invoke("When is the rehearsal for the launch talk?")
+    hit = cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model A")
+    assert hit == [Generation(text="Thursday 4 pm")]
+    cache.clear()
+    assert cache.lookup("prompt one", "model A") is None
+
+
+def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
+    off = make_cache("off", documents=False, qa_bank=False, chunk_states=False)
+    on = make_cache("on", documents=False, qa_bank=False)
+    results = {}
+    for name, pc in (("off", off), ("on", on)):
+        events = RetrieverEvents()
+        retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
+        retriever.invoke("When is the rehearsal?", config={"callbacks": [events]})
+        assert events.starts == 2  # the wrapper and the inner retriever both report
+        llm = PerCacheLlamaCpp(percache=pc)
+        results[name] = [
+            llm.invoke(prompt_for(q)) for q in ("When is the rehearsal?", "Where is the rehearsal?")
+        ]
+    assert results["on"] == results["off"]
+    assert on.stats()["chunk_state_hits"] == 1 and on.stats()["reused_tokens"] > 0
+    assert len(on.knowledge) == 2  # the retriever added the documents
+
+
+def test_streaming_gives_the_invoke_text(make_cache):
+    pc = make_cache(documents=False, qa_bank=False)
+    PerCacheRetriever(inner=FixedRetriever(), percache=pc).invoke("How much did finance approve?")
+    llm = PerCacheLlamaCpp(percache=pc)
+    text = llm.invoke(prompt_for("How much did finance approve?"))
+    pieces = list(llm.stream(prompt_for("How much did finance approve?")))
+    assert len(pieces) >= 1 and "".join(pieces).strip() == text
+
+
+def test_the_lcel_example_runs_and_shows_each_source(tmp_path):
+    spec = importlib.util.spec_from_file_location("langchain_lcel", EXAMPLES / "langchain_lcel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(str(tmp_path / "example"))
+    assert [r["source"] for r in results] == ["full", "qa_bank", "chunk_states"]
+
+
+def test_bad_input_gets_clear_errors(monkeypatch):
+    with pytest.raises(TypeError, match="PerCache"):
+        PerCacheSemanticCache("not a cache")
+    with pytest.raises((TypeError, ValueError), match="PerCache"):
+        PerCacheRetriever(inner=FixedRetriever(), percache=object())
+    with pytest.raises((TypeError, ValueError), match="PerCache"):
+        PerCacheLlamaCpp(percache=PerCacheConfig())
+    from percache_langchain._imports import require_langchain
+
+    monkeypatch.setitem(sys.modules, "langchain_core", None)
+    with pytest.raises(MissingDependencyError, match=r"percache\[langchain\]"):
+        require_langchain()
