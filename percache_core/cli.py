@@ -170,6 +170,32 @@ def run_bench_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench_e2e(args: argparse.Namespace) -> int:
+    from .bench_e2e import evaluate, markdown_table, write_report
+    from .eval_data import default_data_folder
+
+    data = Path(args.data) if args.data else default_data_folder()
+    quick = {"qmsum_users": 2, "squad_users": 1, "queries_per_user": 5, "stride": 3, "max_new_tokens": 48}
+    settings = {
+        "qmsum_users": args.qmsum_users
+        if args.qmsum_users is not None
+        else (quick["qmsum_users"] if args.quick else 5),
+        "squad_users": args.squad_users
+        if args.squad_users is not None
+        else (quick["squad_users"] if args.quick else 2),
+        "queries_per_user": args.queries_per_user or (quick["queries_per_user"] if args.quick else 12),
+        "stride": args.stride or (quick["stride"] if args.quick else 5),
+        "max_new_tokens": args.max_new_tokens or (quick["max_new_tokens"] if args.quick else 64),
+    }
+    taus = [float(t) for t in args.taus.split(",")] if args.taus else []
+    result = evaluate(data=data, seed=args.seed, taus=taus, **settings)
+    print()
+    print(markdown_table(result))
+    for path in write_report(result, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
 def run_ingest(args: argparse.Namespace) -> int:
     documents = _read_documents(args.paths)
     with PerCache.open(args.cache, config=_config(args)) as pc:
@@ -242,6 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--out", help="write the result as JSON here")
     verify.set_defaults(handler=run_bench_verify)
+    e2e = benches.add_parser("e2e", help="end-to-end latency and quality against every baseline")
+    e2e.add_argument(
+        "--data", help="folder with <set>/documents.jsonl and queries.jsonl (default ../shared/data)"
+    )
+    e2e.add_argument("--qmsum-users", type=int)
+    e2e.add_argument("--squad-users", type=int)
+    e2e.add_argument("--queries-per-user", type=int)
+    e2e.add_argument("--stride", type=int, help="prediction stride (default 5; quick 3)")
+    e2e.add_argument("--max-new-tokens", type=int)
+    e2e.add_argument("--seed", type=int, default=0)
+    e2e.add_argument("--taus", help="comma-separated tau values for PerCache's sweep on the first user")
+    e2e.add_argument("--quick", action="store_true", help="a run of a few minutes: 3 users, 5 questions each")
+    e2e.add_argument("--out", default="benchmarks/results/e2e.json")
+    e2e.set_defaults(handler=run_bench_e2e)
     stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
     common(stats, DEFAULT_CACHE)
     stats.set_defaults(handler=run_stats)

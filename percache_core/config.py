@@ -21,6 +21,8 @@ class PerCacheConfig:
         qa_bank: answer similar questions from stored answers (cosine >= similarity_threshold).
         chunk_states: restore llama.cpp KV states of [system, chunk, ...] prompt prefixes.
         prediction: predict questions in idle time (used by the predictor, when present).
+        store_answers: keep the answers of user questions in the QA bank (off: the bank
+            holds only predicted and follow-up answers, as in sleep-time compute).
 
     Retrieval and prompt:
         similarity_threshold: tau in [0, 1] for QA-bank hits.
@@ -74,6 +76,7 @@ class PerCacheConfig:
     qa_bank: bool = True
     chunk_states: bool = True
     prediction: bool = True
+    store_answers: bool = True
 
     similarity_threshold: float = 0.85
     top_k: int = 3

@@ -522,7 +522,7 @@ class PerCache:
             timings=timings,
         )
         answer.similarity = best_similarity
-        if self.config.qa_bank and answer.text:
+        if self.config.qa_bank and self.config.store_answers and answer.text:
             clock = time.perf_counter()
             self.qa_bank.store(
                 question,

@@ -23,12 +23,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def default_data_folder() -> Path:
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
+    """``../shared/data`` beside the checkout, when present; else ``./data``."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return beside if beside.is_dir() else Path("data")
 
 
 def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, seed: int) -> list[User]:
-    """The first *users* users of *dataset* (by query count, then name), each with
-    *queries_per_user* queries sampled with *seed* and kept in order."""
+    """The first *users* users of *dataset* (fewest queries first, then by name), each with
+    *queries_per_user* queries sampled with *seed* and kept in their original order."""
     folder = data / dataset
     if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
         raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")

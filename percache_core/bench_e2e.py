@@ -1,0 +1,427 @@
+"""End-to-end evaluation: PerCache against single-stage and combined baselines.
+
+Every system is a configuration of the same pipeline (same retrieval, model, prompts and
+greedy decoding) and starts from an empty cache per user:
+
+    naive                 no cache
+    ragcache              chunk states only, reactive
+    meancache             QA bank only (plain cosine), reactive
+    sleeptime             QA bank filled only by predicted questions with answers
+    ragcache+meancache    both tiers, reactive
+    ragcache+sleeptime    chunk states (reactive) + QA bank of predicted answers
+    percache              both tiers, verified hits, predictive, scheduler
+
+Predictive systems run two knowledge-based rounds before the first question and a
+history-based round after each answer: idle time, reported apart and never overlapping a
+measured question. Metrics per user and system: latency (mean, p50, p95), TTFT, QA-bank
+hit rate, chunk-state prefix overlap, ROUGE-L against the references and against the naive
+system's answers, idle compute, cache bytes and a per-stage time breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import PerCacheConfig
+from .embedding import SentenceTransformerEmbedder
+from .eval_data import User, load_users
+from .kv.llama_cpp import LlamaEngine
+from .models import resolve_model_path
+from .pipeline import PerCache
+
+STAGES = ("embed", "qa_check", "retrieve", "restore", "prefill", "decode", "store_states", "store_qa")
+KINDS = {"qmsum": "meeting transcripts", "squad11-dev": "encyclopedia articles"}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    changes: dict[str, Any]
+    predictive: bool
+
+
+SYSTEMS = (
+    System("naive", {"qa_bank": False, "chunk_states": False}, False),
+    System("ragcache", {"qa_bank": False}, False),
+    System("meancache", {"chunk_states": False, "verifier": "none"}, False),
+    System("sleeptime", {"chunk_states": False, "store_answers": False, "verifier": "none"}, True),
+    System("ragcache+meancache", {"verifier": "none"}, False),
+    System("ragcache+sleeptime", {"store_answers": False, "verifier": "none", "strategy_cutoff": 1.0}, True),
+    System("percache", {}, True),
+)
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 of word sequences (longest common subsequence), in [0, 1].
+
+    >>> round(rouge_l("the rehearsal is on Thursday", "rehearsal on Thursday at 4"), 3)
+    0.6
+    """
+    a, b = candidate.lower().split(), reference.lower().split()
+    if not a or not b:
+        return 0.0
+    previous = [0] * (len(b) + 1)
+    for word in a:
+        current = [0]
+        for j, other in enumerate(b):
+            current.append(previous[j] + 1 if word == other else max(previous[j + 1], current[j]))
+        previous = current
+    lcs = previous[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(a), lcs / len(b)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p95": float("nan")}
+    array = np.asarray(values, dtype=float)
+    return {
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p95": float(np.percentile(array, 95)),
+    }
+
+
+def run_system(
+    user: User,
+    system: System,
+    base: PerCacheConfig,
+    engine: LlamaEngine,
+    embedder: Any,
+    folder: Path,
+    *,
+    stride: int,
+) -> dict[str, Any]:
+    """Answer the user's questions with one system; return per-query records and totals."""
+    config = base.replace(prediction=system.predictive, prediction_stride=stride, **system.changes)
+    records: list[dict[str, Any]] = []
+    idle_seconds, idle_prefill, idle_decode, predicted = 0.0, 0, 0, []
+    with PerCache.open(folder, config=config, engine=engine, embedder=embedder) as pc:
+        pc.add_documents(user.documents, split=False)
+
+        def idle(knowledge: bool) -> None:
+            nonlocal idle_seconds, idle_prefill, idle_decode
+            report = pc.warm(progress=False, knowledge_prediction=knowledge)
+            idle_seconds += report.seconds
+            idle_prefill += report.prefill_tokens
+            idle_decode += report.decode_tokens
+            predicted.append(len(set(report.predicted)))
+
+        if system.predictive:
+            idle(True)
+            idle(True)
+        for query in user.queries:
+            record: dict[str, Any] = {"qid": query["qid"], "question": query["question"]}
+            try:
+                answer = pc.answer(query["question"])
+                record.update(
+                    answer=answer.text,
+                    source=answer.source,
+                    latency_s=answer.latency_s,
+                    ttft_s=answer.ttft_s,
+                    prefix_overlap=answer.reused_chunks / max(1, len(answer.chunk_ids))
+                    if answer.source != "qa_bank"
+                    else None,
+                    rouge_reference=rouge_l(answer.text, query.get("answer", "")),
+                    stages={stage: answer.timings.get(stage, 0.0) for stage in STAGES},
+                )
+            except Exception as error:  # recorded, never skipped silently
+                record.update(error=f"{type(error).__name__}: {error}")
+            records.append(record)
+            if system.predictive:
+                idle(False)
+        stats = pc.stats()
+    return {
+        "records": records,
+        "idle": {
+            "seconds": idle_seconds,
+            "prefill_tokens": idle_prefill,
+            "decode_tokens": idle_decode,
+            "distinct_predicted_per_round": predicted,
+        },
+        "cache_bytes": {"qa_bank": stats["qa_bank"]["bytes"], "chunk_states": stats["chunk_states"]["bytes"]},
+    }
+
+
+def _totals(run: dict[str, Any], naive: dict[str, Any] | None) -> dict[str, Any]:
+    ok = [r for r in run["records"] if "error" not in r]
+    generated = [r for r in ok if r["source"] != "qa_bank"]
+    naive_answers = {r["qid"]: r.get("answer", "") for r in (naive or run)["records"]}
+    return {
+        "answered": len(ok),
+        "failures": len(run["records"]) - len(ok),
+        "latency_s": _summary([r["latency_s"] for r in ok]),
+        "ttft_s": _summary([r["ttft_s"] for r in ok]),
+        "qa_bank_hit_rate": sum(r["source"] == "qa_bank" for r in ok) / max(1, len(ok)),
+        "chunk_state_prefix_overlap": statistics.fmean(r["prefix_overlap"] for r in generated)
+        if generated
+        else 0.0,
+        "rouge_l_reference": statistics.fmean(r["rouge_reference"] for r in ok) if ok else 0.0,
+        "rouge_l_naive": statistics.fmean(rouge_l(r["answer"], naive_answers.get(r["qid"], "")) for r in ok)
+        if ok
+        else 0.0,
+        "stage_seconds_mean": {
+            s: statistics.fmean(r["stages"][s] for r in ok) if ok else 0.0 for s in STAGES
+        },
+        "idle": run["idle"],
+        "cache_bytes": run["cache_bytes"],
+    }
+
+
+def evaluate(
+    *,
+    data: Path,
+    qmsum_users: int,
+    squad_users: int,
+    queries_per_user: int,
+    seed: int = 0,
+    stride: int = 5,
+    max_new_tokens: int = 64,
+    systems: Sequence[System] = SYSTEMS,
+    taus: Sequence[float] = (),
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every system on every user; with *taus*, also PerCache's tau sweep on the first user."""
+    users: list[User] = []
+    for dataset, count in (("qmsum", qmsum_users), ("squad11-dev", squad_users)):
+        if count > 0:
+            users += load_users(data, dataset, users=count, queries_per_user=queries_per_user, seed=seed)
+    model_path = resolve_model_path(None)
+    engine = LlamaEngine(model_path)
+    engine.warm_up()
+    embedder = SentenceTransformerEmbedder()
+    embedder.embed(["warm-up"])
+    per_user: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    sweep: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="percache-e2e-") as temporary:
+            for user in users:
+                key = f"{user.dataset}/{user.name}"
+                base = PerCacheConfig(
+                    max_new_tokens=max_new_tokens,
+                    knowledge_kind=KINDS.get(user.dataset, "documents"),
+                    abstract_batches_per_round=4,
+                    seed=seed,
+                )
+                runs[key], per_user[key] = {}, {}
+                for system in systems:
+                    started = time.perf_counter()
+                    run = run_system(
+                        user,
+                        system,
+                        base,
+                        engine,
+                        embedder,
+                        Path(temporary) / f"{len(runs)}-{system.name}",
+                        stride=stride,
+                    )
+                    runs[key][system.name] = run
+                    per_user[key][system.name] = _totals(run, runs[key].get("naive"))
+                    row = per_user[key][system.name]
+                    progress(
+                        f"{key:<30} {system.name:<19} mean {row['latency_s']['mean']:6.3f}s  QA {row['qa_bank_hit_rate']:4.2f}"
+                        f"  overlap {row['chunk_state_prefix_overlap']:4.2f}  ROUGE-L {row['rouge_l_reference']:.3f}"
+                        f"  idle {row['idle']['seconds']:6.1f}s  ({time.perf_counter() - started:.0f}s)"
+                    )
+            if taus and users:
+                user = users[0]
+                percache = next(s for s in systems if s.name == "percache")
+                naive_run = runs[f"{user.dataset}/{user.name}"].get("naive")
+                for tau in taus:
+                    base = PerCacheConfig(
+                        max_new_tokens=max_new_tokens,
+                        similarity_threshold=tau,
+                        knowledge_kind=KINDS.get(user.dataset, "documents"),
+                        abstract_batches_per_round=4,
+                        seed=seed,
+                    )
+                    run = run_system(
+                        user, percache, base, engine, embedder, Path(temporary) / f"tau-{tau}", stride=stride
+                    )
+                    totals = _totals(run, naive_run)
+                    sweep.append(
+                        {
+                            "tau": tau,
+                            "latency_mean_s": totals["latency_s"]["mean"],
+                            "qa_bank_hit_rate": totals["qa_bank_hit_rate"],
+                            "rouge_l_reference": totals["rouge_l_reference"],
+                            "rouge_l_naive": totals["rouge_l_naive"],
+                        }
+                    )
+                    progress(
+                        f"tau {tau:.2f}: mean {totals['latency_s']['mean']:.3f}s QA {totals['qa_bank_hit_rate']:.2f} ROUGE-L {totals['rouge_l_reference']:.3f}"
+                    )
+    finally:
+        engine.close()
+    return {
+        "benchmark": "e2e",
+        "settings": {
+            "data": str(data),
+            "qmsum_users": qmsum_users,
+            "squad_users": squad_users,
+            "queries_per_user": queries_per_user,
+            "seed": seed,
+            "stride": stride,
+            "max_new_tokens": max_new_tokens,
+            "model": model_path.name,
+            "embedder": embedder.name,
+            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            "systems": {s.name: {"changes": s.changes, "predictive": s.predictive} for s in systems},
+        },
+        "per_user": per_user,
+        "queries": {
+            user: {name: run["records"] for name, run in systems_runs.items()}
+            for user, systems_runs in runs.items()
+        },
+        "reduction": reductions(per_user),
+        "tau_sweep": sweep,
+    }
+
+
+def reductions(per_user: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """PerCache's mean-latency reduction against naive and against the best other system."""
+    rows = {}
+    for user, systems in per_user.items():
+        if "percache" not in systems:
+            continue
+        ours = systems["percache"]["latency_s"]["mean"]
+        others = {
+            name: row["latency_s"]["mean"]
+            for name, row in systems.items()
+            if name not in ("percache", "naive")
+        }
+        best = min(others, key=others.get) if others else None
+        rows[user] = {
+            "vs_naive": 1 - ours / systems["naive"]["latency_s"]["mean"] if "naive" in systems else None,
+            "best_baseline": best,
+            "vs_best_baseline": 1 - ours / others[best] if best else None,
+            "lowest_of_all": all(ours <= value for value in others.values()),
+        }
+    values = [r for r in rows.values()]
+    return {
+        "per_user": rows,
+        "mean_vs_naive": statistics.fmean(r["vs_naive"] for r in values) if values else None,
+        "mean_vs_best_baseline": statistics.fmean(r["vs_best_baseline"] for r in values) if values else None,
+    }
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The summary table: mean latency, hit rates and ROUGE-L per system, averaged over users."""
+    names = list(next(iter(result["per_user"].values())).keys()) if result["per_user"] else []
+    lines = [
+        "| system | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | ROUGE-L vs naive | idle s/user |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        rows = [systems[name] for systems in result["per_user"].values()]
+
+        def mean(get: Callable[[dict[str, Any]], float], rows: list[dict[str, Any]] = rows) -> float:
+            return statistics.fmean(get(r) for r in rows)
+
+        lines.append(
+            f"| {name} | {mean(lambda r: r['latency_s']['mean']):.3f} | {mean(lambda r: r['latency_s']['p95']):.3f} "
+            f"| {mean(lambda r: r['ttft_s']['mean']):.3f} | {mean(lambda r: r['qa_bank_hit_rate']):.2f} "
+            f"| {mean(lambda r: r['chunk_state_prefix_overlap']):.2f} | {mean(lambda r: r['rouge_l_reference']):.3f} "
+            f"| {mean(lambda r: r['rouge_l_naive']):.3f} | {mean(lambda r: r['idle']['seconds']):.1f} |"
+        )
+    reduction = result["reduction"]
+    if reduction["mean_vs_naive"] is not None:
+        lines.append("")
+        lines.append(
+            f"PerCache mean latency: {reduction['mean_vs_naive']:.1%} below naive, "
+            f"{reduction['mean_vs_best_baseline']:.1%} below the best baseline (averaged over users)."
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], folder: Path) -> list[Path]:
+    """PNG figures: per-query latency of the showcase user, mean latency per user and
+    system, and the tau trade-off (when swept). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    users = list(result["queries"])
+    if users:
+        showcase = result["queries"][users[0]]
+        figure, axis = plt.subplots(figsize=(9, 4))
+        for name, records in showcase.items():
+            axis.plot([r.get("latency_s", np.nan) for r in records], marker="o", label=name)
+        axis.set(xlabel="query", ylabel="latency (s)", title=f"Per-query latency, {users[0]}")
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        written.append(folder / "per_query_latency.png")
+        figure.savefig(written[-1], dpi=120)
+        plt.close(figure)
+
+        figure, axis = plt.subplots(figsize=(10, 4))
+        names = list(result["per_user"][users[0]])
+        width = 0.8 / max(1, len(names))
+        for index, name in enumerate(names):
+            values = [result["per_user"][u][name]["latency_s"]["mean"] for u in users]
+            axis.bar(np.arange(len(users)) + index * width, values, width, label=name)
+        axis.set_xticks(
+            np.arange(len(users)) + 0.4 - width / 2, [u.split("/")[-1] for u in users], fontsize=7
+        )
+        axis.set(ylabel="mean latency (s)", title="Mean latency per user and system")
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        written.append(folder / "latency_per_user.png")
+        figure.savefig(written[-1], dpi=120)
+        plt.close(figure)
+    if result["tau_sweep"]:
+        sweep = result["tau_sweep"]
+        figure, left = plt.subplots(figsize=(6, 4))
+        taus = [row["tau"] for row in sweep]
+        left.plot(
+            taus, [row["latency_mean_s"] for row in sweep], marker="o", color="tab:blue", label="latency"
+        )
+        left.set(xlabel="tau", ylabel="mean latency (s)", title="Similarity threshold trade-off")
+        right = left.twinx()
+        right.plot(
+            taus,
+            [row["qa_bank_hit_rate"] for row in sweep],
+            marker="s",
+            color="tab:orange",
+            label="QA hit rate",
+        )
+        right.plot(
+            taus, [row["rouge_l_reference"] for row in sweep], marker="^", color="tab:green", label="ROUGE-L"
+        )
+        right.set(ylabel="rate / ROUGE-L")
+        figure.legend(fontsize=7, loc="upper center")
+        figure.tight_layout()
+        written.append(folder / "tau_tradeoff.png")
+        figure.savefig(written[-1], dpi=120)
+        plt.close(figure)
+    return written
+
+
+def write_report(result: dict[str, Any], out: Path) -> list[Path]:
+    """JSON, Markdown and PNGs into *out*'s folder; returns the files written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    table = out.with_suffix(".md")
+    table.write_text(markdown_table(result) + "\n")
+    written = [out, table]
+    try:
+        written += plot(result, out.parent / "plots")
+    except ImportError:
+        pass  # matplotlib is optional: pip install "percache[bench]"
+    return written

@@ -1,0 +1,87 @@
+"""The end-to-end evaluation on a tiny data set in the shared schema: every system answers
+every question, results repeat exactly with the same seed, and the report is written."""
+
+import json
+
+from percache_core.bench_e2e import SYSTEMS, evaluate, write_report
+
+DOCUMENTS = [
+    {
+        "user": "pat",
+        "doc_id": "m1#c000",
+        "text": "Pat: The kiln firing is on Wednesday at 6 pm. Lee: I will bring the glaze samples.",
+    },
+    {
+        "user": "pat",
+        "doc_id": "m1#c001",
+        "text": "Lee: The studio rent rises to 300 euros in October. Pat: We split it three ways.",
+    },
+    {
+        "user": "pat",
+        "doc_id": "m2#c000",
+        "text": "Pat: The pottery market is on 12 November in the old tram hall.",
+    },
+]
+QUERIES = [
+    {
+        "user": "pat",
+        "qid": "q1",
+        "question": "When is the kiln firing?",
+        "answer": "Wednesday at 6 pm.",
+        "gold_doc_ids": ["m1#c000"],
+    },
+    {
+        "user": "pat",
+        "qid": "q2",
+        "question": "When does the kiln firing happen?",
+        "answer": "Wednesday at 6 pm.",
+        "gold_doc_ids": ["m1#c000"],
+    },
+    {
+        "user": "pat",
+        "qid": "q3",
+        "question": "How much is the studio rent in October?",
+        "answer": "300 euros.",
+        "gold_doc_ids": ["m1#c001"],
+    },
+]
+
+
+def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
+    data = tmp_path / "data" / "qmsum"
+    data.mkdir(parents=True)
+    (data / "documents.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCUMENTS))
+    (data / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    systems = [s for s in SYSTEMS if s.name in ("naive", "ragcache+meancache", "percache")]
+    runs = [
+        evaluate(
+            data=tmp_path / "data",
+            qmsum_users=1,
+            squad_users=0,
+            queries_per_user=3,
+            stride=1,
+            max_new_tokens=12,
+            systems=systems,
+            progress=lambda line: None,
+        )
+        for _ in range(2)
+    ]
+    first, second = runs
+    for name in ("naive", "ragcache+meancache", "percache"):
+        records = first["queries"]["qmsum/pat"][name]
+        assert [r["qid"] for r in records] == ["q1", "q2", "q3"] and not any("error" in r for r in records)
+        again = second["queries"]["qmsum/pat"][name]
+        assert [(r["source"], r["answer"]) for r in records] == [(r["source"], r["answer"]) for r in again]
+    totals = first["per_user"]["qmsum/pat"]
+    assert totals["naive"]["qa_bank_hit_rate"] == 0 and totals["naive"]["rouge_l_naive"] == 1.0
+    assert totals["ragcache+meancache"]["qa_bank_hit_rate"] > 0  # q2 paraphrases q1
+    assert totals["percache"]["idle"]["seconds"] > 0 and totals["naive"]["idle"]["seconds"] == 0
+    assert set(totals["percache"]["stage_seconds_mean"]) >= {"embed", "retrieve", "prefill", "decode"}
+    written = write_report(first, tmp_path / "out" / "e2e.json")
+    assert {p.name for p in written} >= {
+        "e2e.json",
+        "e2e.md",
+        "per_query_latency.png",
+        "latency_per_user.png",
+    }
+    assert "| percache |" in (tmp_path / "out" / "e2e.md").read_text()
