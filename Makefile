@@ -7,7 +7,7 @@ STAMP := $(VENV)/.percache-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean redis-server
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/percache demo
 
-test: $(STAMP)
+# the shared-tier tests start their own redis-server processes on loopback ports
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing Debian's redis-server for the shared-tier tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+test: $(STAMP) redis-server
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

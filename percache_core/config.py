@@ -38,6 +38,14 @@ class PerCacheConfig:
             verifier_margin`` are verified (the verifier makes lower similarities safe).
         verifier_candidates: candidates verified per question, best first.
 
+    Shared tier (Redis; ``pip install "percache[redis]"``):
+        shared_url: ``redis://host:port/db`` or ``redis+cluster://host:port``; None: local only.
+        shared_namespace: tenant or user; other namespaces are invisible.
+        shared_secret: HMAC key that signs shared entries (required with a URL).
+        shared_write: also write local additions to the shared tier.
+        shared_timeout_s: per-call timeout; failures switch to local-only mode for a while.
+        shared_sync_interval_s: how often the local catalog and QA bank are synchronised.
+
     Generation (llama.cpp):
         model_path: a GGUF file; ``None`` uses the bundled Gemma 3 270M.
         n_ctx, n_batch, n_threads: llama.cpp context settings (``n_threads=None``: all cores).
@@ -86,6 +94,13 @@ class PerCacheConfig:
     verifier: str = "lexical"
     verifier_margin: float = 0.15
     verifier_candidates: int = 3
+
+    shared_url: str | None = None
+    shared_namespace: str = "default"
+    shared_secret: str | None = field(default=None, repr=False)
+    shared_write: bool = True
+    shared_timeout_s: float = 0.1
+    shared_sync_interval_s: float = 0.5
 
     model_path: str | None = None
     n_ctx: int = 2048
@@ -139,6 +154,10 @@ class PerCacheConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.shared_url is not None and not self.shared_secret:
+            raise ValueError("shared_url needs shared_secret (the HMAC key that signs shared entries)")
+        if self.shared_timeout_s <= 0 or self.shared_sync_interval_s <= 0:
+            raise ValueError("shared_timeout_s and shared_sync_interval_s must be positive")
         if self.verifier not in ("lexical", "none"):
             raise ValueError(f"verifier must be 'lexical' or 'none', got {self.verifier!r}")
         if self.verifier_candidates <= 0:

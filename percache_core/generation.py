@@ -20,6 +20,7 @@ from .kv.llama_cpp import LlamaEngine, Sampling
 from .kv.state_store import StateStore
 from .kv.tree import ChunkStateTree, StateNode, path_keys
 from .prompting import PromptLayout, PromptSpec, chunk_text, lay_out, rag_prompt, system_text
+from .shared.redis_tier import SharedTier
 from .stopping import StopStringFilter
 from .types import Chunk
 
@@ -66,6 +67,7 @@ class PromptRunner:
         self.config = config
         self.restore_failures = 0
         self.evictions = 0
+        self.shared: SharedTier | None = None  # a shared tier behind the local one
 
     def run(
         self,
@@ -235,7 +237,10 @@ class PromptRunner:
         return ordered + remaining
 
     def _restore(self, keys: list[str]) -> tuple[int, int]:
-        """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored."""
+        """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored.
+        A deeper prefix in the shared tier (per its catalog) is fetched and kept locally."""
+        if self.shared is not None:
+            self._fetch_shared(keys)
         for node in self.tree.match(keys):
             data = self.states.get(node.key)
             if data is not None and self.engine.load_state(data, node.n_tokens):
@@ -247,6 +252,28 @@ class PromptRunner:
             self.states.delete(node.key)
             self.restore_failures += 1
         return 0, 0
+
+    def _fetch_shared(self, keys: list[str]) -> None:
+        local = self.tree.match(keys)
+        local_depth = local[0].depth if local else 0
+        assert self.shared is not None
+        for depth in range(len(keys), local_depth, -1):
+            key = keys[depth - 1]
+            if not self.shared.available or not self.shared.might_have_state(key):
+                continue
+            fetched = self.shared.fetch_state(key, self.tree.root_key)
+            if fetched is not None:
+                node, data = fetched
+                self.states.put(node, data)
+                self.tree.insert(
+                    node.key,
+                    node.parent_key,
+                    depth=node.depth,
+                    n_tokens=node.n_tokens,
+                    label=node.label,
+                    size=node.size,
+                )
+                return
 
     def _keep_states(
         self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
@@ -261,6 +288,8 @@ class PromptRunner:
             self.tree.insert(
                 node.key, parent_key, depth=node.depth, n_tokens=n_tokens, label=label, size=len(data)
             )
+            if self.shared is not None:
+                self.shared.put_state(node, data)
 
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""

@@ -108,6 +108,7 @@ class KnowledgeBank:
         self._embeddings = np.zeros((0, 0), dtype=np.float32)
         self._documents: dict[str, str] = {}  # doc id -> sha1 of its text
         self._bm25 = None
+        self.last_replaced: set[str] = set()  # documents whose text changed in the last add
         self._load()
 
     def _load(self) -> None:
@@ -157,12 +158,14 @@ class KnowledgeBank:
         parsed = [_as_document(item) for item in documents]  # validate all before writing
         new_chunks: list[Chunk] = []
         with self._lock:
+            self.last_replaced = set()
             for document in parsed:
                 digest = hashlib.sha1(document.text.encode("utf-8")).hexdigest()
                 if self._documents.get(document.id) == digest:
                     continue
                 if document.id in self._documents:
                     self._remove_document(document.id)
+                    self.last_replaced.add(document.id)
                 texts = (
                     split_into_chunks(document.text, self._chunk_words) if split else [document.text.strip()]
                 )

@@ -32,6 +32,7 @@ from .models import resolve_model_path
 from .prompting import TEMPLATE_VERSION, PromptSpec
 from .qa_bank import QABank
 from .scheduler import Scheduler, WarmReport
+from .shared.redis_tier import SharedTier
 from .storage import Store
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 from .verifier import make_verifier
@@ -138,6 +139,7 @@ class PerCache:
             dimension=self._embedding_dimension(),
             budget_bytes=config.qa_bank_budget_bytes,
         )
+        self.shared = self._open_shared()
         self._states: StateStore | None = None
         self._tree: ChunkStateTree | None = None
         self._runner: PromptRunner | None = None
@@ -190,6 +192,8 @@ class PerCache:
         if self._closed:
             return
         self.stop_worker()
+        if self.shared is not None:
+            self.shared.close()
         self._closed = True
         self.qa_bank.close()
         self.knowledge.close()
@@ -233,6 +237,37 @@ class PerCache:
         self.embedder.embed(["warm-up"])
         self.engine.warm_up()
         self._open_states()
+
+    def _open_shared(self) -> SharedTier | None:
+        """The Redis tier behind the local one, when ``shared_url`` is set."""
+        config = self.config
+        if config.shared_url is None:
+            return None
+        shared = SharedTier(
+            config.shared_url,
+            namespace=config.shared_namespace,
+            secret=config.shared_secret or "",
+            write=config.shared_write,
+            timeout_s=config.shared_timeout_s,
+            sync_interval_s=config.shared_sync_interval_s,
+        )
+
+        def receive(entry: QAEntry) -> None:
+            self.qa_bank.store(
+                entry.question,
+                entry.embedding,
+                entry.answer,
+                chunk_ids=entry.chunk_ids,
+                metadata=entry.metadata,
+            )
+
+        def share(entry: QAEntry) -> None:
+            if entry.metadata.get("origin") != "shared":
+                shared.put_qa(entry)
+
+        shared.bind_qa(self.embedder.name, receive)
+        self.qa_bank.listener = share
+        return shared.start()
 
     # -- the model and the chunk-state tier -----------------------------------------------
 
@@ -282,6 +317,9 @@ class PerCache:
                 states = StateStore(self.folder / "states", engine.fingerprint(TEMPLATE_VERSION))
                 self._tree = states.load_tree()
                 self._runner = PromptRunner(engine, self._tree, states, self.config)
+                if self.shared is not None:
+                    self.shared.bind_states(states.fingerprint)
+                    self._runner.shared = self.shared
                 self._states = states
 
     # -- knowledge ------------------------------------------------------------------------
@@ -298,7 +336,7 @@ class PerCache:
         self.last_activity = time.monotonic()
         chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
         if chunks and self.config.qa_bank:
-            self.scheduler.mark_stale(chunks)
+            self.scheduler.mark_stale(chunks, self.knowledge.last_replaced)
         return chunks
 
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
@@ -745,6 +783,8 @@ class PerCache:
         }
         summary["knowledge"] = {"chunks": len(self.knowledge)}
         summary["idle"] = self.scheduler.stats()
+        if self.shared is not None:
+            summary["shared"] = self.shared.stats()
         if self._tree is not None and self._states is not None:
             summary["chunk_states"] = {
                 "nodes": len(self._tree),

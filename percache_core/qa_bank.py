@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,6 +111,7 @@ class QABank:
         self._dirty: set[str] = set()
         self.bytes = 0
         self.evictions = 0
+        self.listener: Callable[[QAEntry], None] | None = None  # told of each stored answer
         for key in list(store.keys(_PREFIX)):
             record = store.get(key)
             if record is None or np.asarray(record["embedding"]).shape != (dimension,):
@@ -290,7 +291,8 @@ class QABank:
             size = self._write(entry)
             self._append(entry, size)
             self._enforce_budget(keep=entry.id)
-            return entry
+        self._notify(entry)
+        return entry
 
     def correct(
         self,
@@ -315,7 +317,12 @@ class QABank:
             self._servable[row] = entry.servable
             self._dirty.discard(entry_id)
             self._enforce_budget(keep=entry_id)
-            return entry
+        self._notify(entry)
+        return entry
+
+    def _notify(self, entry: QAEntry) -> None:
+        if self.listener is not None:
+            self.listener(entry)
 
     def drop(self, entry_id: str) -> bool:
         """Remove an entry; return whether it existed."""

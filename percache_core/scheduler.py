@@ -121,8 +121,13 @@ class Scheduler:
         if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
             self.followups.append((question, embedding))
 
-    def mark_stale(self, new_chunks: Sequence[Chunk]) -> int:
-        """Mark answered entries for which a new chunk now ranks in the top-k as stale."""
+    def mark_stale(self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()) -> int:
+        """Mark answered entries for which new information now ranks in the top-k as stale.
+
+        New information is a new chunk that is not one of the entry's own sources, or a
+        chunk of a document whose text was replaced. (A document that is new to this cache
+        but was the source of an entry, as with entries shared by another device, is not.)
+        """
         pc = self._pc
         if not new_chunks:
             return 0
@@ -135,11 +140,17 @@ class Scheduler:
         scores = np.stack([e.embedding for e in entries]) @ matrix.T
         k = min(pc.config.top_k, scores.shape[1])
         kth_best = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
-        stale = scores[:, new_columns].max(axis=1) >= kth_best
-        for entry, is_stale in zip(entries, stale):
-            if is_stale:
-                pc.qa_bank.correct(entry.id, entry.answer, stale=True)
-        return int(stale.sum())
+        marked = 0
+        for row, entry in enumerate(entries):
+            sources = set(entry.chunk_ids)
+            for column in new_columns:
+                chunk = chunks[column]
+                is_new_information = chunk.id not in sources or chunk.doc_id in replaced_documents
+                if is_new_information and scores[row, column] >= kth_best[row]:
+                    pc.qa_bank.correct(entry.id, entry.answer, stale=True)
+                    marked += 1
+                    break
+        return marked
 
     # -- planning -------------------------------------------------------------------------
 

@@ -1,0 +1,352 @@
+"""The shared tier on Redis (standalone, or Redis Cluster with a ``redis+cluster://`` URL).
+
+Layout (every key starts with ``percache:<namespace>:``, so tenants never meet):
+
+    <fp>:state:<node key>   a signed envelope: node header + state bytes
+    <fp>:catalog            a stream of the node keys added (the master catalog)
+    <emb>:qa:<entry id>     a signed envelope: question, answer, chunk ids + embedding
+    <emb>:qa-catalog        a stream of the QA entry ids added
+
+``<fp>`` is the engine fingerprint (model file, llama.cpp build, context settings,
+template), ``<emb>`` a digest of the embedder's name. Each client keeps a local Bloom
+filter of the catalog, synchronised by a background thread, so it asks Redis for a state
+only when the catalog says it is there; a false positive costs one wasted fetch. The same
+thread pulls new QA entries, with their embeddings, into the local QA bank.
+
+Every call has a short timeout and goes through a circuit breaker: when Redis is down,
+slow or restarting, the client works locally and says so in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import missing_dependency
+from ..kv.tree import StateNode
+from ..types import QAEntry
+from .bloom import BloomFilter
+from .breaker import CircuitBreaker
+from .envelope import open_envelope, seal
+
+logger = logging.getLogger(__name__)
+
+_STREAM_BATCH = 1000
+
+
+@dataclass
+class SharedCounters:
+    catalog_misses: int = 0  # the catalog said "absent": no network round trip
+    fetches: int = 0
+    hits: int = 0
+    wasted_fetches: int = 0  # the catalog said "present" but Redis had nothing
+    rejected: int = 0  # tampered, unsigned or foreign entries dropped
+    writes: int = 0
+    failures: int = 0
+    skipped_while_open: int = 0
+    qa_synced: int = 0
+
+
+def _connect(url: str, timeout_s: float) -> Any:
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError as error:
+        raise missing_dependency("redis", "redis") from error
+    options = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if "+cluster://" in url:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url.replace("+cluster://", "://"), **options)
+    return redis.Redis.from_url(url, **options)
+
+
+class SharedTier:
+    """One client's view of the shared tier.
+
+    Args:
+        url: ``redis://host:port/db`` or ``redis+cluster://host:port``.
+        namespace: a tenant or user; entries of other namespaces are invisible.
+        secret: the HMAC key; entries not signed with it are dropped.
+        write: also write local additions to the shared tier.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str,
+        secret: str,
+        write: bool = True,
+        timeout_s: float = 0.1,
+        sync_interval_s: float = 0.5,
+        bloom_capacity: int = 200_000,
+        bloom_false_positive_rate: float = 0.01,
+        breaker_cooldown_s: float = 5.0,
+    ) -> None:
+        if not secret:
+            raise ValueError("a shared tier needs a secret to sign its entries")
+        self.url = url
+        self.namespace = namespace
+        self._secret = secret.encode("utf-8")
+        self.write = write
+        self._timeout_s = timeout_s
+        self._sync_interval_s = sync_interval_s
+        self._bloom_capacity = bloom_capacity
+        self.bloom = BloomFilter(bloom_capacity, bloom_false_positive_rate)
+        self.breaker = CircuitBreaker(threshold=3, cooldown_s=breaker_cooldown_s)
+        self.counters = SharedCounters()
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._fingerprint: str | None = None
+        self._embedder_id: str | None = None
+        self._on_qa_entry: Callable[[QAEntry], None] | None = None
+        self._stream_ids: dict[str, str] = {}
+        self._own_entries: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def _key(self, *parts: str) -> str:
+        return ":".join(("percache", self.namespace, *parts))
+
+    def _state_key(self, node_key: str) -> str:
+        assert self._fingerprint is not None
+        return self._key(self._fingerprint[:32], "state", node_key)
+
+    def _state_catalog(self) -> str:
+        assert self._fingerprint is not None
+        return self._key(self._fingerprint[:32], "catalog")
+
+    def _qa_key(self, entry_id: str) -> str:
+        assert self._embedder_id is not None
+        return self._key(self._embedder_id, "qa", entry_id)
+
+    def _qa_catalog(self) -> str:
+        assert self._embedder_id is not None
+        return self._key(self._embedder_id, "qa-catalog")
+
+    # -- binding and the sync thread ------------------------------------------------------
+
+    def bind_states(self, fingerprint: str) -> None:
+        """Share chunk states of this engine fingerprint."""
+        self._fingerprint = fingerprint
+
+    def bind_qa(self, embedder_name: str, on_entry: Callable[[QAEntry], None]) -> None:
+        """Share QA entries of this embedder; *on_entry* receives entries of other clients."""
+        self._embedder_id = hashlib.sha256(embedder_name.encode("utf-8")).hexdigest()[:16]
+        self._on_qa_entry = on_entry
+
+    def start(self) -> SharedTier:
+        """Start the catalog synchronisation thread (one sync runs at once, first)."""
+        self.sync()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="percache-shared-sync", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._sync_interval_s):
+            self.sync()
+
+    def sync(self) -> None:
+        """Read new catalog entries: node keys into the Bloom filter, QA entries into the
+        local QA bank."""
+        if self._fingerprint is not None:
+            for fields in self._read_stream(self._state_catalog()):
+                self.bloom.add(fields.get(b"k", b"").decode("utf-8", "replace"))
+        if self._embedder_id is not None and self._on_qa_entry is not None:
+            for fields in self._read_stream(self._qa_catalog()):
+                entry_id = fields.get(b"k", b"").decode("utf-8", "replace")
+                if entry_id and entry_id not in self._own_entries:
+                    entry = self._fetch_qa(entry_id)
+                    if entry is not None:
+                        self._on_qa_entry(entry)
+                        self.counters.qa_synced += 1
+
+    def _read_stream(self, stream: str) -> list[dict[bytes, bytes]]:
+        last = self._stream_ids.get(stream, "0-0")
+        found: list[dict[bytes, bytes]] = []
+        while True:
+            reply = self._call(lambda client, last=last: client.xread({stream: last}, count=_STREAM_BATCH))
+            if not reply:
+                break
+            _, messages = reply[0]
+            for message_id, fields in messages:
+                last = message_id.decode() if isinstance(message_id, bytes) else message_id
+                found.append(fields)
+            if len(messages) < _STREAM_BATCH:
+                break
+        self._stream_ids[stream] = last
+        return found
+
+    # -- calls through the breaker --------------------------------------------------------
+
+    def _call(self, operation: Callable[[Any], Any]) -> Any:
+        if not self.breaker.allow():
+            self.counters.skipped_while_open += 1
+            return None
+        try:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = _connect(self.url, self._timeout_s)
+                client = self._client
+            result = operation(client)
+        except Exception as error:  # any Redis or network failure: local-only for now
+            self.counters.failures += 1
+            self.breaker.failure()
+            logger.debug("shared tier call failed: %s", error)
+            if self.breaker.state == "open":
+                with self._client_lock:
+                    self._client = None  # reconnect (maybe to a restarted server) later
+            return None
+        self.breaker.success()
+        return result
+
+    @property
+    def available(self) -> bool:
+        return self.breaker.allow()
+
+    # -- chunk states ---------------------------------------------------------------------
+
+    def might_have_state(self, node_key: str) -> bool:
+        """The catalog's answer: False means certainly absent (no network call made)."""
+        present = node_key in self.bloom
+        if not present:
+            self.counters.catalog_misses += 1
+        return present
+
+    def fetch_state(self, node_key: str, fingerprint: str) -> tuple[StateNode, bytes] | None:
+        """The verified node and state bytes for *node_key*, or None."""
+        self.counters.fetches += 1
+        key = self._state_key(node_key)
+        data = self._call(lambda client: client.get(key))
+        if data is None:
+            self.counters.wasted_fetches += 1
+            return None
+        opened = open_envelope(self._secret, key, data)
+        if opened is None:
+            self.counters.rejected += 1
+            logger.warning("shared chunk state %s failed verification: dropped", node_key)
+            return None
+        header, payload = opened
+        if (
+            header.get("fingerprint") != fingerprint
+            or header.get("key") != node_key
+            or len(payload) != header.get("size")
+        ):
+            self.counters.rejected += 1
+            return None
+        self.counters.hits += 1
+        node = StateNode(
+            node_key, header["parent_key"], header["depth"], header["n_tokens"], header["label"], len(payload)
+        )
+        return node, payload
+
+    def put_state(self, node: StateNode, data: bytes) -> None:
+        """Write a node's state and announce it in the catalog."""
+        if not self.write or self._fingerprint is None:
+            return
+        key = self._state_key(node.key)
+        header = {
+            "key": node.key,
+            "parent_key": node.parent_key,
+            "depth": node.depth,
+            "n_tokens": node.n_tokens,
+            "label": node.label,
+            "size": len(data),
+            "fingerprint": self._fingerprint,
+        }
+        envelope = seal(self._secret, key, header, data)
+        catalog = self._state_catalog()
+        if self._call(lambda client: client.set(key, envelope)) is not None:
+            self._call(
+                lambda client: client.xadd(
+                    catalog, {"k": node.key}, maxlen=self._bloom_capacity, approximate=True
+                )
+            )
+            self.bloom.add(node.key)
+            self.counters.writes += 1
+
+    # -- QA entries -----------------------------------------------------------------------
+
+    def put_qa(self, entry: QAEntry) -> None:
+        """Share an answered entry (pending and stale ones are not shared)."""
+        if not self.write or self._embedder_id is None or not entry.servable:
+            return
+        key = self._qa_key(entry.id)
+        header = {
+            "id": entry.id,
+            "question": entry.question,
+            "answer": entry.answer,
+            "chunk_ids": list(entry.chunk_ids),
+            "scope": entry.metadata.get("scope"),
+        }
+        envelope = seal(self._secret, key, header, np.asarray(entry.embedding, dtype=np.float32).tobytes())
+        catalog = self._qa_catalog()
+        self._own_entries.add(entry.id)
+        if self._call(lambda client: client.set(key, envelope)) is not None:
+            self._call(
+                lambda client: client.xadd(
+                    catalog, {"k": entry.id}, maxlen=self._bloom_capacity, approximate=True
+                )
+            )
+            self.counters.writes += 1
+
+    def _fetch_qa(self, entry_id: str) -> QAEntry | None:
+        key = self._qa_key(entry_id)
+        opened = open_envelope(self._secret, key, self._call(lambda client: client.get(key)))
+        if opened is None:
+            self.counters.rejected += 1
+            return None
+        header, payload = opened
+        if header.get("id") != entry_id or not isinstance(header.get("answer"), str):
+            self.counters.rejected += 1
+            return None
+        metadata = {"origin": "shared", "shared_id": entry_id}
+        if header.get("scope"):
+            metadata["scope"] = header["scope"]
+        return QAEntry(
+            id=entry_id,
+            question=header["question"],
+            embedding=np.frombuffer(payload, dtype=np.float32).copy(),
+            answer=header["answer"],
+            chunk_ids=tuple(header.get("chunk_ids") or ()),
+            metadata=metadata,
+            created_at=time.time(),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "namespace": self.namespace,
+            "breaker": self.breaker.state,
+            "breaker_trips": self.breaker.trips,
+            "catalog_keys": self.bloom.count,
+            "catalog_false_positive_rate_configured": self.bloom.false_positive_rate,
+            "catalog_false_positive_rate_expected": self.bloom.expected_false_positive_rate(),
+            **asdict(self.counters),
+        }

@@ -1,0 +1,76 @@
+"""Redis servers for the tests: started on free loopback ports, stopped afterwards."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_ping(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if redis.Redis(port=port, socket_timeout=0.2).ping():
+                return
+        except redis.RedisError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not start")
+
+
+class RedisServer:
+    """One redis-server process without persistence, on 127.0.0.1."""
+
+    def __init__(self, folder: Path, port: int | None = None, *, cluster: bool = False) -> None:
+        self.folder = folder
+        self.port = port or free_port()
+        self.cluster = cluster
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> RedisServer:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        command = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                   "--save", "", "--appendonly", "no", "--dir", str(self.folder)]
+        if self.cluster:
+            command += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_ping(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+def start_cluster(folder: Path, nodes: int = 3) -> list[RedisServer]:
+    """A Redis Cluster of *nodes* masters (no replicas)."""
+    servers = [RedisServer(folder / f"node{i}", cluster=True).start() for i in range(nodes)]
+    subprocess.run(
+        [shutil.which("redis-cli") or "redis-cli", "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in servers],
+         "--cluster-replicas", "0", "--cluster-yes"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = redis.Redis(port=servers[0].port).cluster("info")
+        state = info.get("cluster_state") if isinstance(info, dict) else info
+        if state == "ok" or (isinstance(state, (str, bytes)) and b"cluster_state:ok" in (state if isinstance(state, bytes) else state.encode())):
+            return servers
+        time.sleep(0.1)
+    raise RuntimeError("the test Redis Cluster did not become ready")

@@ -1,0 +1,147 @@
+"""The shared tier on real redis-server processes: standalone and a 3-node cluster."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from percache_core import PerCache, PerCacheConfig
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (make test installs it)")
+
+from .redis_servers import RedisServer, start_cluster  # noqa: E402
+
+SECRET = "test-secret"
+QUESTION = "When is the presentation rehearsal for the launch talk?"
+PARAPHRASE = "When is the rehearsal for the launch presentation?"
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    servers = start_cluster(tmp_path_factory.mktemp("cluster"))
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def shared(url: str, namespace: str = "team", **changes) -> dict:
+    return dict(shared_url=url, shared_secret=SECRET, shared_namespace=namespace, shared_sync_interval_s=0.1, **changes)
+
+
+def wait_until(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def populate_in_another_process(url: str, folder) -> None:
+    script = textwrap.dedent(f"""
+        from percache_core import PerCache, PerCacheConfig
+        from percache_core.cli import demo_corpus
+        config = PerCacheConfig(max_new_tokens=24, shared_url={url!r}, shared_secret={SECRET!r}, shared_namespace="team")
+        with PerCache.open({str(folder)!r}, config=config) as pc:
+            pc.add_documents(demo_corpus()["documents"])
+            pc.answer({QUESTION!r})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+def test_process_b_reuses_what_process_a_populated(kind, request, make_cache, tmp_path):
+    url = request.getfixturevalue("standalone").url if kind == "standalone" else f"redis+cluster://127.0.0.1:{request.getfixturevalue('cluster')[0].port}"
+    reference = make_cache("reference", qa_bank=False, chunk_states=False).answer(QUESTION).text
+    populate_in_another_process(url, tmp_path / "a")  # process A: its own cache folder and model
+
+    qa_client = make_cache("b-qa", **shared(url))
+    wait_until(lambda: len(qa_client.qa_bank) >= 1)
+    hit = qa_client.answer(PARAPHRASE)
+    assert hit.source == "qa_bank" and hit.matched_question == QUESTION
+
+    states_client = make_cache("b-states", qa_bank=False, **shared(url))
+    states_client.preload()  # binds the engine fingerprint, so the state catalog syncs
+    wait_until(lambda: states_client.shared.bloom.count >= 4)
+    answer = states_client.answer(QUESTION)
+    assert answer.source == "chunk_states" and answer.reused_chunks == len(answer.chunk_ids)
+    assert answer.text == reference
+    assert states_client.stats()["shared"]["hits"] == 1
+
+
+def test_namespaces_and_fingerprints_never_meet(standalone, make_cache, model_path, embedder):
+    writer = make_cache("alice", **shared(standalone.url, "alice"))
+    writer.answer(QUESTION)
+    reader = make_cache("bob", qa_bank=True, **shared(standalone.url, "bob"))
+    reader.preload()
+    time.sleep(0.5)
+    assert len(reader.qa_bank) == 0
+    answer = reader.answer(QUESTION)
+    assert answer.source == "full" and answer.reused_tokens == 0
+
+    from percache_core.kv.llama_cpp import LlamaEngine
+
+    other = LlamaEngine(model_path, n_batch=256)  # another configuration: another fingerprint
+    try:
+        config = PerCacheConfig(max_new_tokens=24, qa_bank=False, **shared(standalone.url, "alice"))
+        with PerCache.open(writer.folder.parent / "alice-256", config=config, engine=other, embedder=embedder) as foreign:
+            foreign.add_documents([{"id": c.doc_id, "text": c.text} for c in writer.knowledge.chunks], split=False)
+            result = foreign.answer(QUESTION)
+            assert result.reused_tokens == 0 and foreign.stats()["shared"]["hits"] == 0
+    finally:
+        other.close()
+
+
+def test_tampered_or_unsigned_entries_are_never_served(standalone, make_cache):
+    import redis
+
+    writer = make_cache("w", **shared(standalone.url, "tamper"))
+    original = writer.answer(QUESTION)
+    client = redis.Redis.from_url(standalone.url)
+    keys = client.keys("percache:tamper:*")
+    for key in keys:
+        if b":qa:" in key:
+            value = client.get(key)
+            client.set(key, value.replace(original.text.encode(), b"Never, it was cancelled."))
+        elif b":state:" in key:
+            value = bytearray(client.get(key))
+            value[len(value) // 2] ^= 0xFF
+            client.set(key, bytes(value))
+    reader = make_cache("r", **shared(standalone.url, "tamper"))
+    time.sleep(0.5)
+    assert all("cancelled" not in (e.answer or "") for e in reader.qa_bank.entries)
+    answer = reader.answer(QUESTION)
+    assert answer.source == "full" and answer.text == original.text
+    assert reader.stats()["shared"]["rejected"] >= 1
+
+
+def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_cache):
+    server = RedisServer(tmp_path / "dying").start()
+    try:
+        pc = make_cache("dies", **shared(server.url, "faults", shared_timeout_s=0.05))
+        expected = pc.answer(QUESTION).text
+        pc.shared.breaker.cooldown_s = 0.3
+        server.stop()
+        for question in (QUESTION, "Which room is the launch talk rehearsal in?", "When is my dentist appointment?"):
+            assert pc.answer(question, similarity_threshold=1.0).text
+        assert pc.answer(QUESTION).text == expected
+        stats = pc.stats()["shared"]
+        assert stats["failures"] >= 1 and stats["breaker_trips"] >= 1
+        server.start()
+        time.sleep(0.4)
+        writes = pc.stats()["shared"]["writes"]
+        wait_until(lambda: (pc.answer("What is my flight booking reference?", similarity_threshold=1.0) and pc.stats()["shared"]["writes"] > writes))
+        other = make_cache("after-restart", **shared(server.url, "faults"))
+        wait_until(lambda: any(e.question == "What is my flight booking reference?" for e in other.qa_bank.entries))
+    finally:
+        server.stop()
