@@ -121,7 +121,9 @@ class Scheduler:
         if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
             self.followups.append((question, embedding))
 
-    def mark_stale(self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()) -> int:
+    def mark_stale(
+        self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()
+    ) -> int:
         """Mark answered entries for which new information now ranks in the top-k as stale.
 
         New information is a new chunk that is not one of the entry's own sources, or a

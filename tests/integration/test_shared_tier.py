@@ -12,9 +12,11 @@ import pytest
 
 from percache_core import PerCache, PerCacheConfig
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (make test installs it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server is not installed (make test installs it)"
+)
 
-from .redis_servers import RedisServer, start_cluster  # noqa: E402
+from percache_core.shared.local_redis import RedisServer, start_cluster  # noqa: E402
 
 SECRET = "test-secret"
 QUESTION = "When is the presentation rehearsal for the launch talk?"
@@ -37,7 +39,13 @@ def cluster(tmp_path_factory):
 
 
 def shared(url: str, namespace: str = "team", **changes) -> dict:
-    return dict(shared_url=url, shared_secret=SECRET, shared_namespace=namespace, shared_sync_interval_s=0.1, **changes)
+    return dict(
+        shared_url=url,
+        shared_secret=SECRET,
+        shared_namespace=namespace,
+        shared_sync_interval_s=0.1,
+        **changes,
+    )
 
 
 def wait_until(condition, timeout_s: float = 15.0) -> None:
@@ -61,7 +69,11 @@ def populate_in_another_process(url: str, folder) -> None:
 
 @pytest.mark.parametrize("kind", ["standalone", "cluster"])
 def test_process_b_reuses_what_process_a_populated(kind, request, make_cache, tmp_path):
-    url = request.getfixturevalue("standalone").url if kind == "standalone" else f"redis+cluster://127.0.0.1:{request.getfixturevalue('cluster')[0].port}"
+    url = (
+        request.getfixturevalue("standalone").url
+        if kind == "standalone"
+        else f"redis+cluster://127.0.0.1:{request.getfixturevalue('cluster')[0].port}"
+    )
     reference = make_cache("reference", qa_bank=False, chunk_states=False).answer(QUESTION).text
     populate_in_another_process(url, tmp_path / "a")  # process A: its own cache folder and model
 
@@ -94,8 +106,12 @@ def test_namespaces_and_fingerprints_never_meet(standalone, make_cache, model_pa
     other = LlamaEngine(model_path, n_batch=256)  # another configuration: another fingerprint
     try:
         config = PerCacheConfig(max_new_tokens=24, qa_bank=False, **shared(standalone.url, "alice"))
-        with PerCache.open(writer.folder.parent / "alice-256", config=config, engine=other, embedder=embedder) as foreign:
-            foreign.add_documents([{"id": c.doc_id, "text": c.text} for c in writer.knowledge.chunks], split=False)
+        with PerCache.open(
+            writer.folder.parent / "alice-256", config=config, engine=other, embedder=embedder
+        ) as foreign:
+            foreign.add_documents(
+                [{"id": c.doc_id, "text": c.text} for c in writer.knowledge.chunks], split=False
+            )
             result = foreign.answer(QUESTION)
             assert result.reused_tokens == 0 and foreign.stats()["shared"]["hits"] == 0
     finally:
@@ -132,7 +148,11 @@ def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_ca
         expected = pc.answer(QUESTION).text
         pc.shared.breaker.cooldown_s = 0.3
         server.stop()
-        for question in (QUESTION, "Which room is the launch talk rehearsal in?", "When is my dentist appointment?"):
+        for question in (
+            QUESTION,
+            "Which room is the launch talk rehearsal in?",
+            "When is my dentist appointment?",
+        ):
             assert pc.answer(question, similarity_threshold=1.0).text
         assert pc.answer(QUESTION).text == expected
         stats = pc.stats()["shared"]
@@ -140,8 +160,15 @@ def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_ca
         server.start()
         time.sleep(0.4)
         writes = pc.stats()["shared"]["writes"]
-        wait_until(lambda: (pc.answer("What is my flight booking reference?", similarity_threshold=1.0) and pc.stats()["shared"]["writes"] > writes))
+        wait_until(
+            lambda: (
+                pc.answer("What is my flight booking reference?", similarity_threshold=1.0)
+                and pc.stats()["shared"]["writes"] > writes
+            )
+        )
         other = make_cache("after-restart", **shared(server.url, "faults"))
-        wait_until(lambda: any(e.question == "What is my flight booking reference?" for e in other.qa_bank.entries))
+        wait_until(
+            lambda: any(e.question == "What is my flight booking reference?" for e in other.qa_bank.entries)
+        )
     finally:
         server.stop()
