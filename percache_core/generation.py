@@ -192,15 +192,17 @@ class PromptRunner:
         should_stop: StopCheck | None = None,
     ) -> tuple[str, int, int]:
         """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated)."""
-        pieces = complete_text(
-            self.engine,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            stop=stop,
-            chat=chat,
-            should_stop=should_stop,
+        pieces = list(
+            stream_text(
+                self.engine,
+                prompt,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+                stop=stop,
+                chat=chat,
+                should_stop=should_stop,
+            )
         )
         text = "".join(piece for piece in pieces if isinstance(piece, str))
         counts = pieces[-1]
@@ -299,39 +301,6 @@ class PromptRunner:
         self.evictions += len(evicted)
 
 
-def complete_text(
-    engine: LlamaEngine,
-    prompt: str,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop: Sequence[str] = (),
-    chat: bool = False,
-    should_stop: StopCheck | None = None,
-) -> list[str | tuple[int, int]]:
-    """Complete *prompt* on *engine* without chunk states (for plain LLM calls).
-
-    Returns the shown text pieces followed by ``(prompt tokens, generated tokens)``. With
-    ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is tokenized
-    as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
-    """
-    return list(
-        stream_text(
-            engine,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            chat=chat,
-            should_stop=should_stop,
-        )
-    )
-
-
 def stream_text(
     engine: LlamaEngine,
     prompt: str,
@@ -344,7 +313,12 @@ def stream_text(
     chat: bool = False,
     should_stop: StopCheck | None = None,
 ) -> Generator[str | tuple[int, int], None, None]:
-    """Like :func:`complete_text`, yielding pieces as they are decoded."""
+    """Complete *prompt* on *engine* without chunk states (plain LLM calls), yielding the
+    shown text pieces as they are decoded and finally ``(prompt tokens, generated tokens)``.
+
+    With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
+    tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
+    """
     with engine.lock:
         tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
         tokens = tokens[-(engine.n_ctx - max_new_tokens) :]

@@ -19,7 +19,7 @@ from langchain_core.load import dumps, loads
 
 from percache_core import PerCache
 
-from .recorder import recorder_for
+from .recorder import as_percache, recorder_for
 
 _ORIGIN = "langchain-cache"
 
@@ -35,9 +35,7 @@ class PerCacheSemanticCache(BaseCache):
     """
 
     def __init__(self, percache: PerCache, *, similarity_threshold: float | None = None) -> None:
-        if not isinstance(percache, PerCache):
-            raise TypeError(f"percache must be a PerCache, got {type(percache).__name__}")
-        self._percache = percache
+        self._percache = as_percache(percache)
         self._threshold = similarity_threshold
 
     def _key(self, prompt: str) -> str:

@@ -18,7 +18,7 @@ from pydantic import ConfigDict, field_validator
 
 from percache_core import Chunk, PerCache
 
-from .recorder import recorder_for
+from .recorder import as_percache, recorder_for
 from .retriever import _document_id
 
 
@@ -33,9 +33,7 @@ class PerCacheLlamaCpp(LLM):
     @field_validator("percache")
     @classmethod
     def _check_percache(cls, value: Any) -> PerCache:
-        if not isinstance(value, PerCache):
-            raise TypeError(f"percache must be a PerCache, got {type(value).__name__}")
-        return value
+        return as_percache(value)
 
     @property
     def _llm_type(self) -> str:

@@ -66,3 +66,10 @@ def recorder_for(percache: PerCache) -> RetrievalRecorder:
         if percache not in _recorders:
             _recorders[percache] = RetrievalRecorder()
         return _recorders[percache]
+
+
+def as_percache(value: object) -> PerCache:
+    """*value* if it is a PerCache (for the components' validators), else TypeError."""
+    if not isinstance(value, PerCache):
+        raise TypeError(f"percache must be a PerCache, got {type(value).__name__}")
+    return value

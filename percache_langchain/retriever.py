@@ -13,7 +13,7 @@ from pydantic import ConfigDict, field_validator
 
 from percache_core import PerCache
 
-from .recorder import recorder_for
+from .recorder import as_percache, recorder_for
 
 
 def _document_id(document: Document) -> str:
@@ -36,9 +36,7 @@ class PerCacheRetriever(BaseRetriever):
     @field_validator("percache")
     @classmethod
     def _check_percache(cls, value: Any) -> PerCache:
-        if not isinstance(value, PerCache):
-            raise TypeError(f"percache must be a PerCache, got {type(value).__name__}")
-        return value
+        return as_percache(value)
 
     def _keep(self, query: str, documents: list[Document]) -> list[Document]:
         recorder_for(self.percache).record(query, documents)

@@ -291,6 +291,16 @@ class SharedTier:
             self.bloom.add(node.key)
             self.counters.writes += 1
 
+    def _publish(self, key: str, envelope: bytes, catalog: str, item: str) -> bool:
+        """Write *envelope* under *key* and announce *item* in the *catalog* stream."""
+        if self._call(lambda client: client.set(key, envelope)) is None:
+            return False
+        self._call(
+            lambda client: client.xadd(catalog, {"k": item}, maxlen=self._bloom_capacity, approximate=True)
+        )
+        self.counters.writes += 1
+        return True
+
     # -- QA entries -----------------------------------------------------------------------
 
     def put_qa(self, entry: QAEntry) -> None:
