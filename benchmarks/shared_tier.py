@@ -18,6 +18,7 @@ from pathlib import Path
 
 from percache_core import Chunk, PerCache, PerCacheConfig
 from percache_core.eval_data import default_data_folder, read_jsonl
+from percache_core.shared.bloom import BloomFilter
 from percache_core.shared.local_redis import RedisServer
 
 SECRET = "benchmark-secret"
@@ -52,7 +53,7 @@ def config(url: str | None, **changes) -> PerCacheConfig:
         if url
         else {}
     )
-    return PerCacheConfig(max_new_tokens=1, qa_bank=False, **shared, **changes)
+    return PerCacheConfig(**({"max_new_tokens": 1, "qa_bank": False} | shared | changes))
 
 
 def writer(url: str, data: str, count: int) -> None:
@@ -101,10 +102,16 @@ def main() -> None:
                 local_hit = reader.generate(question, chunks)
                 ttft["shared-tier hit"].append(shared_hit.ttft_s)
                 ttft["local hit"].append(local_hit.ttft_s)
+            fresh = prompts(args.data, 2 * args.prompts)[args.prompts :]  # never populated
+            for question, chunks in fresh:
+                reader.generate(question, chunks)
             bloom = reader.shared.bloom
-            probes = [uuid.uuid4().hex for _ in range(20_000)]
-            false_positives = sum(p in bloom for p in probes)
             stats = reader.stats()["shared"]
+        full = BloomFilter(bloom.capacity, bloom.false_positive_rate)  # the same filter, filled to capacity
+        for _ in range(full.capacity):
+            full.add(uuid.uuid4().hex)
+        probes = [uuid.uuid4().hex for _ in range(20_000)]
+        false_positives = sum(p in full for p in probes)
         queue = context.Queue()
         clients = [
             context.Process(target=client, args=(url, str(args.data), args.prompts, queue))
@@ -130,6 +137,7 @@ def main() -> None:
         "ttft_ratio_to_local_miss": {name: statistics.fmean(v) / miss for name, v in ttft.items()},
         "catalog": {
             "keys": bloom.count,
+            "filled_to_capacity": full.capacity,
             "configured_false_positive_rate": bloom.false_positive_rate,
             "measured_false_positive_rate": false_positives / len(probes),
             "round_trips_avoided_on_misses": stats["catalog_misses"],
