@@ -4,6 +4,7 @@ trying the shared tier on one machine). Needs Debian's ``redis-server`` (and
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -18,10 +19,26 @@ except ImportError as error:  # pragma: no cover - the redis extra is missing
     raise missing_dependency("redis", "redis") from error
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, cluster_bus: bool = False) -> int:
+    """A free loopback port; with *cluster_bus*, one whose port + 10000 (Redis Cluster's
+    bus port) is free and valid too."""
+    if not cluster_bus:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    for port in random.sample(range(20000, 55000), 2000):
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
 def wait_for_ping(port: int, timeout_s: float = 10.0) -> None:
@@ -40,7 +57,7 @@ class RedisServer:
 
     def __init__(self, folder: Path, port: int | None = None, *, cluster: bool = False) -> None:
         self.folder = folder
-        self.port = port or free_port()
+        self.port = port or free_port(cluster_bus=cluster)
         self.cluster = cluster
         self.process: subprocess.Popen | None = None
 
