@@ -78,7 +78,6 @@ class PromptRunner:
         stop: Sequence[str] | None = None,
         max_new_tokens: int,
         decode: bool = True,
-        use_states: bool | None = None,
         should_stop: StopCheck | None = None,
         started: float | None = None,
     ) -> Generator[str, None, RunResult]:
@@ -91,7 +90,7 @@ class PromptRunner:
         not complete, no new state is kept.
         """
         started = time.perf_counter() if started is None else started
-        use_states = self.config.chunk_states if use_states is None else use_states
+        use_states = self.config.chunk_states
         engine = self.engine
         with engine.lock:
             layout = lay_out(
@@ -135,8 +134,9 @@ class PromptRunner:
         for index in range(depth, len(segments)):
             if should_stop is not None and should_stop():
                 raise Preempted("prefill pre-empted by a user question")
+            expected = engine.n_past + len(segments[index])
             engine.eval(segments[index], should_stop)
-            if engine.n_past != sum(len(s) for s in segments[: index + 1]):
+            if engine.n_past != expected:
                 raise Preempted("prefill pre-empted by a user question")
             if keys and index < len(keys) and keys[index] not in self.tree:
                 new_states.append((index, engine.save_state(), engine.n_past))
@@ -163,20 +163,13 @@ class PromptRunner:
         clock = time.perf_counter()
         stop = StopStringFilter(self.config.stop if stop_strings is None else stop_strings)
         sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
-        for _token, piece in self.engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
+
+        def count_token() -> None:
             result.generated_tokens += 1
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - started
-            shown = stop.feed(piece)
-            if shown:
-                yield shown
-            if stop.stopped:
-                break
-            if should_stop is not None and should_stop():
-                raise Preempted("decoding pre-empted by a user question")
-        tail = stop.finish()
-        if tail:
-            yield tail
+
+        yield from decode_text(self.engine, max_new_tokens, sampling, stop, should_stop, count_token)
         result.text = stop.text.strip()
         result.timings["decode"] = time.perf_counter() - clock
 
@@ -326,20 +319,38 @@ def stream_text(
         engine.eval(tokens, should_stop)
         if engine.n_past != len(tokens):
             raise Preempted("completion pre-empted by a user question")
-        stopper = StopStringFilter(stop)
-        generated = 0
-        for _token, piece in engine.generate(
-            max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed)
-        ):
-            generated += 1
-            shown = stopper.feed(piece)
-            if shown:
-                yield shown
-            if stopper.stopped:
-                break
-            if should_stop is not None and should_stop():
-                raise Preempted("completion pre-empted by a user question")
-        tail = stopper.finish()
-        if tail:
-            yield tail
-        yield (len(tokens), generated)
+        generated = [0]
+
+        def count_token() -> None:
+            generated[0] += 1
+
+        sampling = Sampling(temperature, top_p, seed)
+        yield from decode_text(
+            engine, max_new_tokens, sampling, StopStringFilter(stop), should_stop, count_token
+        )
+        yield (len(tokens), generated[0])
+
+
+def decode_text(
+    engine: LlamaEngine,
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop: StopStringFilter,
+    should_stop: StopCheck | None,
+    on_token: Callable[[], None],
+) -> Generator[str, None, None]:
+    """Decode after the evaluated prompt, yielding the text *stop* lets through (held back
+    while it may begin a stop string); *on_token* is called for every decoded token.
+    Raises :class:`Preempted` when *should_stop* turns true."""
+    for _token, piece in engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
+        on_token()
+        shown = stop.feed(piece)
+        if shown:
+            yield shown
+        if stop.stopped:
+            break
+        if should_stop is not None and should_stop():
+            raise Preempted("decoding pre-empted by a user question")
+    tail = stop.finish()
+    if tail:
+        yield tail

@@ -462,7 +462,7 @@ class PerCache:
         started = time.perf_counter()
         with self._user_turn():
             embedding = self.embedder.embed([question])[0]
-            hit = self._verified_hit(
+            hit, _ = self._verified_hit(
                 question, embedding, self._threshold(similarity_threshold), dict(scope) if scope else None
             )
             self.scheduler.record_question(question, embedding, hit)
@@ -541,13 +541,12 @@ class PerCache:
 
         best_similarity: float | None = None
         if self.config.qa_bank:
-            hit = self._verified_hit(question, embedding, threshold, scope)
+            hit, best_similarity = self._verified_hit(question, embedding, threshold, scope)
             clock = lap("qa_check", clock)
             if hit is not None:
                 self.scheduler.record_question(question, embedding, hit)
                 yield hit.entry.answer or ""
                 return self._finish(self._qa_answer(question, hit, started, timings))
-            best_similarity = self.qa_bank.best_similarity(embedding, scope)
         self.scheduler.record_question(question, embedding, None)
 
         retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
@@ -575,29 +574,30 @@ class PerCache:
 
     def _verified_hit(
         self, question: str, embedding: Any, threshold: float, scope: dict[str, Any] | None
-    ) -> QAHit | None:
-        """The best stored entry that answers *question*: cosine >= tau without a verifier;
-        with one, the first of the top candidates down to ``tau - verifier_margin`` that the
-        verifier accepts."""
-        if self.config.verifier == "none":
-            return self.qa_bank.check(embedding, threshold=threshold, scope=scope)
-        candidates = self.qa_bank.search(
-            embedding,
-            top_n=self.config.verifier_candidates,
-            min_similarity=max(0.0, threshold - self.config.verifier_margin),
-            scope=scope,
+    ) -> tuple[QAHit | None, float | None]:
+        """The best stored entry that answers *question*, and the best similarity of any
+        servable entry in *scope* (None for none), from one search of the bank.
+
+        Without a verifier ("none" accepts all) the best candidate at or above tau hits;
+        with one, the first of the top candidates down to ``tau - verifier_margin`` that it
+        accepts."""
+        ranked = self.qa_bank.search(
+            embedding, top_n=self.config.verifier_candidates, min_similarity=-1.0, scope=scope
         )
-        for candidate in candidates:
+        best = ranked[0].similarity if ranked else None
+        margin = 0.0 if self.config.verifier == "none" else self.config.verifier_margin
+        floor = max(0.0, threshold - margin)
+        for candidate in (c for c in ranked if c.similarity >= floor):
             verdict = self._verifier.verify(question, candidate.entry, candidate.similarity)
             if verdict.accepted:
                 self.qa_bank.record_hit(candidate.entry.id)
-                return candidate
+                return candidate, best
             with self._counters_lock:
                 self._counters.verifier_rejections += 1
             logger.debug(
                 "verifier rejected %r for %r: %s", candidate.entry.question, question, verdict.reason
             )
-        return None
+        return None, best
 
     def _qa_answer(self, question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:
         elapsed = time.perf_counter() - started

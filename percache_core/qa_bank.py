@@ -241,11 +241,6 @@ class QABank:
         self.record_hit(hits[0].entry.id)
         return hits[0]
 
-    def best_similarity(self, embedding: np.ndarray, scope: Mapping[str, Any] | None = None) -> float | None:
-        """The highest similarity of any servable entry (``None`` for an empty bank)."""
-        hits = self.search(embedding, top_n=1, min_similarity=-1.0, scope=scope)
-        return hits[0].similarity if hits else None
-
     def record_hit(self, entry_id: str) -> None:
         """Count one use of an entry (for LFU eviction); persisted on ``flush``."""
         with self._lock:

@@ -247,8 +247,7 @@ class Scheduler:
     ) -> None:
         if should_stop():
             raise Preempted(f"idle round pre-empted before {name}")
-        if deadline is not None and time.perf_counter() > deadline:
-            raise _OutOfTime(name)
+        self._tick(deadline)
         bar.set_description(f"idle: {name}")
         work(should_stop)
         bar.update(1)

@@ -40,6 +40,7 @@ class StateStore:
         self.fingerprint = fingerprint
         self._store = Store(Path(folder) / fingerprint[:24])
         self.corrupt_dropped = 0
+        self._used: dict[str, StateNode] = {}  # hit counters not yet written
 
     def load_tree(self) -> ChunkStateTree:
         """Rebuild the tree from the stored records, dropping unusable leftovers."""
@@ -108,11 +109,17 @@ class StateStore:
         return data
 
     def record_use(self, node: StateNode) -> None:
-        """Persist a node's hit counter."""
-        record = self._store.get(_NODE + node.key)
-        if record is not None:
-            record["hits"], record["last_used_at"] = node.hits, node.last_used_at
-            self._store.put(_NODE + node.key, record)
+        """Note a node's new hit counter; it is written by ``flush`` (off the answer path)."""
+        self._used[node.key] = node
+
+    def flush(self) -> None:
+        """Persist the hit counters noted since the last flush."""
+        used, self._used = self._used, {}
+        for node in used.values():
+            record = self._store.get(_NODE + node.key)
+            if record is not None:
+                record["hits"], record["last_used_at"] = node.hits, node.last_used_at
+                self._store.put(_NODE + node.key, record)
 
     def delete(self, key: str) -> None:
         """Remove node *key* (record first, so no record ever points to a missing blob)."""
@@ -124,4 +131,6 @@ class StateStore:
         return self._store.file_path(_BLOB + key)
 
     def close(self) -> None:
+        """Persist hit counters and close the store."""
+        self.flush()
         self._store.close()
