@@ -21,7 +21,9 @@ system's answers, idle compute, cache bytes and a per-stage time breakdown.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -34,7 +36,7 @@ import numpy as np
 
 from .config import PerCacheConfig
 from .embedding import SentenceTransformerEmbedder
-from .eval_data import User, load_users
+from .eval_data import User, load_users, query_scope
 from .kv.llama_cpp import LlamaEngine
 from .models import resolve_model_path
 from .pipeline import PerCache
@@ -56,8 +58,18 @@ SYSTEMS = (
     System("meancache", {"chunk_states": False, "verifier": "none"}, False),
     System("sleeptime", {"chunk_states": False, "store_answers": False, "verifier": "none"}, True),
     System("ragcache+meancache", {"verifier": "none"}, False),
-    System("ragcache+sleeptime", {"store_answers": False, "verifier": "none", "strategy_cutoff": 1.0}, True),
+    System(
+        "ragcache+sleeptime",
+        {"store_answers": False, "verifier": "none", "strategy_cutoff": 1.0, "knowledge_prefill": False},
+        True,
+    ),
     System("percache", {}, True),
+)
+PERCACHE = SYSTEMS[-1]
+ABLATIONS = (
+    System("percache-no-qa_bank", {"qa_bank": False}, True),
+    System("percache-no-chunk_states", {"chunk_states": False}, True),
+    System("percache-no-prediction", {}, False),
 )
 
 
@@ -106,14 +118,24 @@ def run_system(
 ) -> dict[str, Any]:
     """Answer the user's questions with one system; return per-query records and totals."""
     config = base.replace(prediction=system.predictive, prediction_stride=stride, **system.changes)
+    try:
+        return _answer_all(user, system, config, engine, embedder, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # chunk states take hundreds of MB per run
+
+
+def _answer_all(
+    user: User, system: System, config: PerCacheConfig, engine: LlamaEngine, embedder: Any, folder: Path
+) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
-    idle_seconds, idle_prefill, idle_decode, predicted = 0.0, 0, 0, []
+    idle_seconds, idle_prefill, idle_decode, chunks_prefilled, predicted = 0.0, 0, 0, 0, []
     with PerCache.open(folder, config=config, engine=engine, embedder=embedder) as pc:
         pc.add_documents(user.documents, split=False)
 
         def idle(knowledge: bool) -> None:
-            nonlocal idle_seconds, idle_prefill, idle_decode
+            nonlocal idle_seconds, idle_prefill, idle_decode, chunks_prefilled
             report = pc.warm(progress=False, knowledge_prediction=knowledge)
+            chunks_prefilled += report.chunks_prefilled
             idle_seconds += report.seconds
             idle_prefill += report.prefill_tokens
             idle_decode += report.decode_tokens
@@ -125,10 +147,11 @@ def run_system(
         for query in user.queries:
             record: dict[str, Any] = {"qid": query["qid"], "question": query["question"]}
             try:
-                answer = pc.answer(query["question"])
+                answer = pc.answer(query["question"], scope=query_scope(query))
                 record.update(
                     answer=answer.text,
                     source=answer.source,
+                    chunk_ids=list(answer.chunk_ids),
                     latency_s=answer.latency_s,
                     ttft_s=answer.ttft_s,
                     prefix_overlap=answer.reused_chunks / max(1, len(answer.chunk_ids))
@@ -147,6 +170,7 @@ def run_system(
         "records": records,
         "idle": {
             "seconds": idle_seconds,
+            "chunks_prefilled": chunks_prefilled,
             "prefill_tokens": idle_prefill,
             "decode_tokens": idle_decode,
             "distinct_predicted_per_round": predicted,
@@ -180,6 +204,30 @@ def _totals(run: dict[str, Any], naive: dict[str, Any] | None) -> dict[str, Any]
     }
 
 
+def sensitivity_runs(
+    taus: Sequence[float] = (),
+    strides: Sequence[int] = (),
+    budgets_mb: Sequence[int] = (),
+    ablations: bool = False,
+) -> list[tuple[str, Any, System, dict[str, Any]]]:
+    """The sensitivity and ablation runs of PerCache on the showcase user:
+    (sweep, value, system, config changes) for each.
+
+    >>> [(sweep, value) for sweep, value, _, _ in sensitivity_runs(taus=[0.8], strides=[1])]
+    [('tau', 0.8), ('stride', 1)]
+    """
+    runs: list[tuple[str, Any, System, dict[str, Any]]] = []
+    runs += [("tau", tau, PERCACHE, {"similarity_threshold": tau}) for tau in taus]
+    runs += [("stride", stride, PERCACHE, {"prediction_stride": stride}) for stride in strides]
+    runs += [
+        ("chunk_state_budget_mb", mb, PERCACHE, {"chunk_state_budget_bytes": mb * 1024 * 1024})
+        for mb in budgets_mb
+    ]
+    if ablations:
+        runs += [("ablation", system.name, system, {}) for system in ABLATIONS]
+    return runs
+
+
 def evaluate(
     *,
     data: Path,
@@ -191,9 +239,13 @@ def evaluate(
     max_new_tokens: int = 64,
     systems: Sequence[System] = SYSTEMS,
     taus: Sequence[float] = (),
+    strides: Sequence[int] = (),
+    budgets_mb: Sequence[int] = (),
+    ablations: bool = False,
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run every system on every user; with *taus*, also PerCache's tau sweep on the first user."""
+    """Run every system on every user, then the sensitivity and ablation runs (see
+    :func:`sensitivity_runs`) of PerCache on the first user."""
     users: list[User] = []
     for dataset, count in (("qmsum", qmsum_users), ("squad11-dev", squad_users)):
         if count > 0:
@@ -205,65 +257,49 @@ def evaluate(
     embedder.embed(["warm-up"])
     per_user: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {}
-    sweep: list[dict[str, Any]] = []
+    sweeps: list[dict[str, Any]] = []
+
+    def base_config(user: User, **changes: Any) -> PerCacheConfig:
+        return PerCacheConfig(
+            max_new_tokens=max_new_tokens,
+            knowledge_kind=KINDS.get(user.dataset, "documents"),
+            abstract_batches_per_round=4,
+            seed=seed,
+            **changes,
+        )
+
     try:
         with tempfile.TemporaryDirectory(prefix="percache-e2e-") as temporary:
             for user in users:
                 key = f"{user.dataset}/{user.name}"
-                base = PerCacheConfig(
-                    max_new_tokens=max_new_tokens,
-                    knowledge_kind=KINDS.get(user.dataset, "documents"),
-                    abstract_batches_per_round=4,
-                    seed=seed,
-                )
                 runs[key], per_user[key] = {}, {}
                 for system in systems:
                     started = time.perf_counter()
+                    folder = Path(temporary) / f"{len(runs)}-{system.name}"
+                    run = run_system(user, system, base_config(user), engine, embedder, folder, stride=stride)
+                    runs[key][system.name] = run
+                    per_user[key][system.name] = _totals(run, runs[key].get("naive"))
+                    progress(f"{key:<30} {system.name:<19} {_line(per_user[key][system.name], started)}")
+            if users:
+                user = users[0]
+                naive_run = runs[f"{user.dataset}/{user.name}"].get("naive")
+                for sweep, value, system, changes in sensitivity_runs(taus, strides, budgets_mb, ablations):
+                    started = time.perf_counter()
+                    run_stride = changes.pop("prediction_stride", stride)
                     run = run_system(
                         user,
                         system,
-                        base,
+                        base_config(user, **changes),
                         engine,
                         embedder,
-                        Path(temporary) / f"{len(runs)}-{system.name}",
-                        stride=stride,
-                    )
-                    runs[key][system.name] = run
-                    per_user[key][system.name] = _totals(run, runs[key].get("naive"))
-                    row = per_user[key][system.name]
-                    progress(
-                        f"{key:<30} {system.name:<19} mean {row['latency_s']['mean']:6.3f}s  QA {row['qa_bank_hit_rate']:4.2f}"
-                        f"  overlap {row['chunk_state_prefix_overlap']:4.2f}  ROUGE-L {row['rouge_l_reference']:.3f}"
-                        f"  idle {row['idle']['seconds']:6.1f}s  ({time.perf_counter() - started:.0f}s)"
-                    )
-            if taus and users:
-                user = users[0]
-                percache = next(s for s in systems if s.name == "percache")
-                naive_run = runs[f"{user.dataset}/{user.name}"].get("naive")
-                for tau in taus:
-                    base = PerCacheConfig(
-                        max_new_tokens=max_new_tokens,
-                        similarity_threshold=tau,
-                        knowledge_kind=KINDS.get(user.dataset, "documents"),
-                        abstract_batches_per_round=4,
-                        seed=seed,
-                    )
-                    run = run_system(
-                        user, percache, base, engine, embedder, Path(temporary) / f"tau-{tau}", stride=stride
+                        Path(temporary) / f"{sweep}-{value}",
+                        stride=run_stride,
                     )
                     totals = _totals(run, naive_run)
-                    sweep.append(
-                        {
-                            "tau": tau,
-                            "latency_mean_s": totals["latency_s"]["mean"],
-                            "qa_bank_hit_rate": totals["qa_bank_hit_rate"],
-                            "rouge_l_reference": totals["rouge_l_reference"],
-                            "rouge_l_naive": totals["rouge_l_naive"],
-                        }
+                    sweeps.append(
+                        {"sweep": sweep, "value": value, "user": f"{user.dataset}/{user.name}", **totals}
                     )
-                    progress(
-                        f"tau {tau:.2f}: mean {totals['latency_s']['mean']:.3f}s QA {totals['qa_bank_hit_rate']:.2f} ROUGE-L {totals['rouge_l_reference']:.3f}"
-                    )
+                    progress(f"{sweep} {value}: {_line(totals, started)}")
     finally:
         engine.close()
     return {
@@ -278,7 +314,12 @@ def evaluate(
             "max_new_tokens": max_new_tokens,
             "model": model_path.name,
             "embedder": embedder.name,
-            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            "versions": _versions(),
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+            },
             "systems": {s.name: {"changes": s.changes, "predictive": s.predictive} for s in systems},
         },
         "per_user": per_user,
@@ -287,8 +328,39 @@ def evaluate(
             for user, systems_runs in runs.items()
         },
         "reduction": reductions(per_user),
-        "tau_sweep": sweep,
+        "tau_sweep": [_tau_row(row) for row in sweeps if row["sweep"] == "tau"],
+        "sensitivity": sweeps,
     }
+
+
+def _line(totals: dict[str, Any], started: float) -> str:
+    return (
+        f"mean {totals['latency_s']['mean']:6.3f}s  QA {totals['qa_bank_hit_rate']:4.2f}"
+        f"  overlap {totals['chunk_state_prefix_overlap']:4.2f}  ROUGE-L {totals['rouge_l_reference']:.3f}"
+        f"  idle {totals['idle']['seconds']:6.1f}s  ({time.perf_counter() - started:.0f}s)"
+    )
+
+
+def _tau_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tau": row["value"],
+        "latency_mean_s": row["latency_s"]["mean"],
+        "qa_bank_hit_rate": row["qa_bank_hit_rate"],
+        "rouge_l_reference": row["rouge_l_reference"],
+        "rouge_l_naive": row["rouge_l_naive"],
+    }
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("percache", "llama-cpp-python", "sentence-transformers", "torch", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
 
 
 def reductions(per_user: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -319,32 +391,72 @@ def reductions(per_user: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The summary table: mean latency, hit rates and ROUGE-L per system, averaged over users."""
-    names = list(next(iter(result["per_user"].values())).keys()) if result["per_user"] else []
+    """The summary: per system averaged over users (latency, hit rates, ROUGE-L), PerCache's
+    reduction per user, where the time goes per stage, and the sensitivity runs."""
+    per_user = result["per_user"]
+    names = list(next(iter(per_user.values())).keys()) if per_user else []
     lines = [
         "| system | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | ROUGE-L vs naive | idle s/user |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
-        rows = [systems[name] for systems in result["per_user"].values()]
-
-        def mean(get: Callable[[dict[str, Any]], float], rows: list[dict[str, Any]] = rows) -> float:
-            return statistics.fmean(get(r) for r in rows)
-
-        lines.append(
-            f"| {name} | {mean(lambda r: r['latency_s']['mean']):.3f} | {mean(lambda r: r['latency_s']['p95']):.3f} "
-            f"| {mean(lambda r: r['ttft_s']['mean']):.3f} | {mean(lambda r: r['qa_bank_hit_rate']):.2f} "
-            f"| {mean(lambda r: r['chunk_state_prefix_overlap']):.2f} | {mean(lambda r: r['rouge_l_reference']):.3f} "
-            f"| {mean(lambda r: r['rouge_l_naive']):.3f} | {mean(lambda r: r['idle']['seconds']):.1f} |"
-        )
+        rows = [systems[name] for systems in per_user.values()]
+        lines.append(f"| {name} | " + _cells(rows) + " |")
     reduction = result["reduction"]
     if reduction["mean_vs_naive"] is not None:
-        lines.append("")
-        lines.append(
+        lines += [
+            "",
             f"PerCache mean latency: {reduction['mean_vs_naive']:.1%} below naive, "
-            f"{reduction['mean_vs_best_baseline']:.1%} below the best baseline (averaged over users)."
-        )
+            f"{reduction['mean_vs_best_baseline']:.1%} below the best baseline (averaged over users).",
+            "",
+            "| user | naive s | best baseline | its s | percache s | vs naive | vs best | lowest of all |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for user, row in reduction["per_user"].items():
+            systems = per_user[user]
+            best = row["best_baseline"]
+            lines.append(
+                f"| {user} | {systems['naive']['latency_s']['mean']:.3f} | {best} "
+                f"| {systems[best]['latency_s']['mean']:.3f} | {systems['percache']['latency_s']['mean']:.3f} "
+                f"| {row['vs_naive']:.1%} | {row['vs_best_baseline']:.1%} | {'yes' if row['lowest_of_all'] else 'no'} |"
+            )
+    if names:
+        lines += [
+            "",
+            "Where the time goes (mean seconds per question, averaged over users):",
+            "",
+            "| system | " + " | ".join(STAGES) + " |",
+            "|---|" + "---|" * len(STAGES),
+        ]
+        for name in names:
+            rows = [systems[name] for systems in per_user.values()]
+            cells = " | ".join(
+                f"{statistics.fmean(r['stage_seconds_mean'][stage] for r in rows):.3f}" for stage in STAGES
+            )
+            lines.append(f"| {name} | {cells} |")
+    if result.get("sensitivity"):
+        lines += [
+            "",
+            f"Sensitivity and ablation (PerCache on {result['sensitivity'][0]['user']}):",
+            "",
+            "| run | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | ROUGE-L vs naive | idle s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in result["sensitivity"]:
+            lines.append(f"| {row['sweep']} = {row['value']} | " + _cells([row]) + " |")
     return "\n".join(lines)
+
+
+def _cells(rows: list[dict[str, Any]]) -> str:
+    def mean(get: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.fmean(get(r) for r in rows)
+
+    return (
+        f"{mean(lambda r: r['latency_s']['mean']):.3f} | {mean(lambda r: r['latency_s']['p95']):.3f} "
+        f"| {mean(lambda r: r['ttft_s']['mean']):.3f} | {mean(lambda r: r['qa_bank_hit_rate']):.2f} "
+        f"| {mean(lambda r: r['chunk_state_prefix_overlap']):.2f} | {mean(lambda r: r['rouge_l_reference']):.3f} "
+        f"| {mean(lambda r: r['rouge_l_naive']):.3f} | {mean(lambda r: r['idle']['seconds']):.1f}"
+    )
 
 
 def plot(result: dict[str, Any], folder: Path) -> list[Path]:
@@ -408,6 +520,17 @@ def plot(result: dict[str, Any], folder: Path) -> list[Path]:
         figure.legend(fontsize=7, loc="upper center")
         figure.tight_layout()
         written.append(folder / "tau_tradeoff.png")
+        figure.savefig(written[-1], dpi=120)
+        plt.close(figure)
+    others = [row for row in result.get("sensitivity", []) if row["sweep"] != "tau"]
+    if others:
+        figure, axis = plt.subplots(figsize=(8, 4))
+        labels = [f"{row['sweep']}={row['value']}" for row in others]
+        axis.bar(range(len(others)), [row["latency_s"]["mean"] for row in others])
+        axis.set_xticks(range(len(others)), labels, rotation=30, ha="right", fontsize=7)
+        axis.set(ylabel="mean latency (s)", title="PerCache: stride, budget and ablations")
+        figure.tight_layout()
+        written.append(folder / "sensitivity.png")
         figure.savefig(written[-1], dpi=120)
         plt.close(figure)
     return written

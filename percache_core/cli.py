@@ -187,13 +187,39 @@ def run_bench_e2e(args: argparse.Namespace) -> int:
         "stride": args.stride or (quick["stride"] if args.quick else 5),
         "max_new_tokens": args.max_new_tokens or (quick["max_new_tokens"] if args.quick else 64),
     }
-    taus = [float(t) for t in args.taus.split(",")] if args.taus else []
-    result = evaluate(data=data, seed=args.seed, taus=taus, **settings)
+    result = evaluate(
+        data=data,
+        seed=args.seed,
+        taus=_numbers(args.taus, float),
+        strides=_numbers(args.strides, int),
+        budgets_mb=_numbers(args.budgets_mb, int),
+        ablations=args.ablations,
+        systems=_systems(args.systems),
+        **settings,
+    )
     print()
     print(markdown_table(result))
     for path in write_report(result, Path(args.out)):
         print(f"wrote {path}")
     return 0
+
+
+def _systems(names: str | None) -> Any:
+    from .bench_e2e import SYSTEMS
+
+    if not names:
+        return SYSTEMS
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    known = {system.name: system for system in SYSTEMS}
+    unknown = [name for name in wanted if name not in known]
+    if unknown or "percache" not in wanted:
+        raise SystemExit(f"--systems: choose among {', '.join(known)} (percache included); got {names!r}")
+    return [known[name] for name in wanted]
+
+
+def _numbers(text: str | None, kind: type) -> list[Any]:
+    """Comma-separated numbers ("0.6,0.85" -> [0.6, 0.85]); none for None."""
+    return [kind(part) for part in text.split(",") if part.strip()] if text else []
 
 
 def run_ingest(args: argparse.Namespace) -> int:
@@ -279,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--max-new-tokens", type=int)
     e2e.add_argument("--seed", type=int, default=0)
     e2e.add_argument("--taus", help="comma-separated tau values for PerCache's sweep on the first user")
+    e2e.add_argument("--systems", help="comma-separated systems to compare (default: all seven)")
+    e2e.add_argument("--strides", help="comma-separated prediction strides to sweep on the first user")
+    e2e.add_argument(
+        "--budgets-mb", help="comma-separated chunk-state budgets (MB) to sweep on the first user"
+    )
+    e2e.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run PerCache without the QA bank, without chunk states and without prediction",
+    )
     e2e.add_argument("--quick", action="store_true", help="a run of a few minutes: 3 users, 5 questions each")
     e2e.add_argument("--out", default="benchmarks/results/e2e.json")
     e2e.set_defaults(handler=run_bench_e2e)

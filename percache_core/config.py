@@ -70,6 +70,9 @@ class PerCacheConfig:
             QA entries); at or below it -> prefill and decode.
         knowledge_prediction_rounds: knowledge-based prediction steps the background worker
             runs per version of the abstract (an explicit ``warm()`` always runs one).
+        knowledge_prefill: in idle rounds, also prefill and keep the [system, chunk] state
+            of each chunk (recently retrieved first) up to 80% of the chunk-state budget,
+            so that every prompt restores at least its first chunk.
         abstract_batches_per_round: LLM summary calls per idle round at most.
         idle_after_s: the background worker starts a round after this long without a query.
 
@@ -124,6 +127,7 @@ class PerCacheConfig:
     abstract_batch_chunks: int = 3
     strategy_cutoff: float = 0.875
     knowledge_prediction_rounds: int = 2
+    knowledge_prefill: bool = True
     abstract_batches_per_round: int = 8
     idle_after_s: float = 30.0
 

@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+SCOPE_FIELDS = ("meeting_id",)  # query fields that name the part of the knowledge asked about
+
 
 @dataclass
 class User:
@@ -30,7 +32,8 @@ def default_data_folder() -> Path:
 
 def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, seed: int) -> list[User]:
     """The first *users* users of *dataset* (fewest queries first, then by name), each with
-    *queries_per_user* queries sampled with *seed* and kept in their original order."""
+    *queries_per_user* queries sampled with *seed* and kept in their original order.
+    Documents keep the scope fields (:data:`SCOPE_FIELDS`) as chunk metadata."""
     folder = data / dataset
     if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
         raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
@@ -51,8 +54,27 @@ def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, s
             User(
                 dataset,
                 name,
-                [{"id": d["doc_id"], "text": d["text"]} for d in documents if d["user"] == name],
+                [
+                    {
+                        "id": d["doc_id"],
+                        "text": d["text"],
+                        "metadata": {f: d[f] for f in SCOPE_FIELDS if f in d},
+                    }
+                    for d in documents
+                    if d["user"] == name
+                ],
                 [user_queries[i] for i in picked],
             )
         )
     return chosen
+
+
+def query_scope(query: dict) -> dict | None:
+    """The scope a query is asked in (e.g. QMSum's ``meeting_id``: "Summarize the meeting"
+    means that meeting), or None.
+
+    >>> query_scope({"question": "Summarize the meeting", "meeting_id": "Bed003"})
+    {'meeting_id': 'Bed003'}
+    """
+    scope = {f: query[f] for f in SCOPE_FIELDS if query.get(f)}
+    return scope or None

@@ -80,12 +80,14 @@ class PromptRunner:
         decode: bool = True,
         should_stop: StopCheck | None = None,
         started: float | None = None,
+        prefix_only: bool = False,
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
 
         *spec* replaces PerCache's own prompt (for callers with their own template).
 
-        With ``decode=False`` only the prefill runs (to populate chunk states). When
+        With ``decode=False`` only the prefill runs (to populate chunk states); with
+        ``prefix_only=True`` the question is not prefilled either. When
         ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
         not complete, no new state is kept.
         """
@@ -100,6 +102,8 @@ class PromptRunner:
             )
             segments = [list(s.tokens) for s in layout.segments]
             keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
+            if prefix_only:
+                segments, decode = segments[:-1], False
             result = RunResult(layout)
             with self.tree.pinned(keys):
                 yield from self._run_segments(
@@ -201,6 +205,16 @@ class PromptRunner:
         counts = pieces[-1]
         assert isinstance(counts, tuple)
         return text, counts[0], counts[1]
+
+    def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
+        """Prefill [system, *chunks] and keep its states, with no question and no decode
+        (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
+        events = self.run("", chunks, max_new_tokens=1, prefix_only=True, should_stop=should_stop)
+        while True:
+            try:
+                next(events)
+            except StopIteration as done:
+                return done.value.prefilled_tokens
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""

@@ -465,7 +465,7 @@ class PerCache:
             hit, _ = self._verified_hit(
                 question, embedding, self._threshold(similarity_threshold), dict(scope) if scope else None
             )
-            self.scheduler.record_question(question, embedding, hit)
+            self.scheduler.record_question(question, embedding, hit, dict(scope) if scope else None)
         if hit is None:
             return None
         return self._finish(self._qa_answer(question, hit, started, {}))
@@ -544,10 +544,10 @@ class PerCache:
             hit, best_similarity = self._verified_hit(question, embedding, threshold, scope)
             clock = lap("qa_check", clock)
             if hit is not None:
-                self.scheduler.record_question(question, embedding, hit)
+                self.scheduler.record_question(question, embedding, hit, scope)
                 yield hit.entry.answer or ""
                 return self._finish(self._qa_answer(question, hit, started, timings))
-        self.scheduler.record_question(question, embedding, None)
+        self.scheduler.record_question(question, embedding, None, scope)
 
         retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
         clock = lap("retrieve", clock)

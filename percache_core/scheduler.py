@@ -5,10 +5,14 @@ One ``warm()`` round (PerCache, sections 4.1-4.3):
 1. summarise new chunks into the knowledge abstract;
 2. regenerate stale answers (a new chunk now ranks in their top-k);
 3. answer follow-ups: questions that were served a similar question's answer get their own;
-4. predict questions from the abstract and from recent user questions, and populate them
-   by the strategy: tau above ``strategy_cutoff`` -> prefill only (chunk states and a
-   pending QA entry), otherwise prefill and decode (a servable QA entry);
-5. conversions: with the decode strategy, decode pending entries; with room in the
+4. predict questions from the abstract and from recent user questions (within the scope of
+   the latest question), and populate them by the strategy: tau above ``strategy_cutoff``
+   -> prefill only (chunk states and a pending QA entry), otherwise prefill and decode (a
+   servable QA entry);
+5. knowledge prefill (``knowledge_prefill``): the [system, chunk] state of every chunk,
+   recently retrieved chunks first, then the latest question's scope, then the rest, while
+   the chunk-state budget has room, so that any prompt restores at least its first chunk;
+6. conversions: with the decode strategy, decode pending entries; with room in the
    chunk-state budget, re-prefill the paths of answered entries whose states were evicted.
 
 Every step checks ``should_stop`` (a user question is waiting) between segments and tokens
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 
 PREFILL_ONLY = "prefill_only"
 PREFILL_DECODE = "prefill_decode"
+PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
 T = TypeVar("T")
 
 
@@ -64,6 +69,7 @@ class WarmReport:
     strategy: str
     seconds: float = 0.0
     chunks_summarised: int = 0
+    chunks_prefilled: int = 0
     abstract_facts_added: int = 0
     predicted: list[str] = field(default_factory=list)
     knowledge: PredictionTally = field(default_factory=PredictionTally)
@@ -100,7 +106,8 @@ class Scheduler:
         config = pc.config
         self.history: deque[str] = deque(maxlen=config.history_size)
         self.new_history = 0
-        self.followups: deque[tuple[str, np.ndarray]] = deque(maxlen=256)
+        self.history_scope: dict[str, Any] | None = None  # scope of the latest question
+        self.followups: deque[tuple[str, np.ndarray, dict[str, Any] | None]] = deque(maxlen=256)
         self.abstract = KnowledgeAbstract(
             pc._meta, max_lines=config.abstract_max_lines, batch_chunks=config.abstract_batch_chunks
         )
@@ -114,12 +121,19 @@ class Scheduler:
 
     # -- what the request path tells the scheduler ----------------------------------------
 
-    def record_question(self, question: str, embedding: np.ndarray, hit: QAHit | None) -> None:
-        """Remember a user question (for history prediction and follow-ups)."""
+    def record_question(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        hit: QAHit | None,
+        scope: dict[str, Any] | None = None,
+    ) -> None:
+        """Remember a user question (for history prediction and follow-ups) and its scope."""
         self.history.append(question)
         self.new_history += 1
+        self.history_scope = scope
         if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
-            self.followups.append((question, embedding))
+            self.followups.append((question, embedding, scope))
 
     def mark_stale(
         self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()
@@ -178,7 +192,9 @@ class Scheduler:
         entries = pc.qa_bank.entries
         if any(e.metadata.get("stale") for e in entries):
             return True
-        return self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries)
+        if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
+            return True
+        return bool(self._chunks_to_prefill()[:1])
 
     # -- the round ------------------------------------------------------------------------
 
@@ -218,6 +234,7 @@ class Scheduler:
                         stop, stride, deadline, bar, knowledge_prediction
                     ),
                 )
+                self._step("prefill chunks", bar, deadline, should_stop, self._prefill_chunks)
                 self._step("convert", bar, deadline, should_stop, self._convert)
             except Preempted:
                 report.preempted = True
@@ -311,12 +328,19 @@ class Scheduler:
         self._report.chunks_summarised += len(self.abstract.summarized) - before
 
     def _run(
-        self, question: str, embedding: np.ndarray, *, decode: bool, should_stop: Callable[[], bool]
+        self,
+        question: str,
+        embedding: np.ndarray,
+        *,
+        decode: bool,
+        should_stop: Callable[[], bool],
+        scope: dict[str, Any] | None = None,
     ) -> RunResult:
         pc = self._pc
-        chunks = [
-            r.chunk for r in pc.knowledge.retrieve(question, pc.config.top_k, question_embedding=embedding)
-        ]
+        retrieved = pc.knowledge.retrieve(
+            question, pc.config.top_k, question_embedding=embedding, where=scope
+        )
+        chunks = [r.chunk for r in retrieved]
         result = _drain(
             pc.runner.run(
                 question,
@@ -334,7 +358,9 @@ class Scheduler:
     def _refresh_stale(self, should_stop: Callable[[], bool]) -> None:
         qa_bank = self._pc.qa_bank
         for entry in [e for e in qa_bank.entries if e.metadata.get("stale")]:
-            result = self._run(entry.question, entry.embedding, decode=True, should_stop=should_stop)
+            result = self._run(
+                entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=_scope(entry)
+            )
             if result.text:
                 qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, stale=False)
                 assert self._report is not None
@@ -345,8 +371,8 @@ class Scheduler:
             self.followups.clear()
             return
         while self.followups:
-            question, embedding = self.followups[0]
-            result = self._run(question, embedding, decode=True, should_stop=should_stop)
+            question, embedding, scope = self.followups[0]
+            result = self._run(question, embedding, decode=True, should_stop=should_stop, scope=scope)
             self.followups.popleft()
             if result.text:
                 self._pc.qa_bank.store(
@@ -354,7 +380,7 @@ class Scheduler:
                     embedding,
                     result.text,
                     chunk_ids=result.layout.chunk_ids,
-                    metadata={"origin": "follow-up"},
+                    metadata=_metadata("follow-up", scope),
                 )
                 assert self._report is not None
                 self._report.followups_answered += 1
@@ -373,24 +399,26 @@ class Scheduler:
         if not pc.config.prediction or not len(pc.knowledge) or stride <= 0:
             return
         predictor = self.predictor()
-        predicted: list[PredictedQuestion] = []
+        predicted: list[tuple[PredictedQuestion, dict[str, Any] | None]] = []
         if self.new_history:
             history, tally = predictor.predict_from_history(list(self.history), stride)
             self.new_history = 0
             report.history.add(tally)
-            predicted += history
+            predicted += [(p, self.history_scope) for p in history]
         self._tick(deadline)
         if use_knowledge:
             version = self.abstract.version
             knowledge, tally = predictor.predict_from_knowledge(self.abstract.lines, stride)
             self._knowledge_rounds[version] = self._knowledge_rounds.get(version, 0) + 1
             report.knowledge.add(tally)
-            predicted += knowledge
-        report.predicted = [p.text for p in predicted]
+            predicted += [(p, None) for p in knowledge]
+        report.predicted = [p.text for p, _ in predicted]
         decode = self.strategy() == PREFILL_DECODE
-        for prediction in predicted:
+        for prediction, scope in predicted:
             self._tick(deadline)
-            result = self._run(prediction.text, prediction.embedding, decode=decode, should_stop=should_stop)
+            result = self._run(
+                prediction.text, prediction.embedding, decode=decode, should_stop=should_stop, scope=scope
+            )
             report.populated += 1
             bar.set_postfix(populated=report.populated)
             if not pc.config.qa_bank:
@@ -403,7 +431,7 @@ class Scheduler:
                 prediction.embedding,
                 answer,
                 chunk_ids=result.layout.chunk_ids,
-                metadata={"origin": f"predicted-{prediction.origin}"},
+                metadata=_metadata(f"predicted-{prediction.origin}", scope),
             )
             if answer is None:
                 report.pending_stored += 1
@@ -416,7 +444,9 @@ class Scheduler:
         assert report is not None
         if self.strategy() == PREFILL_DECODE and pc.config.qa_bank:
             for entry in [e for e in pc.qa_bank.entries if e.answer is None and not e.metadata.get("stale")]:
-                result = self._run(entry.question, entry.embedding, decode=True, should_stop=should_stop)
+                result = self._run(
+                    entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=_scope(entry)
+                )
                 if result.text:
                     pc.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids)
                     report.pending_decoded += 1
@@ -424,7 +454,7 @@ class Scheduler:
             return
         runner = pc.runner
         for entry in pc.qa_bank.entries:
-            if runner.tree.bytes >= 0.8 * pc.config.chunk_state_budget_bytes:
+            if runner.tree.bytes >= PREFILL_BUDGET_SHARE * pc.config.chunk_state_budget_bytes:
                 break
             chunks = [c for c in (pc.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
             if not chunks or runner.path_is_stored(entry.question, chunks, pc.config.max_new_tokens):
@@ -441,6 +471,39 @@ class Scheduler:
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 
+    def _chunks_to_prefill(self) -> list[Chunk]:
+        """Chunks whose [system, chunk] state is not stored, in the order to prefill them:
+        chunks of recent QA entries (user questions and predictions, newest first), then
+        chunks in the latest question's scope, then the rest in knowledge order."""
+        pc = self._pc
+        config = pc.config
+        if not (config.chunk_states and config.knowledge_prefill) or not len(pc.knowledge):
+            return []
+        if pc.runner.tree.bytes >= PREFILL_BUDGET_SHARE * config.chunk_state_budget_bytes:
+            return []
+        chunks = pc.knowledge.chunks
+        by_id = {c.id: c for c in chunks}
+        ordered: dict[str, Chunk] = {}
+        for entry in reversed(pc.qa_bank.entries):
+            ordered.update((i, by_id[i]) for i in entry.chunk_ids if i in by_id and i not in ordered)
+        scope = self.history_scope or {}
+        in_scope = [c for c in chunks if scope and all(c.metadata.get(k) == v for k, v in scope.items())]
+        for chunk in in_scope + list(chunks):
+            ordered.setdefault(chunk.id, chunk)
+        runner = pc.runner
+        return [c for c in ordered.values() if not runner.path_is_stored("", [c], 1)]
+
+    def _prefill_chunks(self, should_stop: Callable[[], bool]) -> None:
+        pc = self._pc
+        report = self._report
+        assert report is not None
+        limit = PREFILL_BUDGET_SHARE * pc.config.chunk_state_budget_bytes
+        for chunk in self._chunks_to_prefill():
+            if pc.runner.tree.bytes >= limit:
+                break
+            report.prefill_tokens += pc.runner.prefill_prefix([chunk], should_stop=should_stop)
+            report.chunks_prefilled += 1
+
     # -- reporting ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -454,7 +517,15 @@ class Scheduler:
         }
 
 
+def _scope(entry: Any) -> dict[str, Any] | None:
+    return entry.metadata.get("scope") or None
+
+
+def _metadata(origin: str, scope: dict[str, Any] | None) -> dict[str, Any]:
+    return {"origin": origin, "scope": scope} if scope else {"origin": origin}
+
+
 def _progress_bar(enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=5, desc="idle", unit="step", disable=not enabled, leave=False)
+    return tqdm(total=6, desc="idle", unit="step", disable=not enabled, leave=False)

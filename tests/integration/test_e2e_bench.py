@@ -1,5 +1,6 @@
 """The end-to-end evaluation on a tiny data set in the shared schema: every system answers
-every question, results repeat exactly with the same seed, and the report is written."""
+every question within its meeting, results repeat exactly with the same seed, and the
+report is written."""
 
 import json
 
@@ -9,16 +10,19 @@ DOCUMENTS = [
     {
         "user": "pat",
         "doc_id": "m1#c000",
+        "meeting_id": "m1",
         "text": "Pat: The kiln firing is on Wednesday at 6 pm. Lee: I will bring the glaze samples.",
     },
     {
         "user": "pat",
         "doc_id": "m1#c001",
+        "meeting_id": "m1",
         "text": "Lee: The studio rent rises to 300 euros in October. Pat: We split it three ways.",
     },
     {
         "user": "pat",
         "doc_id": "m2#c000",
+        "meeting_id": "m2",
         "text": "Pat: The pottery market is on 12 November in the old tram hall.",
     },
 ]
@@ -29,6 +33,7 @@ QUERIES = [
         "question": "When is the kiln firing?",
         "answer": "Wednesday at 6 pm.",
         "gold_doc_ids": ["m1#c000"],
+        "meeting_id": "m1",
     },
     {
         "user": "pat",
@@ -36,6 +41,7 @@ QUERIES = [
         "question": "When does the kiln firing happen?",
         "answer": "Wednesday at 6 pm.",
         "gold_doc_ids": ["m1#c000"],
+        "meeting_id": "m1",
     },
     {
         "user": "pat",
@@ -43,6 +49,7 @@ QUERIES = [
         "question": "How much is the studio rent in October?",
         "answer": "300 euros.",
         "gold_doc_ids": ["m1#c001"],
+        "meeting_id": "m1",
     },
 ]
 
@@ -53,20 +60,18 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
     (data / "documents.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCUMENTS))
     (data / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
     systems = [s for s in SYSTEMS if s.name in ("naive", "ragcache+meancache", "percache")]
-    runs = [
-        evaluate(
-            data=tmp_path / "data",
-            qmsum_users=1,
-            squad_users=0,
-            queries_per_user=3,
-            stride=1,
-            max_new_tokens=12,
-            systems=systems,
-            progress=lambda line: None,
-        )
-        for _ in range(2)
-    ]
-    first, second = runs
+    settings = dict(
+        data=tmp_path / "data",
+        qmsum_users=1,
+        squad_users=0,
+        queries_per_user=3,
+        stride=1,
+        max_new_tokens=12,
+        systems=systems,
+        progress=lambda line: None,
+    )
+    first = evaluate(**settings, taus=[0.9])
+    second = evaluate(**settings)
     for name in ("naive", "ragcache+meancache", "percache"):
         records = first["queries"]["qmsum/pat"][name]
         assert [r["qid"] for r in records] == ["q1", "q2", "q3"] and not any("error" in r for r in records)
@@ -76,6 +81,13 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
     assert totals["naive"]["qa_bank_hit_rate"] == 0 and totals["naive"]["rouge_l_naive"] == 1.0
     assert totals["ragcache+meancache"]["qa_bank_hit_rate"] > 0  # q2 paraphrases q1
     assert totals["percache"]["idle"]["seconds"] > 0 and totals["naive"]["idle"]["seconds"] == 0
+    # idle knowledge prefill stored [system, chunk] for every chunk: each prompt restores
+    # at least its first chunk, and retrieval stayed inside meeting m1
+    assert totals["percache"]["idle"]["chunks_prefilled"] >= 1  # the rest came with predictions
+    generated = [r for r in first["queries"]["qmsum/pat"]["percache"] if r["source"] != "qa_bank"]
+    assert generated and all(r["prefix_overlap"] > 0 for r in generated)
+    assert all(c.startswith("m1#") for r in generated for c in r["chunk_ids"])
+    assert [row["sweep"] for row in first["sensitivity"]] == ["tau"] and first["tau_sweep"][0]["tau"] == 0.9
     assert set(totals["percache"]["stage_seconds_mean"]) >= {"embed", "retrieve", "prefill", "decode"}
     written = write_report(first, tmp_path / "out" / "e2e.json")
     assert {p.name for p in written} >= {
@@ -84,4 +96,6 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
         "per_query_latency.png",
         "latency_per_user.png",
     }
-    assert "| percache |" in (tmp_path / "out" / "e2e.md").read_text()
+    summary = (tmp_path / "out" / "e2e.md").read_text()
+    assert "| percache |" in summary and "| tau = 0.9 |" in summary and "| prefill |" in summary
+    assert "tau_tradeoff.png" in {p.name for p in written}
