@@ -106,77 +106,103 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def run_system(
+class SystemRun:
+    """One system answering one user's questions from an empty cache in *folder*."""
+
+    def __init__(
+        self, system: System, config: PerCacheConfig, engine: LlamaEngine, embedder: Any, folder: Path
+    ) -> None:
+        self.system = system
+        self.folder = folder
+        self.records: list[dict[str, Any]] = []
+        self.idle = {
+            "seconds": 0.0,
+            "chunks_prefilled": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "distinct_predicted_per_round": [],
+        }
+        self.pc = PerCache.open(folder, config=config, engine=engine, embedder=embedder)
+
+    def idle_round(self, knowledge: bool) -> None:
+        """An idle round (predictive systems only); its cost is accounted apart."""
+        if not self.system.predictive:
+            return
+        report = self.pc.warm(progress=False, knowledge_prediction=knowledge)
+        self.idle["seconds"] += report.seconds
+        self.idle["chunks_prefilled"] += report.chunks_prefilled
+        self.idle["prefill_tokens"] += report.prefill_tokens
+        self.idle["decode_tokens"] += report.decode_tokens
+        self.idle["distinct_predicted_per_round"].append(len(set(report.predicted)))
+
+    def ask(self, query: dict[str, Any]) -> None:
+        """Answer one question and record it (a failure is recorded, never skipped)."""
+        record: dict[str, Any] = {"qid": query["qid"], "question": query["question"]}
+        try:
+            answer = self.pc.answer(query["question"], scope=query_scope(query))
+            record.update(
+                answer=answer.text,
+                source=answer.source,
+                chunk_ids=list(answer.chunk_ids),
+                latency_s=answer.latency_s,
+                ttft_s=answer.ttft_s,
+                prefix_overlap=answer.reused_chunks / max(1, len(answer.chunk_ids))
+                if answer.source != "qa_bank"
+                else None,
+                rouge_reference=rouge_l(answer.text, query.get("answer", "")),
+                stages={stage: answer.timings.get(stage, 0.0) for stage in STAGES},
+            )
+        except Exception as error:
+            record.update(error=f"{type(error).__name__}: {error}")
+        self.records.append(record)
+
+    def finish(self) -> dict[str, Any]:
+        """Close the cache, delete its folder (chunk states take hundreds of MB) and return
+        the records, the idle account and the cache sizes."""
+        try:
+            stats = self.pc.stats()
+            self.pc.close()
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return {
+            "records": self.records,
+            "idle": self.idle,
+            "cache_bytes": {
+                "qa_bank": stats["qa_bank"]["bytes"],
+                "chunk_states": stats["chunk_states"]["bytes"],
+            },
+        }
+
+
+def run_user(
     user: User,
-    system: System,
-    base: PerCacheConfig,
+    variants: Sequence[tuple[str, System, PerCacheConfig]],
     engine: LlamaEngine,
     embedder: Any,
     folder: Path,
-    *,
-    stride: int,
-) -> dict[str, Any]:
-    """Answer the user's questions with one system; return per-query records and totals."""
-    config = base.replace(prediction=system.predictive, prediction_stride=stride, **system.changes)
+) -> dict[str, dict[str, Any]]:
+    """Answer the user's questions with every (label, system, config) variant, interleaved:
+    question i is asked of every variant before question i + 1, so that slow drifts of the
+    machine's speed fall on all systems alike. Predictive variants run two knowledge rounds
+    before the first question and a history round after each question, never while a
+    measured question runs."""
+    runs: dict[str, SystemRun] = {}
     try:
-        return _answer_all(user, system, config, engine, embedder, folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # chunk states take hundreds of MB per run
-
-
-def _answer_all(
-    user: User, system: System, config: PerCacheConfig, engine: LlamaEngine, embedder: Any, folder: Path
-) -> dict[str, Any]:
-    records: list[dict[str, Any]] = []
-    idle_seconds, idle_prefill, idle_decode, chunks_prefilled, predicted = 0.0, 0, 0, 0, []
-    with PerCache.open(folder, config=config, engine=engine, embedder=embedder) as pc:
-        pc.add_documents(user.documents, split=False)
-
-        def idle(knowledge: bool) -> None:
-            nonlocal idle_seconds, idle_prefill, idle_decode, chunks_prefilled
-            report = pc.warm(progress=False, knowledge_prediction=knowledge)
-            chunks_prefilled += report.chunks_prefilled
-            idle_seconds += report.seconds
-            idle_prefill += report.prefill_tokens
-            idle_decode += report.decode_tokens
-            predicted.append(len(set(report.predicted)))
-
-        if system.predictive:
-            idle(True)
-            idle(True)
+        for label, system, config in variants:
+            run = SystemRun(system, config, engine, embedder, folder / label)
+            runs[label] = run
+            run.pc.add_documents(user.documents, split=False)
+        for _ in range(2):
+            for run in runs.values():
+                run.idle_round(knowledge=True)
         for query in user.queries:
-            record: dict[str, Any] = {"qid": query["qid"], "question": query["question"]}
-            try:
-                answer = pc.answer(query["question"], scope=query_scope(query))
-                record.update(
-                    answer=answer.text,
-                    source=answer.source,
-                    chunk_ids=list(answer.chunk_ids),
-                    latency_s=answer.latency_s,
-                    ttft_s=answer.ttft_s,
-                    prefix_overlap=answer.reused_chunks / max(1, len(answer.chunk_ids))
-                    if answer.source != "qa_bank"
-                    else None,
-                    rouge_reference=rouge_l(answer.text, query.get("answer", "")),
-                    stages={stage: answer.timings.get(stage, 0.0) for stage in STAGES},
-                )
-            except Exception as error:  # recorded, never skipped silently
-                record.update(error=f"{type(error).__name__}: {error}")
-            records.append(record)
-            if system.predictive:
-                idle(False)
-        stats = pc.stats()
-    return {
-        "records": records,
-        "idle": {
-            "seconds": idle_seconds,
-            "chunks_prefilled": chunks_prefilled,
-            "prefill_tokens": idle_prefill,
-            "decode_tokens": idle_decode,
-            "distinct_predicted_per_round": predicted,
-        },
-        "cache_bytes": {"qa_bank": stats["qa_bank"]["bytes"], "chunk_states": stats["chunk_states"]["bytes"]},
-    }
+            for run in runs.values():
+                run.ask(query)
+            for run in runs.values():
+                run.idle_round(knowledge=False)
+    finally:
+        results = {label: run.finish() for label, run in runs.items()}
+    return results
 
 
 def _totals(run: dict[str, Any], naive: dict[str, Any] | None) -> dict[str, Any]:
@@ -270,36 +296,44 @@ def evaluate(
 
     try:
         with tempfile.TemporaryDirectory(prefix="percache-e2e-") as temporary:
-            for user in users:
+            for index, user in enumerate(users):
                 key = f"{user.dataset}/{user.name}"
-                runs[key], per_user[key] = {}, {}
-                for system in systems:
-                    started = time.perf_counter()
-                    folder = Path(temporary) / f"{len(runs)}-{system.name}"
-                    run = run_system(user, system, base_config(user), engine, embedder, folder, stride=stride)
-                    runs[key][system.name] = run
-                    per_user[key][system.name] = _totals(run, runs[key].get("naive"))
-                    progress(f"{key:<30} {system.name:<19} {_line(per_user[key][system.name], started)}")
-            if users:
-                user = users[0]
-                naive_run = runs[f"{user.dataset}/{user.name}"].get("naive")
-                for sweep, value, system, changes in sensitivity_runs(taus, strides, budgets_mb, ablations):
-                    started = time.perf_counter()
-                    run_stride = changes.pop("prediction_stride", stride)
-                    run = run_system(
-                        user,
+                started = time.perf_counter()
+                variants = [
+                    (
+                        system.name,
                         system,
-                        base_config(user, **changes),
-                        engine,
-                        embedder,
-                        Path(temporary) / f"{sweep}-{value}",
-                        stride=run_stride,
+                        base_config(user).replace(
+                            prediction=system.predictive, prediction_stride=stride, **system.changes
+                        ),
                     )
-                    totals = _totals(run, naive_run)
-                    sweeps.append(
-                        {"sweep": sweep, "value": value, "user": f"{user.dataset}/{user.name}", **totals}
+                    for system in systems
+                ]
+                runs[key] = run_user(user, variants, engine, embedder, Path(temporary) / f"user-{index}")
+                per_user[key] = {
+                    name: _totals(run, runs[key].get("naive")) for name, run in runs[key].items()
+                }
+                for name, totals in per_user[key].items():
+                    progress(f"{key:<30} {name:<19} {_line(totals, started)}")
+            if users and (taus or strides or budgets_mb or ablations):
+                user = users[0]
+                key = f"{user.dataset}/{user.name}"
+                started = time.perf_counter()
+                variants = [
+                    ("naive", SYSTEMS[0], base_config(user).replace(prediction=False, **SYSTEMS[0].changes))
+                ]
+                labels = []
+                for sweep, value, system, changes in sensitivity_runs(taus, strides, budgets_mb, ablations):
+                    labels.append((f"{sweep}={value}", sweep, value))
+                    config = base_config(user).replace(
+                        prediction=system.predictive, prediction_stride=stride, **system.changes
                     )
-                    progress(f"{sweep} {value}: {_line(totals, started)}")
+                    variants.append((labels[-1][0], system, config.replace(**changes)))
+                sweep_runs = run_user(user, variants, engine, embedder, Path(temporary) / "sensitivity")
+                for label, sweep, value in labels:
+                    totals = _totals(sweep_runs[label], sweep_runs["naive"])
+                    sweeps.append({"sweep": sweep, "value": value, "user": key, **totals})
+                    progress(f"{label}: {_line(totals, started)}")
     finally:
         engine.close()
     return {

@@ -155,3 +155,58 @@ def test_history_prediction_follows_user_questions(make_cache, origin):
     assert pc.scheduler.new_history == 0
     origins = {e.metadata.get("origin") for e in pc.qa_bank.entries}
     assert f"predicted-{origin}" in origins or report.history.accepted == 0
+
+
+def test_knowledge_prefill_gives_every_prompt_its_first_chunk_exactly(make_cache):
+    pc = make_cache("prefilled", similarity_threshold=0.95, **IDLE)
+    report = pc.warm(progress=False, max_predictions=0)
+    first_chunks = {chunk.id for chunk in pc.knowledge.chunks}
+    stored = {node.label for node in pc.tree.nodes if node.depth == 2}
+    assert report.chunks_prefilled == len(first_chunks) and stored == first_chunks
+    question = "When does my flight to Lisbon leave?"
+    answer = pc.answer(question)
+    assert answer.source == "chunk_states" and answer.reused_chunks >= 1
+    plain = make_cache("plain", chunk_states=False, qa_bank=False, prediction=False, max_new_tokens=24)
+    assert answer.text == plain.answer(question).text  # restoring never changes the answer
+    assert all_nodes_restorable(pc)
+
+
+def test_knowledge_prefill_stays_within_the_chunk_state_budget(make_cache):
+    budget = 12 * 1024 * 1024
+    pc = make_cache(chunk_state_budget_bytes=budget, **IDLE)
+    report = pc.warm(progress=False, max_predictions=0)
+    assert 0 < report.chunks_prefilled < len(pc.knowledge)
+    assert pc.tree.bytes <= budget
+    assert pc.warm(progress=False, max_predictions=0).chunks_prefilled == 0  # budget share reached
+
+
+def test_history_predictions_are_asked_in_the_latest_questions_scope(make_cache):
+    pc = make_cache(documents=False, **IDLE)
+    pc.add_documents(
+        [
+            {
+                "id": "kiln",
+                "text": "The kiln firing is on Wednesday at 6 pm in the studio.",
+                "metadata": {"meeting": "pottery"},
+            },
+            {
+                "id": "glaze",
+                "text": "Lee brings the blue glaze samples to the pottery studio.",
+                "metadata": {"meeting": "pottery"},
+            },
+            {
+                "id": "budget",
+                "text": "The marketing budget for the spring launch is 4,000 euros.",
+                "metadata": {"meeting": "launch"},
+            },
+        ],
+        split=False,
+    )
+    pc.answer("When is the kiln firing?", scope={"meeting": "pottery"})
+    report = pc.warm(progress=False, knowledge_prediction=False)
+    history = [e for e in pc.qa_bank.entries if e.metadata.get("origin") == "predicted-history"]
+    assert report.history.llm_calls == 1 and history
+    assert all(e.metadata["scope"] == {"meeting": "pottery"} for e in history)
+    assert all(chunk_id.startswith(("kiln", "glaze")) for e in history for chunk_id in e.chunk_ids)
+    assert pc.lookup(history[0].question) is None  # scoped entries serve only that scope
+    assert pc.lookup(history[0].question, scope={"meeting": "pottery"}) is not None
