@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,62 +33,15 @@ from .qa_bank import QABank
 from .scheduler import Scheduler, WarmReport
 from .shared.redis_tier import SharedTier
 from .storage import Store
+from .streaming import AnswerStream
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
+from .usage import UsageCounters
 from .verifier import make_verifier
 from .worker import IdleWorker
 
 logger = logging.getLogger(__name__)
 
 MAX_QUESTION_CHARS = 100_000
-
-
-class AnswerStream:
-    """An answer arriving piece by piece; iterate it for text, then read ``answer``.
-
-    >>> stream = pc.answer_stream("When is the rehearsal?")   # doctest: +SKIP
-    >>> for piece in stream: print(piece, end="")              # doctest: +SKIP
-    >>> stream.answer.source                                    # doctest: +SKIP
-    'chunk_states'
-    """
-
-    def __init__(self, events: Generator[str, None, Answer]) -> None:
-        self._events = events
-        self.answer: Answer | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        while True:
-            try:
-                piece = next(self._events)
-            except StopIteration as done:
-                self.answer = done.value
-                return
-            yield piece
-
-    def result(self) -> Answer:
-        """Consume what is left and return the finished answer."""
-        for _ in self:
-            pass
-        assert self.answer is not None
-        return self.answer
-
-    def close(self) -> None:
-        """Abandon the stream (releases the model for other questions)."""
-        self._events.close()
-
-
-@dataclass
-class _Counters:
-    queries: int = 0
-    qa_bank_hits: int = 0
-    chunk_state_hits: int = 0
-    full: int = 0
-    reused_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    verifier_rejections: int = 0
-    latency_s: dict[str, float] = field(
-        default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
-    )
 
 
 class PerCache:
@@ -121,8 +73,8 @@ class PerCache:
         self._verbose = verbose
         self._owns_engine = engine is None
         self._engine_load_lock = threading.Lock()
-        self._counters = _Counters()
-        self._counters_lock = threading.Lock()
+        self.usage = UsageCounters()
+        self._waiting_lock = threading.Lock()
         self._closed = False
 
         self._verifier = make_verifier(config.verifier)
@@ -592,8 +544,7 @@ class PerCache:
             if verdict.accepted:
                 self.qa_bank.record_hit(candidate.entry.id)
                 return candidate, best
-            with self._counters_lock:
-                self._counters.verifier_rejections += 1
+            self.usage.count_rejection()
             logger.debug(
                 "verifier rejected %r for %r: %s", candidate.entry.question, question, verdict.reason
             )
@@ -647,12 +598,12 @@ class PerCache:
     @contextmanager
     def _user_turn(self) -> Iterator[None]:
         """Mark a user's question as waiting (idle work yields the model to it)."""
-        with self._counters_lock:
+        with self._waiting_lock:
             self._users_waiting += 1
         try:
             yield
         finally:
-            with self._counters_lock:
+            with self._waiting_lock:
                 self._users_waiting -= 1
             self.last_activity = time.monotonic()
 
@@ -730,19 +681,7 @@ class PerCache:
         return self._users_waiting > 0
 
     def _finish(self, answer: Answer) -> Answer:
-        with self._counters_lock:
-            counters = self._counters
-            counters.queries += 1
-            if answer.source == "qa_bank":
-                counters.qa_bank_hits += 1
-            elif answer.source == "chunk_states":
-                counters.chunk_state_hits += 1
-            else:
-                counters.full += 1
-            counters.reused_tokens += answer.reused_tokens
-            counters.prefilled_tokens += answer.prefilled_tokens
-            counters.generated_tokens += answer.generated_tokens
-            counters.latency_s[answer.source] += answer.latency_s
+        self.usage.record(answer)
         return answer
 
     # -- reporting ------------------------------------------------------------------------
@@ -754,27 +693,7 @@ class PerCache:
         12
         """
         self._ensure_open()
-        with self._counters_lock:
-            c = self._counters
-            queries = max(1, c.queries)
-            summary: dict[str, Any] = {
-                "queries": c.queries,
-                "qa_bank_hits": c.qa_bank_hits,
-                "chunk_state_hits": c.chunk_state_hits,
-                "full": c.full,
-                "qa_bank_hit_rate": c.qa_bank_hits / queries,
-                "chunk_state_hit_rate": c.chunk_state_hits / queries,
-                "reused_tokens": c.reused_tokens,
-                "prefilled_tokens": c.prefilled_tokens,
-                "generated_tokens": c.generated_tokens,
-                "verifier_rejections": c.verifier_rejections,
-                "mean_latency_s": {
-                    source: total / max(1, count)
-                    for (source, total), count in zip(
-                        c.latency_s.items(), (c.qa_bank_hits, c.chunk_state_hits, c.full)
-                    )
-                },
-            }
+        summary = self.usage.summary()
         summary["qa_bank"] = {
             "entries": len(self.qa_bank),
             "bytes": self.qa_bank.bytes,

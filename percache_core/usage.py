@@ -1,0 +1,83 @@
+"""Usage counters of one cache: answers per source, tokens, latency, verifier rejections."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .types import Answer
+
+
+@dataclass
+class _Totals:
+    queries: int = 0
+    qa_bank_hits: int = 0
+    chunk_state_hits: int = 0
+    full: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    verifier_rejections: int = 0
+    latency_s: dict[str, float] = field(
+        default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
+    )
+
+
+class UsageCounters:
+    """Thread-safe counts of what the cache answered and how.
+
+    >>> usage = UsageCounters()
+    >>> usage.record(Answer(text="Friday.", source="qa_bank", question="When?", latency_s=0.01))
+    >>> usage.summary()["qa_bank_hit_rate"]
+    1.0
+    """
+
+    def __init__(self) -> None:
+        self._totals = _Totals()
+        self._lock = threading.Lock()
+
+    def record(self, answer: Answer) -> None:
+        """Count one finished answer."""
+        with self._lock:
+            totals = self._totals
+            totals.queries += 1
+            if answer.source == "qa_bank":
+                totals.qa_bank_hits += 1
+            elif answer.source == "chunk_states":
+                totals.chunk_state_hits += 1
+            else:
+                totals.full += 1
+            totals.reused_tokens += answer.reused_tokens
+            totals.prefilled_tokens += answer.prefilled_tokens
+            totals.generated_tokens += answer.generated_tokens
+            totals.latency_s[answer.source] += answer.latency_s
+
+    def count_rejection(self) -> None:
+        """Count a QA-bank candidate the verifier rejected."""
+        with self._lock:
+            self._totals.verifier_rejections += 1
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, hit rates and mean latency per source."""
+        with self._lock:
+            c = self._totals
+            queries = max(1, c.queries)
+            return {
+                "queries": c.queries,
+                "qa_bank_hits": c.qa_bank_hits,
+                "chunk_state_hits": c.chunk_state_hits,
+                "full": c.full,
+                "qa_bank_hit_rate": c.qa_bank_hits / queries,
+                "chunk_state_hit_rate": c.chunk_state_hits / queries,
+                "reused_tokens": c.reused_tokens,
+                "prefilled_tokens": c.prefilled_tokens,
+                "generated_tokens": c.generated_tokens,
+                "verifier_rejections": c.verifier_rejections,
+                "mean_latency_s": {
+                    source: total / max(1, count)
+                    for (source, total), count in zip(
+                        c.latency_s.items(), (c.qa_bank_hits, c.chunk_state_hits, c.full)
+                    )
+                },
+            }
