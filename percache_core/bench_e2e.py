@@ -143,6 +143,7 @@ class SystemRun:
             record.update(
                 answer=answer.text,
                 source=answer.source,
+                matched_question=answer.matched_question,
                 chunk_ids=list(answer.chunk_ids),
                 latency_s=answer.latency_s,
                 ttft_s=answer.ttft_s,
