@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from .config import PerCacheConfig
 from .errors import PerCacheError
@@ -27,6 +28,7 @@ from .types import Chunk
 logger = logging.getLogger(__name__)
 
 StopCheck = Callable[[], bool]
+T = TypeVar("T")
 
 
 class Preempted(PerCacheError):
@@ -210,11 +212,7 @@ class PromptRunner:
         """Prefill [system, *chunks] and keep its states, with no question and no decode
         (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
         events = self.run("", chunks, max_new_tokens=1, prefix_only=True, should_stop=should_stop)
-        while True:
-            try:
-                next(events)
-            except StopIteration as done:
-                return done.value.prefilled_tokens
+        return drain(events).prefilled_tokens
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
@@ -306,6 +304,15 @@ class PromptRunner:
         for node in evicted:
             self.states.delete(node.key)
         self.evictions += len(evicted)
+
+
+def drain(events: Generator[Any, None, T]) -> T:
+    """Run a generator to its end and return its return value (for runs nobody streams)."""
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
 
 
 def stream_text(

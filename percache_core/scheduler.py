@@ -25,14 +25,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .abstract import KnowledgeAbstract
-from .generation import Preempted, RunResult
+from .generation import Preempted, RunResult, drain
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
 from .qa_bank import normalized_question
 from .types import Chunk, QAHit
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 PREFILL_ONLY = "prefill_only"
 PREFILL_DECODE = "prefill_decode"
 PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
-T = TypeVar("T")
 
 
 class _OutOfTime(Exception):
@@ -88,14 +87,6 @@ class WarmReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _drain(events: Generator[Any, None, T]) -> T:
-    while True:
-        try:
-            next(events)
-        except StopIteration as done:
-            return done.value
 
 
 class Scheduler:
@@ -341,7 +332,7 @@ class Scheduler:
             question, pc.config.top_k, question_embedding=embedding, where=scope
         )
         chunks = [r.chunk for r in retrieved]
-        result = _drain(
+        result = drain(
             pc.runner.run(
                 question,
                 chunks,
@@ -459,7 +450,7 @@ class Scheduler:
             chunks = [c for c in (pc.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
             if not chunks or runner.path_is_stored(entry.question, chunks, pc.config.max_new_tokens):
                 continue
-            result = _drain(
+            result = drain(
                 runner.run(
                     entry.question,
                     chunks,
