@@ -260,11 +260,7 @@ class KnowledgeBank:
                 ]
                 rankings.append(sparse_ranking)
             if where:
-                keep = {
-                    i
-                    for i, c in enumerate(self._chunks)
-                    if all(c.metadata.get(key) == value for key, value in where.items())
-                }
+                keep = {i for i, c in enumerate(self._chunks) if matches_scope(c, where)}
                 rankings = [[i for i in ranking if i in keep] for ranking in rankings]
                 if not rankings[0]:  # none of the pool matched: rank every matching chunk
                     rankings = [sorted(keep, key=lambda i: -dense[i])]
@@ -280,3 +276,12 @@ class KnowledgeBank:
     def close(self) -> None:
         """Close the underlying store."""
         self._store.close()
+
+
+def matches_scope(chunk: Chunk, scope: Mapping[str, Any]) -> bool:
+    """Whether the chunk's metadata has every key/value pair of *scope*.
+
+    >>> matches_scope(Chunk("m1#c000", "m1", "Hi.", {"meeting_id": "m1"}), {"meeting_id": "m1"})
+    True
+    """
+    return all(chunk.metadata.get(key) == value for key, value in scope.items())

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from .abstract import KnowledgeAbstract
 from .generation import Preempted, RunResult, drain
+from .knowledge import matches_scope
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
 from .qa_bank import normalized_question
 from .types import Chunk, QAHit
@@ -185,7 +186,7 @@ class Scheduler:
             return True
         if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
             return True
-        return bool(self._chunks_to_prefill()[:1])
+        return next(self._chunks_to_prefill(), None) is not None
 
     # -- the round ------------------------------------------------------------------------
 
@@ -462,37 +463,37 @@ class Scheduler:
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 
-    def _chunks_to_prefill(self) -> list[Chunk]:
-        """Chunks whose [system, chunk] state is not stored, in the order to prefill them:
-        chunks of recent QA entries (user questions and predictions, newest first), then
-        chunks in the latest question's scope, then the rest in knowledge order."""
+    def _chunks_to_prefill(self) -> Iterator[Chunk]:
+        """Chunks whose [system, chunk] state is not stored, lazily, in the order to prefill
+        them, while the tree is under its prefill share of the budget: chunks of recent QA
+        entries (user questions and predictions, newest first), then chunks in the latest
+        question's scope, then the rest in knowledge order."""
         pc = self._pc
         config = pc.config
         if not (config.chunk_states and config.knowledge_prefill) or not len(pc.knowledge):
-            return []
-        if pc.runner.tree.bytes >= PREFILL_BUDGET_SHARE * config.chunk_state_budget_bytes:
-            return []
+            return
         chunks = pc.knowledge.chunks
         by_id = {c.id: c for c in chunks}
         ordered: dict[str, Chunk] = {}
         for entry in reversed(pc.qa_bank.entries):
             ordered.update((i, by_id[i]) for i in entry.chunk_ids if i in by_id and i not in ordered)
-        scope = self.history_scope or {}
-        in_scope = [c for c in chunks if scope and all(c.metadata.get(k) == v for k, v in scope.items())]
+        scope = self.history_scope
+        in_scope = [c for c in chunks if scope and matches_scope(c, scope)]
         for chunk in in_scope + list(chunks):
             ordered.setdefault(chunk.id, chunk)
         runner = pc.runner
-        return [c for c in ordered.values() if not runner.path_is_stored("", [c], 1)]
+        limit = PREFILL_BUDGET_SHARE * config.chunk_state_budget_bytes
+        for chunk in ordered.values():
+            if runner.tree.bytes >= limit:
+                return
+            if not runner.path_is_stored("", [chunk], 1):
+                yield chunk
 
     def _prefill_chunks(self, should_stop: Callable[[], bool]) -> None:
-        pc = self._pc
         report = self._report
         assert report is not None
-        limit = PREFILL_BUDGET_SHARE * pc.config.chunk_state_budget_bytes
         for chunk in self._chunks_to_prefill():
-            if pc.runner.tree.bytes >= limit:
-                break
-            report.prefill_tokens += pc.runner.prefill_prefix([chunk], should_stop=should_stop)
+            report.prefill_tokens += self._pc.runner.prefill_prefix([chunk], should_stop=should_stop)
             report.chunks_prefilled += 1
 
     # -- reporting ------------------------------------------------------------------------
