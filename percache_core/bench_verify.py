@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from .config import PerCacheConfig
 from .embedding import Embedder
 from .types import QAEntry
 from .verifier import make_verifier
@@ -37,8 +36,10 @@ def read_pairs(path: Path) -> list[dict[str, Any]]:
 def evaluate(
     pairs: list[dict[str, Any]], embedder: Embedder, *, taus=DEFAULT_TAUS, margin: float | None = None
 ) -> dict[str, Any]:
-    """Hit and false-hit rates per tau, plain cosine vs the lexical verifier."""
-    margin = PerCacheConfig().verifier_margin if margin is None else margin
+    """Hit and false-hit rates per tau, plain cosine vs the lexical verifier (semantic
+    mode: the verifier only rejects; nothing below tau is a hit unless *margin* > 0 asks
+    what a lower floor would do)."""
+    margin = 0.0 if margin is None else margin
     stored = embedder.embed([p["a"] for p in pairs])
     asked = embedder.embed([p["b"] for p in pairs])
     cosine = np.sum(stored * asked, axis=1)

@@ -18,7 +18,7 @@ class PerCacheConfig:
     """Every option of PerCache, with its default.
 
     Tiers:
-        qa_bank: answer similar questions from stored answers (cosine >= similarity_threshold).
+        qa_bank: reuse the stored answers of similar questions (see ``qa_mode``).
         chunk_states: restore llama.cpp KV states of [system, chunk, ...] prompt prefixes.
         prediction: predict questions in idle time (used by the predictor, when present).
         store_answers: keep the answers of user questions in the QA bank (off: the bank
@@ -31,12 +31,22 @@ class PerCacheConfig:
         rrf_k: the constant of reciprocal-rank fusion of BM25 and dense rankings.
         system_prompt: the first prompt segment (shared by every question).
 
-    QA-bank hit verification:
-        verifier: "lexical" (reject candidates that differ in negation, numbers, dates,
-            names, name order, antonyms or the kind of answer) or "none" (cosine only).
-        verifier_margin: with a verifier, candidates down to ``similarity_threshold -
-            verifier_margin`` are verified (the verifier makes lower similarities safe).
-        verifier_candidates: candidates verified per question, best first.
+    How stored answers are reused:
+        qa_mode: "exact" (default): stored answers of similar questions are drafts that
+            the model verifies on the new question's own prompt, so every answer is token
+            for token the cache-off answer; a fully accepted draft is served as
+            ``source="qa_bank"``. "semantic" (the PerCache paper's behaviour, approximate):
+            an entry at or above ``similarity_threshold`` is served without the model; it
+            may be another question's answer (see the README for measured rates).
+        draft_similarity: exact mode: entries at or above this cosine similarity are
+            offered as drafts (a wrong draft costs one batched pass, never a wrong answer).
+        prompt_lookup: with greedy decoding, also draft the next tokens from phrases of
+            the prompt (lossless, opt-in: with the bundled model's small logit leads it is
+            not faster on this build; see the README).
+        verifier: semantic mode: "lexical" rejects candidates that differ in negation,
+            numbers, dates, names, name order, antonyms or the kind of answer; "none"
+            serves on cosine alone. It only ever rejects; nothing below tau is served.
+        verifier_candidates: candidates considered per question, best first.
 
     Shared tier (Redis; ``pip install "percache[redis]"``):
         shared_url: ``redis://host:port/db`` or ``redis+cluster://host:port``; None: local only.
@@ -94,8 +104,10 @@ class PerCacheConfig:
     chunk_words: int = 100
     rrf_k: int = 60
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    qa_mode: str = "exact"
+    draft_similarity: float = 0.7
+    prompt_lookup: bool = False
     verifier: str = "lexical"
-    verifier_margin: float = 0.15
     verifier_candidates: int = 3
 
     shared_url: str | None = None
@@ -166,7 +178,9 @@ class PerCacheConfig:
             raise ValueError(f"verifier must be 'lexical' or 'none', got {self.verifier!r}")
         if self.verifier_candidates <= 0:
             raise ValueError(f"verifier_candidates must be positive, got {self.verifier_candidates}")
-        for name in ("dedup_similarity", "strategy_cutoff", "verifier_margin"):
+        if self.qa_mode not in ("exact", "semantic"):
+            raise ValueError(f"qa_mode must be 'exact' or 'semantic', got {self.qa_mode!r}")
+        for name in ("dedup_similarity", "strategy_cutoff", "draft_similarity"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.prediction_template not in ("auto", "completion", "chat"):

@@ -9,13 +9,23 @@ pre-empt it between segments or tokens; a pre-empted prefill stores nothing.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .config import PerCacheConfig
+from .drafting import (
+    AnswerDraft,
+    DraftSource,
+    DraftStats,
+    PromptLookup,
+    SequenceLost,
+    deviation_bound,
+    greedy_tokens,
+)
 from .errors import PerCacheError
 from .kv.llama_cpp import LlamaEngine, Sampling
 from .kv.state_store import StateStore
@@ -47,6 +57,8 @@ class RunResult:
     generated_tokens: int = 0
     ttft_s: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)  # decoded ids, end of generation included
+    drafts: DraftStats = field(default_factory=DraftStats)
 
     @property
     def reused_chunks(self) -> int:
@@ -83,10 +95,13 @@ class PromptRunner:
         should_stop: StopCheck | None = None,
         started: float | None = None,
         prefix_only: bool = False,
+        answer_drafts: Sequence[Sequence[int]] = (),
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
 
         *spec* replaces PerCache's own prompt (for callers with their own template).
+        *answer_drafts* (token ids of stored answers) are verified as drafts with greedy
+        decoding; the output is the same with or without them.
 
         With ``decode=False`` only the prefill runs (to populate chunk states); with
         ``prefix_only=True`` the question is not prefilled either. When
@@ -109,7 +124,7 @@ class PromptRunner:
             result = RunResult(layout)
             with self.tree.pinned(keys):
                 yield from self._run_segments(
-                    result, segments, keys, max_new_tokens, decode, should_stop, started, stop
+                    result, segments, keys, max_new_tokens, decode, should_stop, started, stop, answer_drafts
                 )
             if use_states:
                 self.evict_to_budget()
@@ -125,9 +140,11 @@ class PromptRunner:
         should_stop: StopCheck | None,
         started: float,
         stop: Sequence[str] | None = None,
+        answer_drafts: Sequence[Sequence[int]] = (),
     ) -> Generator[str, None, None]:
         engine = self.engine
         timings = result.timings
+        bound = self._draft_bound() if decode and self._drafting(answer_drafts) else None
         clock = time.perf_counter()
         depth, reused = self._restore(keys) if keys else (0, 0)
         if depth == 0:
@@ -150,13 +167,37 @@ class PromptRunner:
         timings["prefill"] = time.perf_counter() - clock
         try:
             if decode:
-                yield from self._decode(result, max_new_tokens, should_stop, started, stop)
+                rebuild = self._rebuilder(segments, keys)
+                yield from self._decode(
+                    result, max_new_tokens, should_stop, started, stop, answer_drafts, bound, rebuild
+                )
         finally:
             # The prefill is complete, so its states are whole whatever happened while
             # decoding; they are written after the answer so that they do not delay it.
             clock = time.perf_counter()
             self._keep_states(result.layout, keys, new_states)
             timings["store_states"] = time.perf_counter() - clock
+
+    def _drafting(self, answer_drafts: Sequence[Sequence[int]]) -> bool:
+        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time)."""
+        return self.config.temperature == 0 and (self.config.prompt_lookup or bool(answer_drafts))
+
+    def _draft_bound(self) -> float:
+        """The logit lead a batched draft token needs (measured once per engine)."""
+        return deviation_bound(self.engine)
+
+    def _rebuilder(self, segments: list[list[int]], keys: list[str]) -> Callable[[], None]:
+        """A function that brings the sequence back to the end of the prompt (restore the
+        deepest stored prefix, prefill the rest), for when it cannot be cut back exactly."""
+
+        def rebuild() -> None:
+            depth, _ = self._restore(keys) if keys else (0, 0)
+            if depth == 0:
+                self.engine.reset()
+            for tokens in segments[depth:]:
+                self.engine.eval(tokens)
+
+        return rebuild
 
     def _decode(
         self,
@@ -165,19 +206,66 @@ class PromptRunner:
         should_stop: StopCheck | None,
         started: float,
         stop_strings: Sequence[str] | None = None,
+        answer_drafts: Sequence[Sequence[int]] = (),
+        bound: float | None = None,
+        rebuild: Callable[[], None] | None = None,
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
         stop = StopStringFilter(self.config.stop if stop_strings is None else stop_strings)
-        sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
 
-        def count_token() -> None:
+        def count_token(token: int) -> None:
+            result.tokens.append(token)
+            if self.engine.is_end_of_generation(token):
+                return
             result.generated_tokens += 1
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - started
 
-        yield from decode_text(self.engine, max_new_tokens, sampling, stop, should_stop, count_token)
+        if bound is None:
+            sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
+            tokens = self.engine.generate(max_new_tokens=max_new_tokens, sampling=sampling)
+        else:
+            sources: list[DraftSource] = [AnswerDraft(answer_drafts)]
+            if self.config.prompt_lookup:
+                prompt = [t for segment in result.layout.segments for t in segment.tokens]
+                sources.append(PromptLookup(prompt))
+            tokens = self._greedy_with_drafts(result, max_new_tokens, sources, bound, should_stop, rebuild)
+        yield from decode_text(self.engine, tokens, stop, should_stop, count_token)
         result.text = stop.text.strip()
         result.timings["decode"] = time.perf_counter() - clock
+
+    def _greedy_with_drafts(
+        self,
+        result: RunResult,
+        max_new_tokens: int,
+        sources: list[DraftSource],
+        bound: float,
+        should_stop: StopCheck | None,
+        rebuild: Callable[[], None] | None,
+    ) -> Iterator[int]:
+        """Greedy tokens with drafts; if the sequence is lost, rebuild it and go on."""
+        produced: list[int] = []
+        replay: list[int] = []
+        while True:
+            try:
+                for token in greedy_tokens(
+                    self.engine,
+                    max_new_tokens=max_new_tokens,
+                    drafts=sources,
+                    bound=bound,
+                    should_stop=should_stop,
+                    stats=result.drafts,
+                    replay=replay,
+                ):
+                    produced.append(token)
+                    yield token
+                return
+            except SequenceLost:
+                if rebuild is None:
+                    raise
+                logger.debug("draft decoding lost the sequence after %d tokens: rebuilt", len(produced))
+                rebuild()
+                replay = list(produced)
 
     def complete(
         self,
@@ -342,36 +430,48 @@ def stream_text(
             raise Preempted("completion pre-empted by a user question")
         generated = [0]
 
-        def count_token() -> None:
-            generated[0] += 1
+        def count_token(token: int) -> None:
+            if not engine.is_end_of_generation(token):
+                generated[0] += 1
 
         sampling = Sampling(temperature, top_p, seed)
         yield from decode_text(
-            engine, max_new_tokens, sampling, StopStringFilter(stop), should_stop, count_token
+            engine,
+            engine.generate(max_new_tokens=max_new_tokens, sampling=sampling),
+            StopStringFilter(stop),
+            should_stop,
+            count_token,
         )
         yield (len(tokens), generated[0])
 
 
 def decode_text(
     engine: LlamaEngine,
-    max_new_tokens: int,
-    sampling: Sampling,
+    tokens: Iterator[int],
     stop: StopStringFilter,
     should_stop: StopCheck | None,
-    on_token: Callable[[], None],
+    on_token: Callable[[int], None],
 ) -> Generator[str, None, None]:
-    """Decode after the evaluated prompt, yielding the text *stop* lets through (held back
-    while it may begin a stop string); *on_token* is called for every decoded token.
+    """Turn decoded *tokens* into text, yielding what *stop* lets through (held back while
+    it may begin a stop string); *on_token* sees every token, end of generation included.
     Raises :class:`Preempted` when *should_stop* turns true."""
-    for _token, piece in engine.generate(max_new_tokens=max_new_tokens, sampling=sampling):
-        on_token()
-        shown = stop.feed(piece)
-        if shown:
-            yield shown
-        if stop.stopped:
-            break
-        if should_stop is not None and should_stop():
-            raise Preempted("decoding pre-empted by a user question")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    try:
+        for token in tokens:
+            on_token(token)
+            if engine.is_end_of_generation(token):
+                break
+            shown = stop.feed(decoder.decode(engine.token_bytes(token)))
+            if shown:
+                yield shown
+            if stop.stopped:
+                break
+            if should_stop is not None and should_stop():
+                raise Preempted("decoding pre-empted by a user question")
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
     tail = stop.finish()
     if tail:
         yield tail

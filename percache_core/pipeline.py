@@ -30,13 +30,13 @@ from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
 from .prompting import TEMPLATE_VERSION, PromptSpec
 from .qa_bank import QABank
+from .request_path import Parts, RequestPath, generated_answer, stored_answer
 from .scheduler import Scheduler, WarmReport
 from .shared.redis_tier import SharedTier
 from .storage import Store
 from .streaming import AnswerStream
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 from .usage import UsageCounters
-from .verifier import make_verifier
 from .worker import IdleWorker
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,6 @@ class PerCache:
         self._waiting_lock = threading.Lock()
         self._closed = False
 
-        self._verifier = make_verifier(config.verifier)
         self._meta = Store(folder / "meta")
         self._check_embedder()
         self.knowledge = KnowledgeBank(
@@ -99,6 +98,19 @@ class PerCache:
         self.last_activity = time.monotonic()
         self.scheduler = Scheduler(self)
         self._worker: IdleWorker | None = None
+        self.request_path = RequestPath(
+            Parts(
+                embedder=embedder,
+                knowledge=self.knowledge,
+                qa_bank=self.qa_bank,
+                usage=self.usage,
+                runner=lambda: self.runner,
+                model_id=self.model_id,
+                record_question=self.scheduler.record_question,
+                user_turn=self._user_turn,
+            ),
+            config,
+        )
 
     # -- opening and closing --------------------------------------------------------------
 
@@ -237,6 +249,15 @@ class PerCache:
                     verbose=self._verbose,
                 )
             return self._engine
+
+    def model_id(self) -> str:
+        """The identity of the model that answers (the engine's fingerprint); part of
+        every QA entry's binding."""
+        return self.engine.fingerprint(TEMPLATE_VERSION)
+
+    def binding(self, max_new_tokens: int | None = None) -> str:
+        """The binding of answers this cache's own pipeline gives with its settings now."""
+        return self.request_path.binding(max_new_tokens or self.config.max_new_tokens)
 
     @property
     def tree(self) -> ChunkStateTree:
@@ -406,21 +427,44 @@ class PerCache:
         *,
         similarity_threshold: float | None = None,
         scope: Mapping[str, Any] | None = None,
+        binding: str | None = None,
     ) -> Answer | None:
-        """The QA bank's answer for *question* (verified, within *scope*), or None: for
-        callers that generate on their own and then call :meth:`remember`."""
+        """The QA bank's answer for *question* under *binding* and *scope*, or None: for
+        callers that generate on their own and then call :meth:`remember` with the same
+        binding (a key of whatever decides their answers: model, prompt, settings, the
+        retrieved context).
+
+        Exact mode (the default) only returns the answer stored for the same question
+        text: the same inputs give the same output. Semantic mode
+        returns the best entry at or above tau that the verifier accepts (approximate).
+        """
         self._ensure_open()
         question = _validated(question)
+        threshold = self._threshold(similarity_threshold)
+        scope_dict = dict(scope) if scope else None
         started = time.perf_counter()
         with self._user_turn():
             embedding = self.embedder.embed([question])[0]
-            hit, _ = self._verified_hit(
-                question, embedding, self._threshold(similarity_threshold), dict(scope) if scope else None
-            )
-            self.scheduler.record_question(question, embedding, hit, dict(scope) if scope else None)
+            if self.config.qa_mode == "exact":
+                hit = self._same_question(question, embedding, scope_dict, binding)
+            else:
+                hit, _ = self.request_path.semantic_hit(question, embedding, threshold, scope_dict, binding)
+            self.scheduler.record_question(question, embedding, hit, scope_dict)
         if hit is None:
             return None
-        return self._finish(self._qa_answer(question, hit, started, {}))
+        answer = stored_answer(question, hit, started, {})
+        answer.approximate = self.config.qa_mode != "exact"
+        self.usage.record(answer)
+        return answer
+
+    def _same_question(
+        self, question: str, embedding: Any, scope: dict[str, Any] | None, binding: str | None
+    ) -> QAHit | None:
+        entry = self.qa_bank.find(question, scope=scope, binding=binding)
+        if entry is None:
+            return None
+        self.qa_bank.record_hit(entry.id)
+        return QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
 
     def remember(
         self,
@@ -430,15 +474,21 @@ class PerCache:
         chunk_ids: Sequence[str] = (),
         scope: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        binding: str | None = None,
     ) -> QAEntry:
-        """Store *answer* for *question* in the QA bank (replacing the same question)."""
+        """Store *answer* (a caller's own) for *question* under *binding* and *scope*;
+        it replaces an earlier answer to the same question there. The model's own
+        answers never replace a remembered one."""
         self._ensure_open()
         question = _validated(question)
         if not isinstance(answer, str):
             raise TypeError(f"answer must be a string, got {type(answer).__name__}")
         extra = dict(metadata or {})
+        extra["remembered"] = True
         if scope:
             extra["scope"] = dict(scope)
+        if binding:
+            extra["binding"] = binding
         embedding = self.embedder.embed([question])[0]
         return self.qa_bank.store(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)
 
@@ -473,97 +523,10 @@ class PerCache:
         if top_k <= 0 or max_new_tokens <= 0:
             raise ValueError("top_k and max_new_tokens must be positive")
         with self._user_turn():
-            answer = yield from self._answer_now(question, threshold, top_k, max_new_tokens, scope)
+            answer = yield from self.request_path.answer(
+                question, threshold=threshold, top_k=top_k, max_new_tokens=max_new_tokens, scope=scope
+            )
         return answer
-
-    def _answer_now(
-        self, question: str, threshold: float, top_k: int, max_new_tokens: int, scope: dict[str, Any] | None
-    ) -> Generator[str, None, Answer]:
-        started = time.perf_counter()
-        timings: dict[str, float] = {}
-
-        def lap(name: str, since: float) -> float:
-            now = time.perf_counter()
-            timings[name] = timings.get(name, 0.0) + now - since
-            return now
-
-        clock = time.perf_counter()
-        embedding = self.embedder.embed([question])[0]
-        clock = lap("embed", clock)
-
-        best_similarity: float | None = None
-        if self.config.qa_bank:
-            hit, best_similarity = self._verified_hit(question, embedding, threshold, scope)
-            clock = lap("qa_check", clock)
-            if hit is not None:
-                self.scheduler.record_question(question, embedding, hit, scope)
-                yield hit.entry.answer or ""
-                return self._finish(self._qa_answer(question, hit, started, timings))
-        self.scheduler.record_question(question, embedding, None, scope)
-
-        retrieved = self.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
-        clock = lap("retrieve", clock)
-        answer = yield from self._generate(
-            question,
-            [r.chunk for r in retrieved],
-            max_new_tokens=max_new_tokens,
-            started=started,
-            timings=timings,
-        )
-        answer.similarity = best_similarity
-        if self.config.qa_bank and self.config.store_answers and answer.text:
-            clock = time.perf_counter()
-            self.qa_bank.store(
-                question,
-                embedding,
-                answer.text,
-                chunk_ids=answer.chunk_ids,
-                metadata={"scope": scope} if scope else None,
-            )
-            lap("store_qa", clock)
-        answer.latency_s = time.perf_counter() - started
-        return self._finish(answer)
-
-    def _verified_hit(
-        self, question: str, embedding: Any, threshold: float, scope: dict[str, Any] | None
-    ) -> tuple[QAHit | None, float | None]:
-        """The best stored entry that answers *question*, and the best similarity of any
-        servable entry in *scope* (None for none), from one search of the bank.
-
-        Without a verifier ("none" accepts all) the best candidate at or above tau hits;
-        with one, the first of the top candidates down to ``tau - verifier_margin`` that it
-        accepts."""
-        ranked = self.qa_bank.search(
-            embedding, top_n=self.config.verifier_candidates, min_similarity=-1.0, scope=scope
-        )
-        best = ranked[0].similarity if ranked else None
-        margin = 0.0 if self.config.verifier == "none" else self.config.verifier_margin
-        floor = max(0.0, threshold - margin)
-        for candidate in (c for c in ranked if c.similarity >= floor):
-            verdict = self._verifier.verify(question, candidate.entry, candidate.similarity)
-            if verdict.accepted:
-                self.qa_bank.record_hit(candidate.entry.id)
-                return candidate, best
-            self.usage.count_rejection()
-            logger.debug(
-                "verifier rejected %r for %r: %s", candidate.entry.question, question, verdict.reason
-            )
-        return None, best
-
-    def _qa_answer(self, question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:
-        elapsed = time.perf_counter() - started
-        return Answer(
-            text=hit.entry.answer or "",
-            source="qa_bank",
-            question=question,
-            similarity=hit.similarity,
-            chunk_ids=hit.entry.chunk_ids,
-            ttft_s=elapsed,
-            latency_s=elapsed,
-            matched_question=hit.entry.question,
-            entry_id=hit.entry.id,
-            timings=timings,
-        )
 
     def _generate(
         self,
@@ -582,18 +545,7 @@ class PerCache:
                 question, chunks, spec=spec, stop=stop, max_new_tokens=max_new_tokens, started=started
             )
         timings.update(result.timings)
-        return Answer(
-            text=result.text,
-            source="chunk_states" if result.reused_chunks > 0 else "full",
-            question=question,
-            chunk_ids=result.layout.chunk_ids,
-            reused_tokens=result.reused_tokens,
-            prefilled_tokens=result.prefilled_tokens,
-            generated_tokens=result.generated_tokens,
-            reused_chunks=result.reused_chunks,
-            ttft_s=result.ttft_s if result.ttft_s is not None else time.perf_counter() - started,
-            timings=timings,
-        )
+        return generated_answer(question, result, started, timings)
 
     @contextmanager
     def _user_turn(self) -> Iterator[None]:
@@ -670,7 +622,7 @@ class PerCache:
         """
         self._ensure_open()
         self.config = self.config.replace(**changes)
-        self._verifier = make_verifier(self.config.verifier)
+        self.request_path.configure(self.config)
         self.qa_bank.budget_bytes = self.config.qa_bank_budget_bytes
         if self._runner is not None:
             self._runner.config = self.config

@@ -70,16 +70,45 @@ def scope_code_key(scope: Mapping[str, Any] | None) -> str:
     return "" if not scope else repr(sorted((str(k), str(v)) for k, v in scope.items()))
 
 
+def partition_key(scope: Mapping[str, Any] | None, binding: str | None) -> str:
+    """The part of the bank an entry lives in: its scope and its binding (what produced
+    the answer: model, prompt template, settings). Searches see one partition only.
+
+    >>> partition_key({"a": 1}, "m1") == partition_key({"a": 1}, "m2")
+    False
+    """
+    return repr((binding or "", scope_code_key(scope)))
+
+
+def entry_partition(metadata: Mapping[str, Any] | None) -> str:
+    """The partition of an entry with this metadata (``scope`` and ``binding`` keys)."""
+    metadata = metadata or {}
+    return partition_key(metadata.get("scope"), metadata.get("binding"))
+
+
 def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> str:
-    """The identity of a question: its normalised text and its scope (``metadata["scope"]``).
+    """The identity of a question: its normalised text and its partition.
 
     >>> question_key("When is it? ") == question_key("when is it?", {"origin": "predicted"})
     True
     >>> question_key("When is it?", {"scope": {"thread": "a"}}) == question_key("When is it?")
     False
     """
-    scope = scope_code_key((metadata or {}).get("scope"))
-    return hashlib.sha1(repr((normalized_question(question), scope)).encode("utf-8")).hexdigest()
+    return hashlib.sha1(repr((normalized_question(question), entry_partition(metadata))).encode("utf-8")).hexdigest()
+
+
+def keeps_existing(old: QAEntry, answer: str | None, metadata: Mapping[str, Any] | None) -> bool:
+    """Whether storing *answer* for *old*'s question must leave *old* in place: a pending
+    entry never replaces an answered one, and the model's output never replaces an answer
+    a caller gave (``remembered``).
+
+    >>> old = QAEntry("1", "q", np.zeros(2), "Friday", metadata={"remembered": True})
+    >>> keeps_existing(old, "Monday", {}), keeps_existing(old, "Monday", {"remembered": True})
+    (True, False)
+    """
+    if old.answer is not None and answer is None:
+        return True
+    return bool(old.metadata.get("remembered")) and not (metadata or {}).get("remembered")
 
 
 class QABank:
@@ -106,8 +135,8 @@ class QABank:
         self._by_question: dict[str, str] = {}  # question key -> entry id
         self._matrix = np.zeros((16, dimension), dtype=np.float32)
         self._servable = np.zeros(16, dtype=bool)
-        self._scope = np.zeros(16, dtype=np.int32)  # row -> scope code (0: no scope)
-        self._scope_codes: dict[str, int] = {scope_code_key(None): 0}
+        self._partition = np.zeros(16, dtype=np.int32)  # row -> partition code
+        self._partition_codes: dict[str, int] = {partition_key(None, None): 0}
         self._dirty: set[str] = set()
         self.bytes = 0
         self.evictions = 0
@@ -147,10 +176,10 @@ class QABank:
             grown = max(16, 2 * row)
             self._matrix = np.resize(self._matrix, (grown, self._dimension))
             self._servable = np.resize(self._servable, grown)
-            self._scope = np.resize(self._scope, grown)
+            self._partition = np.resize(self._partition, grown)
         self._matrix[row] = entry.embedding
         self._servable[row] = entry.servable
-        self._scope[row] = self._scope_code(entry.metadata.get("scope"))
+        self._partition[row] = self._partition_code(entry_partition(entry.metadata))
         self._entries.append(entry)
         self._sizes.append(size)
         self._index[entry.id] = row
@@ -166,7 +195,7 @@ class QABank:
             self._sizes[row], self._sizes[last] = self._sizes[last], self._sizes[row]
             self._matrix[row] = self._matrix[last]
             self._servable[row] = self._servable[last]
-            self._scope[row] = self._scope[last]
+            self._partition[row] = self._partition[last]
             self._index[moved.id] = row
         self._entries.pop()
         self.bytes -= self._sizes.pop()
@@ -177,11 +206,10 @@ class QABank:
         self._dirty.discard(entry.id)
         return entry
 
-    def _scope_code(self, scope: Mapping[str, Any] | None) -> int:
-        key = scope_code_key(scope)
-        if key not in self._scope_codes:
-            self._scope_codes[key] = len(self._scope_codes)
-        return self._scope_codes[key]
+    def _partition_code(self, key: str) -> int:
+        if key not in self._partition_codes:
+            self._partition_codes[key] = len(self._partition_codes)
+        return self._partition_codes[key]
 
     def _write(self, entry: QAEntry) -> int:
         record = _record(entry)
@@ -202,20 +230,21 @@ class QABank:
         min_similarity: float = 0.0,
         servable_only: bool = True,
         scope: Mapping[str, Any] | None = None,
+        binding: str | None = None,
     ) -> list[QAHit]:
         """The *top_n* most similar entries at or above *min_similarity*, best first.
 
         Only entries stored with exactly this *scope* (``metadata["scope"]``; None: entries
-        without one) are searched.
+        without one) and *binding* (``metadata["binding"]``) are searched.
         """
         vector = self._check_embedding(embedding)
         with self._lock:
             count = len(self._entries)
-            code = self._scope_codes.get(scope_code_key(scope))
+            code = self._partition_codes.get(partition_key(scope, binding))
             if count == 0 or code is None:
                 return []
             scores = self._matrix[:count] @ vector
-            allowed = self._scope[:count] == code
+            allowed = self._partition[:count] == code
             if servable_only:
                 allowed &= self._servable[:count]
             scores = np.where(allowed, scores, -np.inf)
@@ -231,11 +260,28 @@ class QABank:
                 if scores[r] >= min_similarity
             ]
 
+    def find(
+        self, question: str, *, scope: Mapping[str, Any] | None = None, binding: str | None = None
+    ) -> QAEntry | None:
+        """The servable entry stored for exactly this question text (surrounding spaces
+        aside) under *scope* and *binding*, or None."""
+        with self._lock:
+            entry_id = self._by_question.get(question_key(question, {"scope": scope, "binding": binding}))
+            entry = None if entry_id is None else self._entries[self._index[entry_id]]
+        if entry is None or not entry.servable or entry.question.strip() != question.strip():
+            return None
+        return entry
+
     def check(
-        self, embedding: np.ndarray, *, threshold: float, scope: Mapping[str, Any] | None = None
+        self,
+        embedding: np.ndarray,
+        *,
+        threshold: float,
+        scope: Mapping[str, Any] | None = None,
+        binding: str | None = None,
     ) -> QAHit | None:
         """The best servable entry whose similarity reaches *threshold*, counted as a hit."""
-        hits = self.search(embedding, top_n=1, min_similarity=threshold, scope=scope)
+        hits = self.search(embedding, top_n=1, min_similarity=threshold, scope=scope, binding=binding)
         if not hits:
             return None
         self.record_hit(hits[0].entry.id)
@@ -261,7 +307,8 @@ class QABank:
     ) -> QAEntry:
         """Add an entry (``answer=None`` stores it as pending) and enforce the budget.
 
-        Storing the same question (same text and scope metadata) again replaces it.
+        Storing the same question (same text, scope and binding) again replaces it, except
+        where :func:`keeps_existing` says the old entry stays (then it is returned).
         """
         vector = self._check_embedding(embedding)
         if not isinstance(question, str) or not question.strip():
@@ -281,6 +328,8 @@ class QABank:
             )
             if existing is not None:
                 old = self._entries[self._index[existing]]
+                if keeps_existing(old, answer, metadata):
+                    return old
                 entry.hits, entry.created_at = old.hits, old.created_at
                 self._remove_row(self._index[existing])
             size = self._write(entry)
@@ -305,7 +354,14 @@ class QABank:
             entry.answer = answer
             if chunk_ids is not None:
                 entry.chunk_ids = tuple(chunk_ids)
+            old_key = question_key(entry.question, entry.metadata)
             entry.metadata.update(metadata_changes)
+            new_key = question_key(entry.question, entry.metadata)
+            if new_key != old_key:
+                if self._by_question.get(old_key) == entry_id:
+                    del self._by_question[old_key]
+                self._by_question[new_key] = entry_id
+                self._partition[row] = self._partition_code(entry_partition(entry.metadata))
             self.bytes -= self._sizes[row]
             self._sizes[row] = self._write(entry)
             self.bytes += self._sizes[row]

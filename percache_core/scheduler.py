@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .abstract import KnowledgeAbstract
+from .binding import answer_metadata
 from .generation import Preempted, RunResult, drain
 from .knowledge import matches_scope
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
@@ -327,7 +328,7 @@ class Scheduler:
         decode: bool,
         should_stop: Callable[[], bool],
         scope: dict[str, Any] | None = None,
-    ) -> RunResult:
+    ) -> tuple[RunResult, list[Chunk]]:
         pc = self._pc
         retrieved = pc.knowledge.retrieve(
             question, pc.config.top_k, question_embedding=embedding, where=scope
@@ -345,16 +346,29 @@ class Scheduler:
         assert self._report is not None
         self._report.prefill_tokens += result.prefilled_tokens
         self._report.decode_tokens += result.generated_tokens
-        return result
+        return result, chunks
+
+    def _entry_metadata(
+        self, result: RunResult, chunks: list[Chunk], scope: dict[str, Any] | None, origin: str
+    ) -> dict[str, Any]:
+        """Metadata of an entry this cache's own pipeline answered (binding, tokens, sources)."""
+        binding = self._pc.binding()
+        return answer_metadata(result, chunks, binding=binding, scope=scope, origin=origin)
 
     def _refresh_stale(self, should_stop: Callable[[], bool]) -> None:
         qa_bank = self._pc.qa_bank
         for entry in [e for e in qa_bank.entries if e.metadata.get("stale")]:
-            result = self._run(
-                entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=_scope(entry)
+            if entry.metadata.get("remembered"):
+                continue  # a caller's answer: only its caller replaces it
+            scope = _scope(entry)
+            result, chunks = self._run(
+                entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
             )
             if result.text:
-                qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, stale=False)
+                metadata = self._entry_metadata(result, chunks, scope, entry.metadata.get("origin", "refresh"))
+                qa_bank.correct(
+                    entry.id, result.text, chunk_ids=result.layout.chunk_ids, stale=False, **metadata
+                )
                 assert self._report is not None
                 self._report.refreshed += 1
 
@@ -364,7 +378,7 @@ class Scheduler:
             return
         while self.followups:
             question, embedding, scope = self.followups[0]
-            result = self._run(question, embedding, decode=True, should_stop=should_stop, scope=scope)
+            result, chunks = self._run(question, embedding, decode=True, should_stop=should_stop, scope=scope)
             self.followups.popleft()
             if result.text:
                 self._pc.qa_bank.store(
@@ -372,7 +386,7 @@ class Scheduler:
                     embedding,
                     result.text,
                     chunk_ids=result.layout.chunk_ids,
-                    metadata=_metadata("follow-up", scope),
+                    metadata=self._entry_metadata(result, chunks, scope, "follow-up"),
                 )
                 assert self._report is not None
                 self._report.followups_answered += 1
@@ -408,7 +422,7 @@ class Scheduler:
         decode = self.strategy() == PREFILL_DECODE
         for prediction, scope in predicted:
             self._tick(deadline)
-            result = self._run(
+            result, chunks = self._run(
                 prediction.text, prediction.embedding, decode=decode, should_stop=should_stop, scope=scope
             )
             report.populated += 1
@@ -423,7 +437,7 @@ class Scheduler:
                 prediction.embedding,
                 answer,
                 chunk_ids=result.layout.chunk_ids,
-                metadata=_metadata(f"predicted-{prediction.origin}", scope),
+                metadata=self._entry_metadata(result, chunks, scope, f"predicted-{prediction.origin}"),
             )
             if answer is None:
                 report.pending_stored += 1
@@ -436,11 +450,13 @@ class Scheduler:
         assert report is not None
         if self.strategy() == PREFILL_DECODE and pc.config.qa_bank:
             for entry in [e for e in pc.qa_bank.entries if e.answer is None and not e.metadata.get("stale")]:
-                result = self._run(
-                    entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=_scope(entry)
+                scope = _scope(entry)
+                result, chunks = self._run(
+                    entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
                 )
                 if result.text:
-                    pc.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids)
+                    metadata = self._entry_metadata(result, chunks, scope, entry.metadata.get("origin", "predicted"))
+                    pc.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, **metadata)
                     report.pending_decoded += 1
         if not pc.config.chunk_states:
             return
@@ -511,10 +527,6 @@ class Scheduler:
 
 def _scope(entry: Any) -> dict[str, Any] | None:
     return entry.metadata.get("scope") or None
-
-
-def _metadata(origin: str, scope: dict[str, Any] | None) -> dict[str, Any]:
-    return {"origin": origin, "scope": scope} if scope else {"origin": origin}
 
 
 def _progress_bar(enabled: bool) -> Any:

@@ -76,6 +76,11 @@ class Answer:
         ttft_s: seconds from the call to the first answer token.
         latency_s: seconds from the call to the full answer.
         matched_question: the stored question, for QA-bank hits.
+        entry_id: the QA entry served, for QA-bank hits.
+        approximate: True when the answer may differ from the cache-off answer (semantic
+            mode's hits); exact mode's answers, ``qa_bank`` ones included, never do.
+        draft_tokens_accepted: answer tokens verified from drafts instead of decoded one
+            at a time (stored answers and prompt lookup).
     """
 
     text: str
@@ -92,3 +97,5 @@ class Answer:
     matched_question: str | None = None
     entry_id: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    approximate: bool = False
+    draft_tokens_accepted: int = 0

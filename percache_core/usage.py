@@ -19,6 +19,8 @@ class _Totals:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     verifier_rejections: int = 0
+    stale_dropped: int = 0
+    draft_tokens_accepted: int = 0
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
     )
@@ -51,12 +53,18 @@ class UsageCounters:
             totals.reused_tokens += answer.reused_tokens
             totals.prefilled_tokens += answer.prefilled_tokens
             totals.generated_tokens += answer.generated_tokens
+            totals.draft_tokens_accepted += answer.draft_tokens_accepted
             totals.latency_s[answer.source] += answer.latency_s
 
     def count_rejection(self) -> None:
         """Count a QA-bank candidate the verifier rejected."""
         with self._lock:
             self._totals.verifier_rejections += 1
+
+    def count_stale_drop(self) -> None:
+        """Count a QA entry dropped because its sources changed (semantic mode)."""
+        with self._lock:
+            self._totals.stale_dropped += 1
 
     def summary(self) -> dict[str, Any]:
         """Counts, hit rates and mean latency per source."""
@@ -74,6 +82,8 @@ class UsageCounters:
                 "prefilled_tokens": c.prefilled_tokens,
                 "generated_tokens": c.generated_tokens,
                 "verifier_rejections": c.verifier_rejections,
+                "stale_dropped": c.stale_dropped,
+                "draft_tokens_accepted": c.draft_tokens_accepted,
                 "mean_latency_s": {
                     source: total / max(1, count)
                     for (source, total), count in zip(

@@ -1,9 +1,13 @@
 """``PerCacheSemanticCache``: LangChain's LLM cache on PerCache's QA bank.
 
-Entries are scoped by ``llm_string`` inside the search (another model's or setting's
-answers are never candidates). The key is the user's question when a
-``PerCacheRetriever`` of the same PerCache recorded one that appears in the prompt (so
-that the retrieved context does not drown the similarity), else the whole prompt.
+A LangChain cache answers without calling the model, so it cannot have a stored answer
+verified. In PerCache's default ``qa_mode="exact"`` it therefore returns an answer only
+for the same prompt and ``llm_string`` (the same inputs give the same output). With
+``qa_mode="semantic"`` (approximate, opt-in) the key is the user's question when a
+``PerCacheRetriever`` of the same PerCache recorded one that appears in the prompt, and
+entries are bound to the ``llm_string`` and to the prompt around that question (its
+template, instructions and retrieved documents): another chain's prompt, another model
+or other settings never share answers, and a changed document changes the binding.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from .recorder import as_percache, recorder_for
 _ORIGIN = "langchain-cache"
 
 
-def _scope(llm_string: str) -> dict[str, str]:
-    return {"llm": hashlib.sha256(llm_string.encode("utf-8")).hexdigest()[:32]}
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8")).hexdigest()[:32]
 
 
 class PerCacheSemanticCache(BaseCache):
@@ -38,13 +42,16 @@ class PerCacheSemanticCache(BaseCache):
         self._percache = as_percache(percache)
         self._threshold = similarity_threshold
 
-    def _key(self, prompt: str) -> str:
-        return recorder_for(self._percache).question_in(prompt) or prompt
+    def _key(self, prompt: str, llm_string: str) -> tuple[str, str]:
+        """(the text stored as the question, its binding)."""
+        question = recorder_for(self._percache).question_in(prompt)
+        if self._percache.config.qa_mode == "exact" or not question:
+            return prompt, _digest("prompt", llm_string)
+        return question, _digest("question", llm_string, prompt.replace(question, "\x00"))
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
-        answer = self._percache.lookup(
-            self._key(prompt), similarity_threshold=self._threshold, scope=_scope(llm_string)
-        )
+        key, binding = self._key(prompt, llm_string)
+        answer = self._percache.lookup(key, similarity_threshold=self._threshold, binding=binding)
         if answer is None or answer.entry_id is None:
             return None
         entry = self._percache.qa_bank.get(answer.entry_id)
@@ -57,10 +64,11 @@ class PerCacheSemanticCache(BaseCache):
     def update(self, prompt: str, llm_string: str, return_val: RETURN_VAL_TYPE) -> None:
         if not return_val:
             return
+        key, binding = self._key(prompt, llm_string)
         self._percache.remember(
-            self._key(prompt),
+            key,
             return_val[0].text,
-            scope=_scope(llm_string),
+            binding=binding,
             metadata={"origin": _ORIGIN, "lc_generations": dumps(list(return_val))},
         )
 

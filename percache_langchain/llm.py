@@ -43,7 +43,7 @@ class PerCacheLlamaCpp(LLM):
     def _identifying_params(self) -> dict[str, Any]:
         config = self.percache.config
         return {
-            "model": self.percache.engine.model_name,
+            "model": self.percache.model_id(),
             "max_new_tokens": self.max_new_tokens or config.max_new_tokens,
             "temperature": config.temperature,
             "top_p": config.top_p,

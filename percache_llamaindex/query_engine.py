@@ -1,16 +1,23 @@
 """``PerCacheQueryEngine``: ``index.as_query_engine()`` with PerCache in front.
 
-A QA-bank hit returns a ``Response`` without calling the LLM. A miss retrieves with the
-index's own retriever (and node postprocessors), then generates through the chunk-state
-tree when the LLM is a llama.cpp model (``PerCacheLlamaCPP``, or
-``llama-index-llms-llama-cpp``'s ``LlamaCPP``, whose GGUF file PerCache loads itself), or
-through LlamaIndex's response synthesizer with any other LLM (then only the QA bank
-applies). ``response.metadata["percache"]`` says what happened.
+Each question is retrieved with the index's own retriever (and node postprocessors)
+first. A stored answer is returned without calling the LLM only when it is bound to the
+same LLM, response mode and retrieved nodes (ids and texts): in the default exact mode
+for the same question text, in semantic mode (opt-in, approximate) for a similar one.
+Otherwise the answer is generated through the chunk-state tree when the LLM is a
+llama.cpp model (``PerCacheLlamaCPP``, or ``llama-index-llms-llama-cpp``'s ``LlamaCPP``,
+whose GGUF file PerCache loads itself), or through LlamaIndex's response synthesizer with
+any other LLM. ``response.metadata["percache"]`` says what happened.
+
+Idle-time prediction answers with the model that answers the user: with an LLM that is
+not llama.cpp, ``warm()`` and ``start_worker()`` do nothing (and say so in the log).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import os
 from collections.abc import Generator
 from typing import Any
@@ -23,10 +30,23 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from percache_core import Answer, PerCache, PerCacheConfig
+from percache_core.binding import chunk_sources
+from percache_core.scheduler import WarmReport
 
 from .embedding import PerCacheEmbedding
 from .llm import PerCacheLlamaCPP
-from .nodes import chunk_nodes, node_chunks, record_nodes
+from .nodes import node_chunks, record_nodes
+
+logger = logging.getLogger(__name__)
+
+
+def llm_identity(llm: Any) -> str:
+    """A text that tells LLMs (class and settings) apart, for binding stored answers."""
+    try:
+        settings = llm.to_json()
+    except Exception:  # not a serialisable LlamaIndex component
+        settings = repr(getattr(llm, "metadata", llm))
+    return f"{type(llm).__module__}.{type(llm).__qualname__}:{settings}"
 
 
 def _default_llm() -> Any:
@@ -66,7 +86,13 @@ class PerCacheQueryEngine(BaseQueryEngine):
     """
 
     def __init__(
-        self, *, inner: RetrieverQueryEngine, percache: PerCache, llm: Any, streaming: bool = False
+        self,
+        *,
+        inner: RetrieverQueryEngine,
+        percache: PerCache,
+        llm: Any,
+        streaming: bool = False,
+        response_mode: str = "compact",
     ) -> None:
         super().__init__(callback_manager=inner.callback_manager)
         self._inner = inner
@@ -74,6 +100,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         self._llm = llm
         self._uses_states = supports_chunk_states(llm)
         self._streaming = streaming
+        self._answer_key = f"{llm_identity(llm)}|{response_mode}"
 
     @classmethod
     def from_index(
@@ -108,20 +135,47 @@ class PerCacheQueryEngine(BaseQueryEngine):
         else:
             percache = PerCache.open(cache_dir, config=config.replace(chunk_states=False), embedder=embedder)
         inner = index.as_query_engine(llm=llm, **kwargs)
-        return cls(inner=inner, percache=percache, llm=llm, streaming=bool(kwargs.get("streaming")))
+        return cls(
+            inner=inner,
+            percache=percache,
+            llm=llm,
+            streaming=bool(kwargs.get("streaming")),
+            response_mode=str(kwargs.get("response_mode", "compact")),
+        )
 
     @property
     def percache(self) -> PerCache:
         """The cache behind this engine (for ``stats()``, ``close()``, ...)."""
         return self._percache
 
-    def warm(self, **kwargs: Any):
-        """One idle round of prediction and population (see ``PerCache.warm``)."""
+    def warm(self, **kwargs: Any) -> WarmReport:
+        """One idle round of prediction and population (see ``PerCache.warm``); nothing
+        with an LLM that is not llama.cpp (its answers would come from another model)."""
+        if not self._uses_states:
+            logger.warning(
+                "idle prediction needs the llama.cpp model that answers: %s is not one",
+                type(self._llm).__name__,
+            )
+            return WarmReport()
         return self._percache.warm(**kwargs)
 
     def start_worker(self, **kwargs: Any):
-        """Start PerCache's background idle worker (see ``PerCache.start_worker``)."""
+        """Start PerCache's background idle worker (see ``PerCache.start_worker``); None
+        with an LLM that is not llama.cpp."""
+        if not self._uses_states:
+            logger.warning(
+                "idle prediction needs the llama.cpp model that answers: %s is not one",
+                type(self._llm).__name__,
+            )
+            return None
         return self._percache.start_worker(**kwargs)
+
+    def _binding(self, nodes: list[NodeWithScore]) -> str:
+        """What decides this engine's answer besides the question: LLM, response mode and
+        the retrieved nodes' ids and texts (a changed or new node changes it)."""
+        sources = chunk_sources(node_chunks(nodes))
+        payload = f"{self._answer_key}|{sources}"
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
     def _get_prompt_modules(self) -> dict[str, Any]:
         return {"inner": self._inner}
@@ -131,25 +185,25 @@ class PerCacheQueryEngine(BaseQueryEngine):
 
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         question = query_bundle.query_str
-        hit = self._percache.lookup(question)
+        nodes = self._inner.retrieve(query_bundle)
+        binding = self._binding(nodes)
+        hit = self._percache.lookup(question, binding=binding) if nodes else None
         if hit is not None:
-            nodes = chunk_nodes(self._percache, hit.chunk_ids)
             if self._streaming:
                 return StreamingResponse(
                     response_gen=iter([hit.text]), source_nodes=nodes, metadata={"percache": _metadata(hit)}
                 )
             return Response(hit.text, source_nodes=nodes, metadata={"percache": _metadata(hit)})
-        nodes = self._inner.retrieve(query_bundle)
         record_nodes(self._percache, nodes)
-        if self._uses_states:
-            return self._generate(question, nodes)
-        return self._synthesize(query_bundle, nodes)
+        if self._uses_states and nodes:
+            return self._generate(question, nodes, binding)
+        return self._synthesize(query_bundle, nodes, binding)
 
-    def _generate(self, question: str, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
+    def _generate(self, question: str, nodes: list[NodeWithScore], binding: str) -> RESPONSE_TYPE:
         stream = self._percache.generate(question, node_chunks(nodes), stream=True)
         if not self._streaming:
             answer = stream.result()
-            self._remember(question, answer)
+            self._remember(question, answer, binding)
             return Response(answer.text, source_nodes=nodes, metadata={"percache": _metadata(answer)})
         metadata: dict[str, Any] = {}
 
@@ -157,12 +211,14 @@ class PerCacheQueryEngine(BaseQueryEngine):
             yield from stream
             answer = stream.answer
             assert answer is not None
-            self._remember(question, answer)
+            self._remember(question, answer, binding)
             metadata.update(_metadata(answer))
 
         return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata={"percache": metadata})
 
-    def _synthesize(self, query_bundle: QueryBundle, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
+    def _synthesize(
+        self, query_bundle: QueryBundle, nodes: list[NodeWithScore], binding: str
+    ) -> RESPONSE_TYPE:
         response = self._inner.synthesize(query_bundle, nodes)
         question = query_bundle.query_str
         info = {"source": "full", "similarity": None, "reused_tokens": 0}
@@ -174,21 +230,26 @@ class PerCacheQueryEngine(BaseQueryEngine):
                 for piece in original:
                     text += piece
                     yield piece
-                if text.strip():
-                    self._percache.remember(question, text.strip(), chunk_ids=[n.node.node_id for n in nodes])
+                if text.strip() and nodes:
+                    self._remember_text(question, text.strip(), nodes, binding)
 
             response.response_gen = pieces()
             response.metadata = {**(response.metadata or {}), "percache": info}
             return response
         text = str(response)
-        if text.strip():
-            self._percache.remember(question, text.strip(), chunk_ids=[n.node.node_id for n in nodes])
+        if text.strip() and nodes:
+            self._remember_text(question, text.strip(), nodes, binding)
         response.metadata = {**(response.metadata or {}), "percache": info}
         return response
 
-    def _remember(self, question: str, answer: Answer) -> None:
+    def _remember(self, question: str, answer: Answer, binding: str) -> None:
         if answer.text and self._percache.config.qa_bank:
-            self._percache.remember(question, answer.text, chunk_ids=answer.chunk_ids)
+            self._percache.remember(question, answer.text, chunk_ids=answer.chunk_ids, binding=binding)
+
+    def _remember_text(self, question: str, text: str, nodes: list[NodeWithScore], binding: str) -> None:
+        if self._percache.config.qa_bank:
+            ids = [n.node.node_id for n in nodes]
+            self._percache.remember(question, text, chunk_ids=ids, binding=binding)
 
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         return await asyncio.to_thread(self._query, query_bundle)

@@ -13,7 +13,6 @@ same model file, llama.cpp build and context settings, which ``fingerprint`` cap
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import hashlib
 import json
@@ -73,8 +72,8 @@ class LlamaEngine:
 
     >>> engine = LlamaEngine("gemma-3-270m-q4_k_m.gguf")   # doctest: +SKIP
     >>> engine.reset(); engine.eval(engine.tokenize("The capital of France is", True))  # doctest: +SKIP
-    >>> "".join(engine.generate(max_new_tokens=3))   # doctest: +SKIP
-    ' Paris.'
+    >>> [engine.token_bytes(t) for t in engine.generate(max_new_tokens=2)]   # doctest: +SKIP
+    [b' Paris', b'.']
     """
 
     def __init__(
@@ -281,6 +280,65 @@ class LlamaEngine:
                 raise EngineError(f"llama_decode returned {status}")
             self.n_past += len(piece)
 
+    def eval_with_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed *tokens* after the current position in as few calls as ``n_batch`` allows,
+        keeping the logits of every position: row ``i`` predicts the token after
+        ``tokens[i]``. Returns a copy of shape ``(len(tokens), n_vocab)``.
+
+        Batched evaluation is not bit-identical to feeding tokens one at a time (CPU
+        kernels differ for batch sizes 1 and > 1), so callers that need the one-at-a-time
+        result compare with a margin (see :mod:`percache_core.drafting`).
+        """
+        if not tokens:
+            raise ValueError("tokens must not be empty")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
+        rows = np.empty((len(tokens), self.n_vocab), dtype=np.float32)
+        batch = self._batch
+        for start in range(0, len(tokens), self.n_batch):
+            piece = tokens[start : start + self.n_batch]
+            batch.n_tokens = len(piece)
+            for i, token in enumerate(piece):
+                batch.token[i] = token
+                batch.pos[i] = self.n_past + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = True
+            status = self._lc.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise EngineError(f"llama_decode returned {status}")
+            for i in range(len(piece)):
+                pointer = self._lc.llama_get_logits_ith(self._ctx, i)
+                rows[start + i] = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            self.n_past += len(piece)
+        return rows
+
+    def truncate(self, n_tokens: int) -> bool:
+        """Drop every position from *n_tokens* on, keeping the first *n_tokens*.
+
+        Returns False when the kept sequence can no longer continue exactly: with a
+        sliding-window attention cache, llama.cpp reuses the cells of positions that the
+        window had left, so positions a shorter sequence needs again may be gone. The
+        caller must then rebuild the sequence (restore and prefill again).
+        """
+        if not 0 <= n_tokens <= self.n_past:
+            raise ValueError(f"cannot keep {n_tokens} of {self.n_past} tokens")
+        if not self._lc.llama_memory_seq_rm(self._memory, 0, n_tokens, -1):
+            return False
+        self.n_past = n_tokens
+        if n_tokens == 0:
+            return True
+        lowest = self._lc.llama_memory_seq_pos_min(self._memory, 0)
+        window = self.n_swa
+        return self._lc.llama_memory_seq_pos_max(self._memory, 0) == n_tokens - 1 and (
+            window == 0 or lowest <= max(0, n_tokens - window)
+        )
+
+    @property
+    def n_swa(self) -> int:
+        """The sliding-window size of the model's windowed layers (0: none)."""
+        return int(self._lc.llama_model_n_swa(self._model))
+
     def last_logits(self) -> np.ndarray:
         """Logits of the last evaluated token (a view into llama.cpp's buffer)."""
         pointer = self._lc.llama_get_logits_ith(self._ctx, -1)
@@ -308,14 +366,14 @@ class LlamaEngine:
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[tuple[int, str]]:
-        """Decode up to *max_new_tokens* tokens after the evaluated prompt.
+    ) -> Iterator[int]:
+        """Decode up to *max_new_tokens* tokens after the evaluated prompt, one at a time.
 
-        Yields ``(token, text)`` pairs, where *text* is the new complete UTF-8 text (possibly
-        empty while a multi-byte character is incomplete). Stops at end-of-generation.
+        Yields token ids; an end-of-generation token is yielded too (it does not count
+        towards *max_new_tokens*), and then generation stops. Use :meth:`token_bytes` for
+        their text.
         """
         rng = np.random.default_rng(sampling.seed)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         previous: int | None = None
         for _ in range(max_new_tokens):
             if previous is not None:  # evaluated lazily: the last token never needs it
@@ -323,9 +381,9 @@ class LlamaEngine:
                     break
                 self.eval([previous])
             token = self._pick(self.last_logits(), sampling, rng)
+            yield token
             if self.is_end_of_generation(token):
                 break
-            yield token, decoder.decode(self.token_bytes(token))
             previous = token
 
     def close(self) -> None:

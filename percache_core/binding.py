@@ -1,0 +1,68 @@
+"""What a stored answer is bound to, and the metadata that model-generated entries carry.
+
+A QA entry is only seen by lookups under the same binding: the model, the prompt
+template, the retrieval depth and the generation settings that produced it (and, kept
+apart, its scope). Model-generated entries also keep their token ids (drafts for exact
+mode) and the chunks their question retrieved (staleness checks for semantic mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .config import PerCacheConfig
+from .generation import RunResult
+from .prompting import TEMPLATE_VERSION
+from .types import Chunk
+
+
+def answer_binding(config: PerCacheConfig, model: str, max_new_tokens: int, template: str = "") -> str:
+    """A key of everything that decides an answer besides the question and the chunks:
+    the model (engine fingerprint, or a framework LLM's identity), the prompt template,
+    the retrieval depth and the generation settings.
+
+    >>> from percache_core.config import PerCacheConfig
+    >>> c = PerCacheConfig()
+    >>> answer_binding(c, "m", 64) == answer_binding(c, "m", 64), answer_binding(c, "m", 64) == answer_binding(c, "m", 32)
+    (True, False)
+    """
+    payload = {
+        "model": model,
+        "template": template or [TEMPLATE_VERSION, config.system_prompt],
+        "top_k": config.top_k,
+        "max_new_tokens": max_new_tokens,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "seed": config.seed,
+        "stop": list(config.stop),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()[:32]
+
+
+def text_digest(text: str) -> str:
+    """A short digest of a chunk's text (to tell changed chunks)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def chunk_sources(chunks: Sequence[Chunk]) -> list[list[str]]:
+    """``[[chunk id, text digest], ...]`` of the chunks an answer was generated from."""
+    return [[c.id, text_digest(c.text)] for c in chunks]
+
+
+def answer_metadata(
+    result: RunResult, chunks: Sequence[Chunk], *, binding: str, scope: dict[str, Any] | None, origin: str
+) -> dict[str, Any]:
+    """The metadata a model-generated QA entry carries: where it came from, its binding,
+    its scope, its token ids (drafts) and the retrieved chunks (staleness checks)."""
+    metadata: dict[str, Any] = {
+        "origin": origin,
+        "binding": binding,
+        "tokens": list(result.tokens),
+        "sources": chunk_sources(chunks),
+    }
+    if scope:
+        metadata["scope"] = scope
+    return metadata

@@ -1,0 +1,260 @@
+"""Lossless draft decoding: greedy output, computed faster wherever a draft is right.
+
+Greedy decoding feeds one token at a time. When the next tokens can be guessed (a stored
+answer to a similar question, or a phrase that the answer copies from its prompt), the
+guess is fed in one batch and every position's logits come back together; each draft
+token that greedy decoding would have chosen is accepted, and decoding goes on from the
+first one it would not have chosen. The output is the one-token-at-a-time output.
+
+Batching changes floating point: llama.cpp's CPU kernels for a batch of one and for
+larger batches round differently, so a logit computed in a batch deviates slightly from
+the one-at-a-time value. A token is therefore accepted from batched logits only where it
+leads every other token by more than ``bound``, a bound on that deviation measured for
+the loaded model and build at first use (:func:`deviation_bound`) with a safety factor.
+Where the lead is smaller (a near tie), the tokens since the last exact position are fed
+again one at a time, as the reference does, and the choice is made on exact logits; the
+rest of that answer is then decoded one token at a time, which bounds what a draft can
+cost to one batched pass and one replay.
+
+>>> lookup = PromptLookup([5, 6, 7, 8, 9, 6, 7], ngram=2, max_tokens=3)
+>>> lookup.propose([], 3)        # the prompt ends with 6 7, seen before followed by 8 9 6
+[8, 9, 6]
+>>> AnswerDraft([[4, 5, 6]]).propose([4], 5)
+[5, 6]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .kv.llama_cpp import LlamaEngine
+
+# A batched argmax can only differ from the one-at-a-time argmax if two logits move by
+# half the lead each; the bound is twice the largest deviation the self-check saw, times
+# a safety factor for prompts that deviate more than the self-check's did.
+SAFETY_FACTOR = 2.0
+MIN_BOUND = 1e-3  # logits; used when the self-check saw no deviation at all
+_SELF_CHECK_TOKENS = 48
+TOP_TOKENS = 8
+_SELF_CHECK_PROMPT = (
+    "Note: The quarterly review moved to Thursday at 10 am in room 4. Bring the budget sheet "
+    "and the list of open hiring requests; Lena will present the travel numbers.\n\n"
+    "Question: What should I bring to the quarterly review, and who presents?\nAnswer:"
+)
+_bounds: dict[int, float] = {}
+_bounds_lock = threading.Lock()
+
+
+class DraftSource(Protocol):
+    """Guesses the tokens that follow the answer tokens produced so far."""
+
+    def propose(self, produced: Sequence[int], limit: int) -> list[int]:
+        """At most *limit* tokens expected after *produced*, or [] for no guess."""
+        ...
+
+
+class AnswerDraft:
+    """Stored answers as drafts: the first answer that agrees with the tokens produced so
+    far proposes its continuation."""
+
+    def __init__(self, answers: Sequence[Sequence[int]]) -> None:
+        self.answers = [list(a) for a in answers if a]
+
+    def propose(self, produced: Sequence[int], limit: int) -> list[int]:
+        n = len(produced)
+        for answer in self.answers:
+            if len(answer) > n and answer[:n] == list(produced):
+                return answer[n : n + limit]
+        return []
+
+
+class PromptLookup:
+    """Prompt-lookup drafts: where the last *ngram* tokens (prompt and answer so far) were
+    seen before, propose the tokens that followed them then (RAG answers copy phrases
+    from their chunks)."""
+
+    def __init__(self, prompt: Sequence[int], *, ngram: int = 2, max_tokens: int = 8) -> None:
+        if ngram < 1 or max_tokens < 1:
+            raise ValueError("ngram and max_tokens must be positive")
+        self.ngram = ngram
+        self.max_tokens = max_tokens
+        self._tokens = list(prompt)
+        self._prompt_length = len(self._tokens)
+        self._seen: dict[tuple[int, ...], int] = {}  # n-gram -> index after its latest occurrence
+        self._indexed = ngram  # n-grams ending before this index are in _seen
+
+    def propose(self, produced: Sequence[int], limit: int) -> list[int]:
+        tokens = self._tokens
+        tokens.extend(produced[len(tokens) - self._prompt_length :])
+        n = self.ngram
+        for end in range(self._indexed, len(tokens)):  # every n-gram but the tail's own
+            self._seen[tuple(tokens[end - n : end])] = end
+        self._indexed = max(self._indexed, len(tokens))
+        follow = self._seen.get(tuple(tokens[-n:])) if len(tokens) > n else None
+        if follow is None:
+            return []
+        return tokens[follow : follow + min(limit, self.max_tokens)]
+
+
+@dataclass
+class DraftStats:
+    """What draft decoding did for one answer."""
+
+    proposed: int = 0  # draft tokens fed
+    accepted: int = 0  # draft tokens accepted
+    batches: int = 0  # batched verification calls
+    replays: int = 0  # near ties decided again on exact logits
+
+
+def _leads(row: np.ndarray, token: int, bound: float) -> bool:
+    """Whether *token* leads every other logit of *row* by more than *bound*."""
+    return int(np.count_nonzero(row >= row[token] - bound)) == 1
+
+
+def top_deviation(batched: np.ndarray, reference: np.ndarray, top: int = TOP_TOKENS) -> float:
+    """The largest difference between two logit rows over the *top* best tokens of either.
+
+    Only these matter: a batched choice differs from the one-at-a-time choice only if
+    the reference's best token (top of *reference*) overtakes the batched best token
+    (top of *batched*); low-ranked logits deviate more but never compete.
+    """
+    candidates = np.union1d(np.argpartition(-batched, top)[:top], np.argpartition(-reference, top)[:top])
+    return float(np.max(np.abs(batched[candidates] - reference[candidates])))
+
+
+def deviation_bound(engine: LlamaEngine) -> float:
+    """The lead a batched logit needs to stand for the one-at-a-time choice.
+
+    Measured once per engine: a prompt is decoded one token at a time, then the same
+    tokens are fed again, half in one batch and half one at a time on top of it, and the
+    largest deviation D among top-ranked tokens (:func:`top_deviation`) is taken; the
+    bound is ``2 * D * SAFETY_FACTOR`` (``MIN_BOUND`` when the two agree to the bit).
+    Measured here (Gemma 3 270M Q4_K_M, llama-cpp-python 0.3.36, CPU): batched logits
+    are bit-identical up to the fourth position and deviate from the fifth on. Callers
+    hold ``engine.lock``; the sequence is left empty.
+    """
+    with _bounds_lock:
+        if id(engine) in _bounds:
+            return _bounds[id(engine)]
+    engine.reset()
+    prompt = engine.tokenize(_SELF_CHECK_PROMPT, True)
+    engine.eval(prompt)
+    reference, tokens = [], []
+    for _ in range(_SELF_CHECK_TOKENS):
+        logits = engine.last_logits().copy()
+        reference.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        engine.eval([tokens[-1]])
+    reference.append(engine.last_logits().copy())
+    half = _SELF_CHECK_TOKENS // 2
+    if not engine.truncate(len(prompt)):
+        raise RuntimeError("self-check prompt is too long for the model's attention window")
+    rows = engine.eval_with_logits(tokens[:half])
+    deviation = max(top_deviation(rows[i], reference[i + 1]) for i in range(half))
+    for i in range(half, _SELF_CHECK_TOKENS):
+        engine.eval([tokens[i]])
+        deviation = max(deviation, top_deviation(engine.last_logits(), reference[i + 1]))
+    engine.reset()
+    bound = max(MIN_BOUND, 2.0 * SAFETY_FACTOR * deviation)
+    with _bounds_lock:
+        _bounds[id(engine)] = bound
+    return bound
+
+
+class SequenceLost(Exception):
+    """The sequence could not be cut back to an exact position (sliding-window cells were
+    reused); the caller rebuilds the prompt's state and calls again with the tokens so far."""
+
+
+def greedy_tokens(
+    engine: LlamaEngine,
+    *,
+    max_new_tokens: int,
+    drafts: Sequence[DraftSource],
+    bound: float,
+    should_stop: Callable[[], bool] | None = None,
+    stats: DraftStats | None = None,
+    replay: Sequence[int] = (),
+) -> Iterator[int]:
+    """Greedy decoding after the evaluated prompt, with drafts verified in batches.
+
+    Yields the tokens one-at-a-time greedy decoding yields (the end-of-generation token
+    too, then stops), at most *max_new_tokens* that are not end of generation.
+    *replay* (after :class:`SequenceLost`) are tokens already produced: they are fed one
+    at a time, not yielded again, and decoding goes on after them without drafts.
+    """
+    stats = stats if stats is not None else DraftStats()
+    start = engine.n_past
+    produced: list[int] = []
+    for token in replay:  # the reference schedule: one token at a time
+        produced.append(token)
+        engine.eval([token])
+    if replay:
+        drafts = ()
+    exact_upto = len(produced)  # produced[:exact_upto] were fed one at a time
+    logits = engine.last_logits().copy()
+    exact = True  # logits are the one-at-a-time logits
+    pending: list[int] = []  # accepted draft tokens not yet yielded (already evaluated)
+    while True:
+        if pending:
+            token = pending.pop(0)
+        else:
+            token = int(np.argmax(logits))
+            if not exact and not _leads(logits, token, bound):
+                if not engine.truncate(start + exact_upto):
+                    raise SequenceLost()
+                for earlier in produced[exact_upto:]:
+                    engine.eval([earlier])
+                exact_upto = len(produced)
+                logits = engine.last_logits().copy()
+                exact = True
+                stats.replays += 1
+                drafts = ()  # near ties here: the rest decodes one at a time (bounded cost)
+                token = int(np.argmax(logits))
+        produced.append(token)
+        yield token
+        if engine.is_end_of_generation(token) or _answer_length(engine, produced) >= max_new_tokens:
+            return
+        if pending:
+            continue
+        if engine.n_past >= engine.n_ctx or (should_stop is not None and should_stop()):
+            return
+        room = min(max_new_tokens - _answer_length(engine, produced), engine.n_ctx - engine.n_past - 1)
+        draft = next((d for d in (s.propose(produced, room) for s in drafts) if d), [])
+        if not draft:
+            all_exact = exact_upto == len(produced) - 1
+            engine.eval([token])
+            logits = engine.last_logits().copy()
+            exact = all_exact
+            if all_exact:
+                exact_upto += 1
+            continue
+        rows = engine.eval_with_logits([token, *draft])
+        stats.batches += 1
+        stats.proposed += len(draft)
+        accepted = 0
+        for i, guess in enumerate(draft):
+            if not _leads(rows[i], guess, bound):
+                break
+            accepted += 1
+            if engine.is_end_of_generation(guess):
+                break
+        stats.accepted += accepted
+        pending = list(draft[:accepted])
+        keep = start + len(produced) + accepted
+        if not engine.truncate(keep):
+            # Cutting off the rejected tail never needs cells the window had left: the
+            # reused cells were outside the window of the batch's first position.
+            raise SequenceLost()
+        logits = rows[accepted]
+        exact = False
+
+
+def _answer_length(engine: LlamaEngine, produced: Sequence[int]) -> int:
+    """Tokens that count towards ``max_new_tokens`` (end of generation does not)."""
+    return sum(1 for t in produced if not engine.is_end_of_generation(t))

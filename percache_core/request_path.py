@@ -1,0 +1,247 @@
+"""The request path: embed -> QA candidates -> retrieve -> run (drafts verified) -> store.
+
+Two ways to reuse stored answers (``PerCacheConfig.qa_mode``):
+
+- ``"exact"`` (default): the question is retrieved and laid out as usual, and the stored
+  answers of similar questions (same binding and scope) are *drafts* that greedy decoding
+  verifies on this prompt. The output is always the cache-off output; when it is a stored
+  answer token for token, the answer is served as ``source="qa_bank"`` at the cost of one
+  batched pass instead of a decode. A changed document changes the prompt, so an old
+  answer is never served unverified.
+- ``"semantic"`` (the paper's approximate behaviour): the best entry at or above tau that
+  the verifier does not reject is served without the model, unless a chunk that its
+  question now retrieves is new or changed (then the entry is dropped).
+
+Entries are bound to what produced them (:func:`answer_binding`) and a lookup only sees
+entries with the same binding and scope.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .binding import answer_binding, answer_metadata, chunk_sources
+from .config import PerCacheConfig
+from .embedding import Embedder
+from .generation import PromptRunner, RunResult
+from .knowledge import KnowledgeBank
+from .qa_bank import QABank
+from .types import Answer, QAEntry, QAHit
+from .usage import UsageCounters
+from .verifier import make_verifier
+
+logger = logging.getLogger(__name__)
+
+RecordQuestion = Callable[[str, np.ndarray, "QAHit | None", "dict[str, Any] | None"], None]
+
+
+@dataclass
+class Parts:
+    """What the request path works with (the facade owns and wires them)."""
+
+    embedder: Embedder
+    knowledge: KnowledgeBank
+    qa_bank: QABank
+    usage: UsageCounters
+    runner: Callable[[], PromptRunner]
+    model_id: Callable[[], str]
+    record_question: RecordQuestion
+    user_turn: Callable[[], AbstractContextManager[None]]
+
+
+class RequestPath:
+    """Answers user questions over *parts* with the settings in ``config``."""
+
+    def __init__(self, parts: Parts, config: PerCacheConfig) -> None:
+        self.parts = parts
+        self.config = config
+        self._verifier = make_verifier(config.verifier)
+
+    def configure(self, config: PerCacheConfig) -> None:
+        """Use new settings from the next question on."""
+        self.config = config
+        self._verifier = make_verifier(config.verifier)
+
+    def binding(self, max_new_tokens: int) -> str:
+        """The binding of answers this cache's own pipeline gives now."""
+        return answer_binding(self.config, self.parts.model_id(), max_new_tokens)
+
+    # -- answering ------------------------------------------------------------------------
+
+    def answer(
+        self,
+        question: str,
+        *,
+        threshold: float,
+        top_k: int,
+        max_new_tokens: int,
+        scope: dict[str, Any] | None,
+    ) -> Generator[str, None, Answer]:
+        """Yield the answer's text as it is produced; return the :class:`Answer`."""
+        parts, config = self.parts, self.config
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            timings[name] = timings.get(name, 0.0) + now - clock
+            clock = now
+
+        embedding = parts.embedder.embed([question])[0]
+        lap("embed")
+        config = config.replace(top_k=top_k) if top_k != config.top_k else config
+        binding = answer_binding(config, parts.model_id(), max_new_tokens)
+        candidates: list[QAHit] = []
+        best: float | None = None
+        if config.qa_bank:
+            if config.qa_mode == "semantic":
+                hit, best = self.semantic_hit(question, embedding, threshold, scope, binding, top_k)
+                lap("qa_check")
+                if hit is not None:
+                    parts.record_question(question, embedding, hit, scope)
+                    yield hit.entry.answer or ""
+                    return self._finish(stored_answer(question, hit, started, timings))
+            else:
+                candidates = parts.qa_bank.search(
+                    embedding,
+                    top_n=config.verifier_candidates,
+                    min_similarity=config.draft_similarity,
+                    scope=scope,
+                    binding=binding,
+                )
+                best = candidates[0].similarity if candidates else None
+                lap("qa_check")
+        parts.record_question(question, embedding, None, scope)
+
+        retrieved = parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
+        chunks = [r.chunk for r in retrieved]
+        lap("retrieve")
+        drafts = [self.draft_tokens(c.entry) for c in candidates]
+        with parts.user_turn():
+            result = yield from parts.runner().run(
+                question, chunks, max_new_tokens=max_new_tokens, started=started, answer_drafts=drafts
+            )
+        clock = time.perf_counter()
+        timings.update(result.timings)
+        answer = generated_answer(question, result, started, timings)
+        answer.similarity = best
+        served = next((c for c, d in zip(candidates, drafts) if d and result.tokens == d), None)
+        if served is not None:
+            parts.qa_bank.record_hit(served.entry.id)
+            answer.source = "qa_bank"
+            answer.similarity = served.similarity
+            answer.matched_question = served.entry.question
+            answer.entry_id = served.entry.id
+        elif config.qa_bank and config.store_answers and answer.text:
+            metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
+            parts.qa_bank.store(
+                question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
+            )
+            lap("store_qa")
+        answer.latency_s = time.perf_counter() - started
+        return self._finish(answer)
+
+    def draft_tokens(self, entry: QAEntry) -> list[int]:
+        """The token ids of an entry's answer: as decoded (model entries), else the
+        answer's text tokenized (a guess; verification decides)."""
+        tokens = entry.metadata.get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            return list(tokens)
+        if not entry.answer:
+            return []
+        return self.parts.runner().engine.tokenize(" " + entry.answer)
+
+    def semantic_hit(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        threshold: float,
+        scope: dict[str, Any] | None,
+        binding: str | None,
+        top_k: int | None = None,
+    ) -> tuple[QAHit | None, float | None]:
+        """The best entry at or above *threshold* that the verifier accepts and whose
+        sources are unchanged, and the best similarity seen (None: no candidate)."""
+        ranked = self.parts.qa_bank.search(
+            embedding,
+            top_n=self.config.verifier_candidates,
+            min_similarity=-1.0,
+            scope=scope,
+            binding=binding,
+        )
+        best = ranked[0].similarity if ranked else None
+        for candidate in (c for c in ranked if c.similarity >= threshold):
+            verdict = self._verifier.verify(question, candidate.entry, candidate.similarity)
+            if not verdict.accepted:
+                self.parts.usage.count_rejection()
+                logger.debug(
+                    "verifier rejected %r for %r: %s", candidate.entry.question, question, verdict.reason
+                )
+                continue
+            if not self.sources_unchanged(candidate.entry, scope, top_k or self.config.top_k):
+                self.parts.qa_bank.drop(candidate.entry.id)
+                self.parts.usage.count_stale_drop()
+                continue
+            self.parts.qa_bank.record_hit(candidate.entry.id)
+            return candidate, best
+        return None, best
+
+    def sources_unchanged(self, entry: QAEntry, scope: dict[str, Any] | None, top_k: int) -> bool:
+        """Whether the chunks the entry's question retrieves now (hybrid, as the request
+        path does) are the ones its answer came from, unchanged. Entries that do not
+        record their sources (caller-remembered answers) are judged by their caller."""
+        sources = entry.metadata.get("sources")
+        if sources is None:
+            return bool(entry.metadata.get("remembered"))
+        retrieved = self.parts.knowledge.retrieve(
+            entry.question, top_k, question_embedding=entry.embedding, where=scope
+        )
+        return chunk_sources([r.chunk for r in retrieved]) == [list(s) for s in sources]
+
+    def _finish(self, answer: Answer) -> Answer:
+        self.parts.usage.record(answer)
+        return answer
+
+
+def stored_answer(question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:
+    """An answer served from the QA bank without the model (semantic mode)."""
+    elapsed = time.perf_counter() - started
+    return Answer(
+        text=hit.entry.answer or "",
+        source="qa_bank",
+        question=question,
+        similarity=hit.similarity,
+        chunk_ids=hit.entry.chunk_ids,
+        ttft_s=elapsed,
+        latency_s=elapsed,
+        matched_question=hit.entry.question,
+        entry_id=hit.entry.id,
+        timings=timings,
+        approximate=True,
+    )
+
+
+def generated_answer(question: str, result: RunResult, started: float, timings: dict[str, float]) -> Answer:
+    """An answer the model produced (through the chunk-state tree)."""
+    return Answer(
+        text=result.text,
+        source="chunk_states" if result.reused_chunks > 0 else "full",
+        question=question,
+        chunk_ids=result.layout.chunk_ids,
+        reused_tokens=result.reused_tokens,
+        prefilled_tokens=result.prefilled_tokens,
+        generated_tokens=result.generated_tokens,
+        reused_chunks=result.reused_chunks,
+        ttft_s=result.ttft_s if result.ttft_s is not None else time.perf_counter() - started,
+        timings=timings,
+        draft_tokens_accepted=result.drafts.accepted,
+    )
