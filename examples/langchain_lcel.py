@@ -58,7 +58,7 @@ def main(folder: str) -> list[dict]:
         )
         for question in (
             "When is the presentation rehearsal for the launch talk?",
-            "When is the rehearsal for the launch presentation?",
+            "When is the presentation rehearsal for the launch talk?",  # asked again: the cache answers
             "Which room is the launch talk rehearsal in?",
         ):
             before = pc.stats()

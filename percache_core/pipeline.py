@@ -354,17 +354,45 @@ class PerCache:
         chunks: Sequence[Chunk | str],
         *,
         max_new_tokens: int | None = None,
+        binding: str | None = None,
+        scope: Mapping[str, Any] | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
         """Answer *question* from the given *chunks* (in this order) through the chunk-state
-        tree, without the QA bank or retrieval: for callers that retrieve on their own.
+        tree, without retrieval: for callers that retrieve on their own.
 
-        Strings are wrapped as chunks with a content-derived id.
+        Stored answers of similar questions under *binding* (default: this cache's own)
+        and *scope* are drafts the model verifies (exact mode), and the answer is stored
+        there, so a repeat or a paraphrase with the same answer is served as
+        ``source="qa_bank"``; the output is always the cache-off output. Strings are
+        wrapped as chunks with a content-derived id.
         """
         self._ensure_open()
         question = _validated(question)
         chunk_list = [c if isinstance(c, Chunk) else _text_chunk(c) for c in chunks]
-        return self._generate_stream(question, chunk_list, max_new_tokens, stream, None)
+        tokens = max_new_tokens or self.config.max_new_tokens
+        if tokens <= 0:
+            raise ValueError("max_new_tokens must be positive")
+        scope_dict = dict(scope) if scope else None
+        started = time.perf_counter()
+
+        def events() -> Generator[str, None, Answer]:
+            with self._user_turn():
+                embedding = self.embedder.embed([question])[0]
+                answer = yield from self.request_path.run(
+                    question,
+                    chunk_list,
+                    embedding=embedding,
+                    binding=binding or self.binding(tokens),
+                    scope=scope_dict,
+                    max_new_tokens=tokens,
+                    started=started,
+                    timings={},
+                )
+            return answer
+
+        stream_object = AnswerStream(events())
+        return stream_object if stream else stream_object.result()
 
     def _generate_stream(
         self,
@@ -429,10 +457,10 @@ class PerCache:
         scope: Mapping[str, Any] | None = None,
         binding: str | None = None,
     ) -> Answer | None:
-        """The QA bank's answer for *question* under *binding* and *scope*, or None: for
-        callers that generate on their own and then call :meth:`remember` with the same
-        binding (a key of whatever decides their answers: model, prompt, settings, the
-        retrieved context).
+        """The QA bank's answer for *question* under *binding* (default: this cache's own)
+        and *scope*, or None: for callers that generate on their own and then call
+        :meth:`remember` with the same binding (a key of whatever decides their answers:
+        model, prompt, settings, the retrieved context).
 
         Exact mode (the default) only returns the answer stored for the same question
         text: the same inputs give the same output. Semantic mode
@@ -443,6 +471,7 @@ class PerCache:
         threshold = self._threshold(similarity_threshold)
         scope_dict = dict(scope) if scope else None
         started = time.perf_counter()
+        binding = binding or self.binding()
         with self._user_turn():
             embedding = self.embedder.embed([question])[0]
             if self.config.qa_mode == "exact":
@@ -476,9 +505,9 @@ class PerCache:
         metadata: Mapping[str, Any] | None = None,
         binding: str | None = None,
     ) -> QAEntry:
-        """Store *answer* (a caller's own) for *question* under *binding* and *scope*;
-        it replaces an earlier answer to the same question there. The model's own
-        answers never replace a remembered one."""
+        """Store *answer* (a caller's own) for *question* under *binding* (default: this
+        cache's own) and *scope*; it replaces an earlier answer to the same question there.
+        The model's own answers never replace a remembered one."""
         self._ensure_open()
         question = _validated(question)
         if not isinstance(answer, str):
@@ -487,8 +516,7 @@ class PerCache:
         extra["remembered"] = True
         if scope:
             extra["scope"] = dict(scope)
-        if binding:
-            extra["binding"] = binding
+        extra["binding"] = binding or self.binding()
         embedding = self.embedder.embed([question])[0]
         return self.qa_bank.store(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)
 

@@ -33,7 +33,7 @@ from .embedding import Embedder
 from .generation import PromptRunner, RunResult
 from .knowledge import KnowledgeBank
 from .qa_bank import QABank
-from .types import Answer, QAEntry, QAHit
+from .types import Answer, Chunk, QAEntry, QAHit
 from .usage import UsageCounters
 from .verifier import make_verifier
 
@@ -100,31 +100,72 @@ class RequestPath:
         lap("embed")
         config = config.replace(top_k=top_k) if top_k != config.top_k else config
         binding = answer_binding(config, parts.model_id(), max_new_tokens)
-        candidates: list[QAHit] = []
         best: float | None = None
-        if config.qa_bank:
-            if config.qa_mode == "semantic":
-                hit, best = self.semantic_hit(question, embedding, threshold, scope, binding, top_k)
-                lap("qa_check")
-                if hit is not None:
-                    parts.record_question(question, embedding, hit, scope)
-                    yield hit.entry.answer or ""
-                    return self._finish(stored_answer(question, hit, started, timings))
-            else:
-                candidates = parts.qa_bank.search(
-                    embedding,
-                    top_n=config.verifier_candidates,
-                    min_similarity=config.draft_similarity,
-                    scope=scope,
-                    binding=binding,
-                )
-                best = candidates[0].similarity if candidates else None
-                lap("qa_check")
+        if config.qa_bank and config.qa_mode == "semantic":
+            hit, best = self.semantic_hit(question, embedding, threshold, scope, binding, top_k)
+            lap("qa_check")
+            if hit is not None:
+                parts.record_question(question, embedding, hit, scope)
+                yield hit.entry.answer or ""
+                return self._finish(stored_answer(question, hit, started, timings))
+        candidates = self.candidates(embedding, binding=binding, scope=scope)
+        if candidates:
+            best = candidates[0].similarity
+        lap("qa_check")
         parts.record_question(question, embedding, None, scope)
 
         retrieved = parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
         chunks = [r.chunk for r in retrieved]
         lap("retrieve")
+        answer = yield from self.run(
+            question,
+            chunks,
+            embedding=embedding,
+            binding=binding,
+            scope=scope,
+            max_new_tokens=max_new_tokens,
+            started=started,
+            timings=timings,
+            candidates=candidates,
+        )
+        if answer.source != "qa_bank":
+            answer.similarity = best
+        return answer
+
+    def candidates(
+        self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None
+    ) -> list[QAHit]:
+        """Exact mode: the stored answers offered as drafts (same binding and scope)."""
+        config = self.config
+        if not config.qa_bank or config.qa_mode != "exact":
+            return []
+        return self.parts.qa_bank.search(
+            embedding,
+            top_n=config.verifier_candidates,
+            min_similarity=config.draft_similarity,
+            scope=scope,
+            binding=binding,
+        )
+
+    def run(
+        self,
+        question: str,
+        chunks: list[Chunk],
+        *,
+        embedding: np.ndarray,
+        binding: str,
+        scope: dict[str, Any] | None,
+        max_new_tokens: int,
+        started: float,
+        timings: dict[str, float],
+        candidates: list[QAHit] | None = None,
+    ) -> Generator[str, None, Answer]:
+        """Generate the answer from *chunks* with the stored answers of similar questions
+        as drafts; label it ``qa_bank`` when it is one of them token for token, else store
+        it under *binding* and *scope*. Yields text; returns the :class:`Answer`."""
+        parts, config = self.parts, self.config
+        if candidates is None:
+            candidates = self.candidates(embedding, binding=binding, scope=scope)
         drafts = [self.draft_tokens(c.entry) for c in candidates]
         with parts.user_turn():
             result = yield from parts.runner().run(
@@ -133,7 +174,6 @@ class RequestPath:
         clock = time.perf_counter()
         timings.update(result.timings)
         answer = generated_answer(question, result, started, timings)
-        answer.similarity = best
         served = next((c for c, d in zip(candidates, drafts) if d and result.tokens == d), None)
         if served is not None:
             parts.qa_bank.record_hit(served.entry.id)
@@ -143,10 +183,8 @@ class RequestPath:
             answer.entry_id = served.entry.id
         elif config.qa_bank and config.store_answers and answer.text:
             metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
-            parts.qa_bank.store(
-                question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
-            )
-            lap("store_qa")
+            parts.qa_bank.store(question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata)
+            timings["store_qa"] = time.perf_counter() - clock
         answer.latency_s = time.perf_counter() - started
         return self._finish(answer)
 

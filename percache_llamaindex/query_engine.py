@@ -156,7 +156,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
                 "idle prediction needs the llama.cpp model that answers: %s is not one",
                 type(self._llm).__name__,
             )
-            return WarmReport()
+            return WarmReport(strategy="none")
         return self._percache.warm(**kwargs)
 
     def start_worker(self, **kwargs: Any):
@@ -200,10 +200,9 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return self._synthesize(query_bundle, nodes, binding)
 
     def _generate(self, question: str, nodes: list[NodeWithScore], binding: str) -> RESPONSE_TYPE:
-        stream = self._percache.generate(question, node_chunks(nodes), stream=True)
+        stream = self._percache.generate(question, node_chunks(nodes), binding=binding, stream=True)
         if not self._streaming:
             answer = stream.result()
-            self._remember(question, answer, binding)
             return Response(answer.text, source_nodes=nodes, metadata={"percache": _metadata(answer)})
         metadata: dict[str, Any] = {}
 
@@ -211,7 +210,6 @@ class PerCacheQueryEngine(BaseQueryEngine):
             yield from stream
             answer = stream.answer
             assert answer is not None
-            self._remember(question, answer, binding)
             metadata.update(_metadata(answer))
 
         return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata={"percache": metadata})
@@ -241,10 +239,6 @@ class PerCacheQueryEngine(BaseQueryEngine):
             self._remember_text(question, text.strip(), nodes, binding)
         response.metadata = {**(response.metadata or {}), "percache": info}
         return response
-
-    def _remember(self, question: str, answer: Answer, binding: str) -> None:
-        if answer.text and self._percache.config.qa_bank:
-            self._percache.remember(question, answer.text, chunk_ids=answer.chunk_ids, binding=binding)
 
     def _remember_text(self, question: str, text: str, nodes: list[NodeWithScore], binding: str) -> None:
         if self._percache.config.qa_bank:

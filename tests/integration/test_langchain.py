@@ -57,7 +57,7 @@ def prompt_for(question: str) -> str:
     return f"Use the notes.\n\n{context}\n\nQuestion: {question}\nAnswer:"
 
 
-def test_entries_are_scoped_by_llm_string_and_keyed_on_the_recorded_question(make_cache):
+def test_exact_mode_serves_only_the_same_prompt_and_llm_string(make_cache):
     pc = make_cache(documents=False)
     cache = PerCacheSemanticCache(pc)
     cache.update("prompt one", "model A", [Generation(text="one")])
@@ -68,13 +68,33 @@ def test_entries_are_scoped_by_llm_string_and_keyed_on_the_recorded_question(mak
     cache.update(
         prompt_for("When is the launch talk rehearsal?"), "model A", [Generation(text="Thursday 4 pm")]
     )
+    assert cache.lookup(prompt_for("When is the launch talk rehearsal?"), "model A") == [
+        Generation(text="Thursday 4 pm")
+    ]
+    retriever.invoke("When is the rehearsal for the launch talk?")
+    assert cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model A") is None
+    cache.clear()
+    assert cache.lookup("prompt one", "model A") is None
+
+
+def test_semantic_mode_keys_on_the_question_and_binds_the_prompt_around_it(make_cache):
+    pc = make_cache(documents=False, qa_mode="semantic", similarity_threshold=0.8)
+    cache = PerCacheSemanticCache(pc)
+    retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
+    retriever.invoke("When is the launch talk rehearsal?")
+    cache.update(
+        prompt_for("When is the launch talk rehearsal?"), "model A", [Generation(text="Thursday 4 pm")]
+    )
     stored = {e.question for e in pc.qa_bank.entries}
     assert "When is the launch talk rehearsal?" in stored  # the question, not the long prompt
     retriever.invoke("When is the rehearsal for the launch talk?")
     hit = cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model A")
     assert hit == [Generation(text="Thursday 4 pm")]
-    cache.clear()
-    assert cache.lookup("prompt one", "model A") is None
+    german = prompt_for("When is the rehearsal for the launch talk?").replace(
+        "Use the notes.", "Use the notes and answer in German."
+    )
+    assert cache.lookup(german, "model A") is None  # another chain's prompt: another binding
+    assert cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model B") is None
 
 
 def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):

@@ -44,18 +44,22 @@ def open_engine(index, llm, tmp_path, name, **kwargs):
     )
 
 
-def test_miss_then_paraphrase_hit_then_chunk_state_reuse(index, llm, tmp_path):
+def test_miss_then_repeat_hit_then_exact_paraphrase_then_chunk_state_reuse(index, llm, tmp_path):
     engine = open_engine(index, llm, tmp_path, "a")
     first = engine.query(QUESTION)
     assert first.metadata["percache"]["source"] == "full" and len(first.source_nodes) == 2
-    hit = engine.query(PARAPHRASE)
+    hit = engine.query(QUESTION)
     assert hit.metadata["percache"]["source"] == "qa_bank" and str(hit) == str(first)
     assert [n.node.get_content() for n in hit.source_nodes] == [
         n.node.get_content() for n in first.source_nodes
     ]
+    off = open_engine(index, llm, tmp_path, "off", config=PerCacheConfig(max_new_tokens=24, qa_bank=False, chunk_states=False))
+    paraphrase = engine.query(PARAPHRASE)  # a stored answer is only a draft: the output is exact
+    assert str(paraphrase) == str(off.query(PARAPHRASE))
     reuse = engine.query("When is the presentation rehearsal for the launch talk?")
     assert reuse.metadata["percache"]["reused_tokens"] > 0
     engine.close()
+    off.close()
 
 
 def test_chunk_state_hit_gives_the_same_text_as_the_cache_off(index, llm, tmp_path):
@@ -102,7 +106,22 @@ def test_other_llms_get_the_qa_bank_only(index, tmp_path):
     first = engine.query(QUESTION)
     assert first.metadata["percache"]["source"] == "full"
     assert not engine.percache.config.chunk_states
-    assert engine.query(PARAPHRASE).metadata["percache"]["source"] == "qa_bank"
+    assert engine.query(QUESTION).metadata["percache"]["source"] == "qa_bank"
+    assert engine.query(PARAPHRASE).metadata["percache"]["source"] == "full"  # exact: same question only
+    report = engine.warm(progress=False)  # idle prediction would answer with another model
+    assert report.populated == 0 and engine.percache._engine is None
+    semantic = PerCacheQueryEngine.from_index(
+        index,
+        cache_dir=tmp_path / "mock-semantic",
+        llm=MockLLM(max_tokens=8),
+        config=PerCacheConfig(qa_mode="semantic", similarity_threshold=0.8),
+        similarity_top_k=2,
+    )
+    semantic.query(QUESTION)
+    served = semantic.query(PARAPHRASE).metadata["percache"]
+    assert served["source"] == "qa_bank" and served["similarity"] >= 0.8
+    engine.close()
+    semantic.close()
 
 
 def test_node_postprocessor_records_and_reorders(make_cache):
