@@ -59,7 +59,7 @@ def p50(values: list[float]) -> float:
 
 def drop_deeper_states(pc: PerCache, depth: int) -> None:
     """Keep only chunk-state nodes of depth <= *depth* (system = 1, first chunk = 2)."""
-    for node in sorted(pc.tree.nodes(), key=lambda n: -n.depth):
+    for node in sorted(pc.tree.nodes, key=lambda n: -n.depth):
         if node.depth > depth:
             pc.tree.remove(node.key)
             pc.states.delete(node.key)

@@ -11,6 +11,12 @@ larger batches round differently, so a logit computed in a batch deviates slight
 the one-at-a-time value. A token is therefore accepted from batched logits only where it
 leads every other token by more than ``bound``, a bound on that deviation measured for
 the loaded model and build at first use (:func:`deviation_bound`) with a safety factor.
+(Why they differ, measured on this build: ggml's CPU matmul hands batches of two or more
+tokens to llamafile's ``sgemm``, which declines single tokens, so those take ``vec_dot``;
+with flash attention on, batches of up to 4 tokens were bit-identical on short prompts but
+not on a 1,029-token one. A llama-cpp-python built with ``-DGGML_LLAMAFILE=OFF`` may make
+batched and single evaluation agree to the bit; the self-check would then give the
+minimum bound and drafts would be accepted on argmax alone.)
 Where the lead is smaller (a near tie), the tokens since the last exact position are fed
 again one at a time, as the reference does, and the choice is made on exact logits; the
 rest of that answer is then decoded one token at a time, which bounds what a draft can

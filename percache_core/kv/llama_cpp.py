@@ -262,23 +262,27 @@ class LlamaEngine:
         """
         if self.n_past + len(tokens) > self.n_ctx:
             raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
-        batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             if should_stop is not None and should_stop():
                 return
-            piece = tokens[start : start + self.n_batch]
-            batch.n_tokens = len(piece)
-            for i, token in enumerate(piece):
-                batch.token[i] = token
-                batch.pos[i] = self.n_past + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = False
-            batch.logits[len(piece) - 1] = True
-            status = self._lc.llama_decode(self._ctx, batch)
-            if status != 0:
-                raise EngineError(f"llama_decode returned {status}")
-            self.n_past += len(piece)
+            self._decode_piece(tokens[start : start + self.n_batch], all_logits=False)
+
+    def _decode_piece(self, piece: Sequence[int], *, all_logits: bool) -> None:
+        """One ``llama_decode`` call for at most ``n_batch`` tokens after ``n_past``, with
+        logits for every token or for the last one only."""
+        batch = self._batch
+        batch.n_tokens = len(piece)
+        for i, token in enumerate(piece):
+            batch.token[i] = token
+            batch.pos[i] = self.n_past + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = all_logits
+        batch.logits[len(piece) - 1] = True
+        status = self._lc.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode returned {status}")
+        self.n_past += len(piece)
 
     def eval_with_logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Feed *tokens* after the current position in as few calls as ``n_batch`` allows,
@@ -294,23 +298,12 @@ class LlamaEngine:
         if self.n_past + len(tokens) > self.n_ctx:
             raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
         rows = np.empty((len(tokens), self.n_vocab), dtype=np.float32)
-        batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             piece = tokens[start : start + self.n_batch]
-            batch.n_tokens = len(piece)
-            for i, token in enumerate(piece):
-                batch.token[i] = token
-                batch.pos[i] = self.n_past + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = True
-            status = self._lc.llama_decode(self._ctx, batch)
-            if status != 0:
-                raise EngineError(f"llama_decode returned {status}")
+            self._decode_piece(piece, all_logits=True)
             for i in range(len(piece)):
                 pointer = self._lc.llama_get_logits_ith(self._ctx, i)
                 rows[start + i] = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-            self.n_past += len(piece)
         return rows
 
     def truncate(self, n_tokens: int) -> bool:
