@@ -19,20 +19,21 @@ from .prompting import TEMPLATE_VERSION
 from .types import Chunk
 
 
-def answer_binding(config: PerCacheConfig, model: str, max_new_tokens: int, template: str = "") -> str:
+def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_tokens: int) -> str:
     """A key of everything that decides an answer besides the question and the chunks:
     the model (engine fingerprint, or a framework LLM's identity), the prompt template,
     the retrieval depth and the generation settings.
 
     >>> from percache_core.config import PerCacheConfig
     >>> c = PerCacheConfig()
-    >>> answer_binding(c, "m", 64) == answer_binding(c, "m", 64), answer_binding(c, "m", 64) == answer_binding(c, "m", 32)
+    >>> a = answer_binding(c, "m", top_k=3, max_new_tokens=64)
+    >>> a == answer_binding(c, "m", top_k=3, max_new_tokens=64), a == answer_binding(c, "m", top_k=3, max_new_tokens=32)
     (True, False)
     """
     payload = {
         "model": model,
-        "template": template or [TEMPLATE_VERSION, config.system_prompt],
-        "top_k": config.top_k,
+        "template": [TEMPLATE_VERSION, config.system_prompt],
+        "top_k": top_k,
         "max_new_tokens": max_new_tokens,
         "temperature": config.temperature,
         "top_p": config.top_p,

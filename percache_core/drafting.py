@@ -224,13 +224,15 @@ def greedy_tokens(
                 token = int(np.argmax(logits))
         produced.append(token)
         yield token
-        if engine.is_end_of_generation(token) or _answer_length(engine, produced) >= max_new_tokens:
+        # Past this check every produced token counts towards max_new_tokens (an end of
+        # generation has returned), so len(produced) is the answer's length.
+        if engine.is_end_of_generation(token) or len(produced) >= max_new_tokens:
             return
         if pending:
             continue
         if engine.n_past >= engine.n_ctx or (should_stop is not None and should_stop()):
             return
-        room = min(max_new_tokens - _answer_length(engine, produced), engine.n_ctx - engine.n_past - 1)
+        room = min(max_new_tokens - len(produced), engine.n_ctx - engine.n_past - 1)
         draft = next((d for d in (s.propose(produced, room) for s in drafts) if d), [])
         if not draft:
             all_exact = exact_upto == len(produced) - 1
@@ -259,8 +261,3 @@ def greedy_tokens(
             raise SequenceLost()
         logits = rows[accepted]
         exact = False
-
-
-def _answer_length(engine: LlamaEngine, produced: Sequence[int]) -> int:
-    """Tokens that count towards ``max_new_tokens`` (end of generation does not)."""
-    return sum(1 for t in produced if not engine.is_end_of_generation(t))

@@ -144,11 +144,9 @@ class PromptRunner:
     ) -> Generator[str, None, None]:
         engine = self.engine
         timings = result.timings
-        bound = self._draft_bound() if decode and self._drafting(answer_drafts) else None
+        bound = deviation_bound(engine) if decode and self._drafting(answer_drafts) else None
         clock = time.perf_counter()
-        depth, reused = self._restore(keys) if keys else (0, 0)
-        if depth == 0:
-            engine.reset()
+        depth, reused = self._restore_or_reset(keys)
         result.depth, result.reused_tokens = depth, reused
         timings["restore"] = time.perf_counter() - clock
 
@@ -182,18 +180,12 @@ class PromptRunner:
         """Whether decoding verifies drafts (greedy only; sampling decodes one at a time)."""
         return self.config.temperature == 0 and (self.config.prompt_lookup or bool(answer_drafts))
 
-    def _draft_bound(self) -> float:
-        """The logit lead a batched draft token needs (measured once per engine)."""
-        return deviation_bound(self.engine)
-
     def _rebuilder(self, segments: list[list[int]], keys: list[str]) -> Callable[[], None]:
         """A function that brings the sequence back to the end of the prompt (restore the
         deepest stored prefix, prefill the rest), for when it cannot be cut back exactly."""
 
         def rebuild() -> None:
-            depth, _ = self._restore(keys) if keys else (0, 0)
-            if depth == 0:
-                self.engine.reset()
+            depth, _ = self._restore_or_reset(keys)
             for tokens in segments[depth:]:
                 self.engine.eval(tokens)
 
@@ -205,10 +197,10 @@ class PromptRunner:
         max_new_tokens: int,
         should_stop: StopCheck | None,
         started: float,
-        stop_strings: Sequence[str] | None = None,
-        answer_drafts: Sequence[Sequence[int]] = (),
-        bound: float | None = None,
-        rebuild: Callable[[], None] | None = None,
+        stop_strings: Sequence[str] | None,
+        answer_drafts: Sequence[Sequence[int]],
+        bound: float | None,
+        rebuild: Callable[[], None],
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
         stop = StopStringFilter(self.config.stop if stop_strings is None else stop_strings)
@@ -241,7 +233,7 @@ class PromptRunner:
         sources: list[DraftSource],
         bound: float,
         should_stop: StopCheck | None,
-        rebuild: Callable[[], None] | None,
+        rebuild: Callable[[], None],
     ) -> Iterator[int]:
         """Greedy tokens with drafts; if the sequence is lost, rebuild it and go on."""
         produced: list[int] = []
@@ -261,8 +253,6 @@ class PromptRunner:
                     yield token
                 return
             except SequenceLost:
-                if rebuild is None:
-                    raise
                 logger.debug("draft decoding lost the sequence after %d tokens: rebuilt", len(produced))
                 rebuild()
                 replay = list(produced)
@@ -330,6 +320,14 @@ class PromptRunner:
             else:
                 break
         return ordered + remaining
+
+    def _restore_or_reset(self, keys: list[str]) -> tuple[int, int]:
+        """Restore the deepest usable stored prefix of *keys*, or empty the sequence when
+        none is stored: (segments, tokens) restored."""
+        depth, reused = self._restore(keys) if keys else (0, 0)
+        if depth == 0:
+            self.engine.reset()
+        return depth, reused
 
     def _restore(self, keys: list[str]) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import PerCacheConfig
+from .drafting import deviation_bound
 from .embedding import Embedder, SentenceTransformerEmbedder
 from .errors import CacheClosedError, CacheFolderError, InvalidQuestionError, PerCacheError
 from .generation import PromptRunner
@@ -107,7 +108,6 @@ class PerCache:
                 runner=lambda: self.runner,
                 model_id=self.model_id,
                 record_question=self.scheduler.record_question,
-                user_turn=self._user_turn,
             ),
             config,
         )
@@ -196,11 +196,14 @@ class PerCache:
             )
 
     def preload(self) -> None:
-        """Load the embedder, the model and the chunk-state tree now (not on first use)."""
+        """Load the embedder, the model and the chunk-state tree now, and measure the
+        draft-verification bound (about 2 s once per engine), not on first use."""
         self._ensure_open()
         self.embedder.embed(["warm-up"])
         self.engine.warm_up()
         self._open_states()
+        with self.engine.lock:
+            deviation_bound(self.engine)
 
     def _open_shared(self) -> SharedTier | None:
         """The Redis tier behind the local one, when ``shared_url`` is set."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +52,6 @@ class Parts:
     runner: Callable[[], PromptRunner]
     model_id: Callable[[], str]
     record_question: RecordQuestion
-    user_turn: Callable[[], AbstractContextManager[None]]
 
 
 class RequestPath:
@@ -71,7 +69,9 @@ class RequestPath:
 
     def binding(self, max_new_tokens: int) -> str:
         """The binding of answers this cache's own pipeline gives now."""
-        return answer_binding(self.config, self.parts.model_id(), max_new_tokens)
+        return answer_binding(
+            self.config, self.parts.model_id(), top_k=self.config.top_k, max_new_tokens=max_new_tokens
+        )
 
     # -- answering ------------------------------------------------------------------------
 
@@ -98,8 +98,7 @@ class RequestPath:
 
         embedding = parts.embedder.embed([question])[0]
         lap("embed")
-        config = config.replace(top_k=top_k) if top_k != config.top_k else config
-        binding = answer_binding(config, parts.model_id(), max_new_tokens)
+        binding = answer_binding(config, parts.model_id(), top_k=top_k, max_new_tokens=max_new_tokens)
         best: float | None = None
         if config.qa_bank and config.qa_mode == "semantic":
             hit, best = self.semantic_hit(question, embedding, threshold, scope, binding, top_k)
@@ -132,9 +131,7 @@ class RequestPath:
             answer.similarity = best
         return answer
 
-    def candidates(
-        self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None
-    ) -> list[QAHit]:
+    def candidates(self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None) -> list[QAHit]:
         """Exact mode: the stored answers offered as drafts (same binding and scope)."""
         config = self.config
         if not config.qa_bank or config.qa_mode != "exact":
@@ -162,15 +159,15 @@ class RequestPath:
     ) -> Generator[str, None, Answer]:
         """Generate the answer from *chunks* with the stored answers of similar questions
         as drafts; label it ``qa_bank`` when it is one of them token for token, else store
-        it under *binding* and *scope*. Yields text; returns the :class:`Answer`."""
+        it under *binding* and *scope*. Yields text; returns the :class:`Answer`. Callers
+        hold the user's turn (idle work yields the model to it)."""
         parts, config = self.parts, self.config
         if candidates is None:
             candidates = self.candidates(embedding, binding=binding, scope=scope)
         drafts = [self.draft_tokens(c.entry) for c in candidates]
-        with parts.user_turn():
-            result = yield from parts.runner().run(
-                question, chunks, max_new_tokens=max_new_tokens, started=started, answer_drafts=drafts
-            )
+        result = yield from parts.runner().run(
+            question, chunks, max_new_tokens=max_new_tokens, started=started, answer_drafts=drafts
+        )
         clock = time.perf_counter()
         timings.update(result.timings)
         answer = generated_answer(question, result, started, timings)
@@ -183,7 +180,9 @@ class RequestPath:
             answer.entry_id = served.entry.id
         elif config.qa_bank and config.store_answers and answer.text:
             metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
-            parts.qa_bank.store(question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata)
+            parts.qa_bank.store(
+                question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
+            )
             timings["store_qa"] = time.perf_counter() - clock
         answer.latency_s = time.perf_counter() - started
         return self._finish(answer)
