@@ -220,6 +220,9 @@ class PerCache:
         )
 
         def receive(entry: QAEntry) -> None:
+            if entry.embedding.shape != (self.qa_bank.dimension,):
+                logger.warning("shared QA entry %s has another embedding size: ignored", entry.id)
+                return
             self.qa_bank.store(
                 entry.question,
                 entry.embedding,

@@ -148,6 +148,11 @@ class QABank:
                 continue
             self._append(_entry(record), len(pickle.dumps(record)))
 
+    @property
+    def dimension(self) -> int:
+        """The embedding size of this bank's entries."""
+        return self._dimension
+
     def __len__(self) -> int:
         return len(self._entries)
 

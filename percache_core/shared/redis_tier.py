@@ -39,6 +39,25 @@ from .envelope import open_envelope, seal
 logger = logging.getLogger(__name__)
 
 _STREAM_BATCH = 1000
+# what a shared QA entry carries beside its question and answer: the binding (model,
+# template, settings) it was produced under, its scope, its token ids (exact-mode drafts)
+# and the chunks it was answered from (semantic-mode staleness checks)
+_SHARED_METADATA = ("binding", "scope", "tokens", "sources")
+
+
+def _shared_metadata_valid(header: dict[str, Any]) -> bool:
+    """Whether a shared entry's metadata has the shapes this version writes."""
+    binding, scope = header.get("binding"), header.get("scope")
+    tokens, sources = header.get("tokens"), header.get("sources")
+    return (
+        (binding is None or isinstance(binding, str))
+        and (scope is None or isinstance(scope, dict))
+        and (tokens is None or (isinstance(tokens, list) and all(type(t) is int for t in tokens)))
+        and (
+            sources is None
+            or (isinstance(sources, list) and all(isinstance(s, list) and len(s) == 2 for s in sources))
+        )
+    )
 
 
 @dataclass
@@ -313,7 +332,7 @@ class SharedTier:
             "question": entry.question,
             "answer": entry.answer,
             "chunk_ids": list(entry.chunk_ids),
-            "scope": entry.metadata.get("scope"),
+            **{name: entry.metadata.get(name) for name in _SHARED_METADATA},
         }
         envelope = seal(self._secret, key, header, np.asarray(entry.embedding, dtype=np.float32).tobytes())
         catalog = self._qa_catalog()
@@ -336,9 +355,11 @@ class SharedTier:
         if header.get("id") != entry_id or not isinstance(header.get("answer"), str):
             self.counters.rejected += 1
             return None
-        metadata = {"origin": "shared", "shared_id": entry_id}
-        if header.get("scope"):
-            metadata["scope"] = header["scope"]
+        if not _shared_metadata_valid(header) or len(payload) % 4:
+            self.counters.rejected += 1
+            return None
+        metadata: dict[str, Any] = {"origin": "shared", "shared_id": entry_id}
+        metadata.update({name: header[name] for name in _SHARED_METADATA if header.get(name)})
         return QAEntry(
             id=entry_id,
             question=header["question"],

@@ -79,8 +79,14 @@ def test_process_b_reuses_what_process_a_populated(kind, request, make_cache, tm
 
     qa_client = make_cache("b-qa", **shared(url))
     wait_until(lambda: len(qa_client.qa_bank) >= 1)
-    hit = qa_client.answer(PARAPHRASE)
-    assert hit.source == "qa_bank" and hit.matched_question == QUESTION
+    repeat = qa_client.answer(QUESTION)  # exact mode: A's answer is a draft the model confirms
+    assert repeat.source == "qa_bank" and repeat.matched_question == QUESTION
+    assert repeat.text == reference and not repeat.approximate
+
+    semantic_client = make_cache("b-semantic", qa_mode="semantic", **shared(url))
+    wait_until(lambda: len(semantic_client.qa_bank) >= 1)
+    hit = semantic_client.answer(PARAPHRASE)
+    assert hit.source == "qa_bank" and hit.matched_question == QUESTION and hit.approximate
 
     states_client = make_cache("b-states", qa_bank=False, **shared(url))
     states_client.preload()  # binds the engine fingerprint, so the state catalog syncs
