@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.data_sets import User, default_data_folder, load_users
 from percache_core import PerCache, PerCacheConfig
 from percache_core.embedding import SentenceTransformerEmbedder
-from percache_core.eval_data import User, default_data_folder, load_users
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 

@@ -16,10 +16,10 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.data_sets import default_data_folder, read_jsonl
 from percache_core import Chunk, PerCache, PerCacheConfig
-from percache_core.eval_data import default_data_folder, read_jsonl
 from percache_core.shared.bloom import BloomFilter
-from percache_core.shared.local_redis import RedisServer
+from tests.local_redis import RedisServer
 
 SECRET = "benchmark-secret"
 

@@ -102,7 +102,7 @@ def ttft_trials(args, engine, embedder, folder: Path) -> dict:
             node = max(pc.tree.nodes, key=lambda n: (n.depth, n.n_tokens))
             for _ in range(5):
                 started = time.perf_counter()
-                data = pc.states.get(node.key)
+                data = pc.states.get(node)
                 loaded = time.perf_counter()
                 with engine.lock:
                     assert engine.load_state(data, node.n_tokens)
@@ -131,7 +131,7 @@ def qa_hit_latency(args, engine, embedder, folder: Path) -> dict:
     with PerCache.open(folder / "qa", config=PerCacheConfig(), engine=engine, embedder=embedder) as pc:
         embeddings = embedder.embed(questions)
         for question, embedding in zip(questions, embeddings):
-            pc.qa_bank.store(question, embedding, "stored answer")
+            pc.qa_bank.remember(question, embedding, "stored answer")
         latencies, hits = [], 0
         for question in questions:
             answer = pc.answer(question)
@@ -158,14 +158,14 @@ def check_at_scale(args, folder: Path) -> dict:
     bank = QABank(Store(folder / "big"), dimension=dimension, budget_bytes=10**10)
     started = time.perf_counter()
     for i, vector in enumerate(vectors):
-        bank.store(f"synthetic question {i}", vector, "answer")
+        bank.remember(f"synthetic question {i}", vector, "answer")
     fill_s = time.perf_counter() - started
     times, found = [], 0
     for i in rng.integers(0, args.qa_entries, 200):
         query = vectors[i] + 0.01 * rng.standard_normal(dimension).astype(np.float32)
         query /= np.linalg.norm(query)
         started = time.perf_counter()
-        hit = bank.check(query, threshold=0.85)
+        hit = bank.lookup(query, similarity_threshold=0.85)
         times.append(time.perf_counter() - started)
         found += hit is not None and hit.entry.question == f"synthetic question {i}"
     bank.close()

@@ -1,20 +1,23 @@
 """Paraphrase hit rate and near-miss false-hit rate at several tau, with and without the
 hit verifier, on labelled question pairs (``--pairs``, default the project's own set).
 
-    .venv/bin/python benchmarks/verify.py --pairs tests/data/verify_pairs.jsonl --out benchmarks/results/verify.json
+    .venv/bin/python -m benchmarks.verify --pairs tests/data/verify_pairs.jsonl --out benchmarks/results/verify.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from percache_core.bench_verify import evaluate, print_table, read_pairs
 from percache_core.embedding import SentenceTransformerEmbedder
 
+from .verify_harness import evaluate, print_table, read_pairs
 
-def main() -> None:
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--pairs",
@@ -22,14 +25,17 @@ def main() -> None:
         default=Path(__file__).resolve().parents[1] / "tests" / "data" / "verify_pairs.jsonl",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/verify.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.pairs.is_file():
+        raise SystemExit(f"no pair file at {args.pairs}: pass --pairs")
     result = evaluate(read_pairs(args.pairs), SentenceTransformerEmbedder())
     result["pairs_file"] = str(args.pairs)
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,9 +1,12 @@
-"""The ``percache`` command: ``demo``, ``ingest``, ``ask`` and ``stats``.
+"""The ``percache`` command: ``demo``, ``ingest``, ``ask``, ``warm`` and ``stats``.
 
 percache demo                          # scripted tour on the bundled corpus
 percache ingest notes/*.txt --cache ~/.percache/me
 percache ask "When is the rehearsal?" --cache ~/.percache/me --stream
+percache warm --cache ~/.percache/me --max-seconds 60
 percache stats --cache ~/.percache/me
+
+Measurements live in the repository's ``benchmarks/`` (not installed).
 """
 
 from __future__ import annotations
@@ -162,74 +165,6 @@ def run_warm(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench_verify(args: argparse.Namespace) -> int:
-    from .bench_verify import evaluate, print_table, read_pairs
-    from .embedding import SentenceTransformerEmbedder
-
-    pairs_path = Path(args.pairs)
-    if not pairs_path.is_file():
-        raise PerCacheError(f"no pair file at {pairs_path}: pass --pairs")
-    result = evaluate(read_pairs(pairs_path), SentenceTransformerEmbedder())
-    print_table(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
-    return 0
-
-
-def run_bench_e2e(args: argparse.Namespace) -> int:
-    from .bench_e2e import evaluate, markdown_table, write_report
-    from .eval_data import default_data_folder
-
-    data = Path(args.data) if args.data else default_data_folder()
-    quick = {"qmsum_users": 2, "squad_users": 1, "queries_per_user": 5, "stride": 3, "max_new_tokens": 48}
-    settings = {
-        "qmsum_users": args.qmsum_users
-        if args.qmsum_users is not None
-        else (quick["qmsum_users"] if args.quick else 5),
-        "squad_users": args.squad_users
-        if args.squad_users is not None
-        else (quick["squad_users"] if args.quick else 2),
-        "queries_per_user": args.queries_per_user or (quick["queries_per_user"] if args.quick else 12),
-        "stride": args.stride or (quick["stride"] if args.quick else 5),
-        "max_new_tokens": args.max_new_tokens or (quick["max_new_tokens"] if args.quick else 64),
-    }
-    result = evaluate(
-        data=data,
-        seed=args.seed,
-        taus=_numbers(args.taus, float),
-        strides=_numbers(args.strides, int),
-        budgets_mb=_numbers(args.budgets_mb, int),
-        ablations=args.ablations,
-        systems=_systems(args.systems),
-        **settings,
-    )
-    print()
-    print(markdown_table(result))
-    for path in write_report(result, Path(args.out)):
-        print(f"wrote {path}")
-    return 0
-
-
-def _systems(names: str | None) -> Any:
-    from .bench_e2e import SYSTEMS
-
-    if not names:
-        return SYSTEMS
-    wanted = [name.strip() for name in names.split(",") if name.strip()]
-    known = {system.name: system for system in SYSTEMS}
-    unknown = [name for name in wanted if name not in known]
-    if unknown or "percache" not in wanted:
-        raise SystemExit(f"--systems: choose among {', '.join(known)} (percache included); got {names!r}")
-    return [known[name] for name in wanted]
-
-
-def _numbers(text: str | None, kind: type) -> list[Any]:
-    """Comma-separated numbers ("0.6,0.85" -> [0.6, 0.85]); none for None."""
-    return [kind(part) for part in text.split(",") if part.strip()] if text else []
-
-
 def run_ingest(args: argparse.Namespace) -> int:
     documents = _read_documents(args.paths)
     with PerCache.open(args.cache, config=_config(args)) as pc:
@@ -294,38 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--max-seconds", type=float, help="stop the round after this long")
     warm.add_argument("--max-predictions", type=int, help="questions predicted per view (default 5)")
     warm.set_defaults(handler=run_warm)
-    bench = commands.add_parser("bench", help="measurements (JSON out)")
-    benches = bench.add_subparsers(dest="bench", required=True)
-    verify = benches.add_parser("verify", help="QA-hit verification on labelled question pairs")
-    verify.add_argument(
-        "--pairs", default="tests/data/verify_pairs.jsonl", help="JSON lines of labelled pairs"
-    )
-    verify.add_argument("--out", help="write the result as JSON here")
-    verify.set_defaults(handler=run_bench_verify)
-    e2e = benches.add_parser("e2e", help="end-to-end latency and quality against every baseline")
-    e2e.add_argument(
-        "--data", help="folder with <set>/documents.jsonl and queries.jsonl (default ../shared/data)"
-    )
-    e2e.add_argument("--qmsum-users", type=int)
-    e2e.add_argument("--squad-users", type=int)
-    e2e.add_argument("--queries-per-user", type=int)
-    e2e.add_argument("--stride", type=int, help="prediction stride (default 5; quick 3)")
-    e2e.add_argument("--max-new-tokens", type=int)
-    e2e.add_argument("--seed", type=int, default=0)
-    e2e.add_argument("--taus", help="comma-separated tau values for PerCache's sweep on the first user")
-    e2e.add_argument("--systems", help="comma-separated systems to compare (default: all seven)")
-    e2e.add_argument("--strides", help="comma-separated prediction strides to sweep on the first user")
-    e2e.add_argument(
-        "--budgets-mb", help="comma-separated chunk-state budgets (MB) to sweep on the first user"
-    )
-    e2e.add_argument(
-        "--ablations",
-        action="store_true",
-        help="also run PerCache without the QA bank, without chunk states and without prediction",
-    )
-    e2e.add_argument("--quick", action="store_true", help="a run of a few minutes: 3 users, 5 questions each")
-    e2e.add_argument("--out", default="benchmarks/results/e2e.json")
-    e2e.set_defaults(handler=run_bench_e2e)
     stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
     common(stats, DEFAULT_CACHE)
     stats.set_defaults(handler=run_stats)

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .kv.llama_cpp import LlamaEngine
+from .kv.engine import Engine
 
 # A batched argmax can only differ from the one-at-a-time argmax if two logits move by
 # half the lead each; the bound is twice the largest deviation the self-check saw, times
@@ -133,7 +133,7 @@ def top_deviation(batched: np.ndarray, reference: np.ndarray, top: int = TOP_TOK
     return float(np.max(np.abs(batched[candidates] - reference[candidates])))
 
 
-def deviation_bound(engine: LlamaEngine) -> float:
+def deviation_bound(engine: Engine) -> float:
     """The lead a batched logit needs to stand for the one-at-a-time choice.
 
     Measured once per engine: a prompt is decoded one token at a time, then the same
@@ -178,7 +178,7 @@ class SequenceLost(Exception):
 
 
 def greedy_tokens(
-    engine: LlamaEngine,
+    engine: Engine,
     *,
     max_new_tokens: int,
     drafts: Sequence[DraftSource],

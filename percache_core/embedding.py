@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import ModelNotFoundError, missing_dependency
+from .errors import ModelNotFoundError, PerCacheError, missing_dependency
+from .storage import Store
 
 
 @runtime_checkable
@@ -100,3 +102,25 @@ class SentenceTransformerEmbedder:
             show_progress_bar=False,
         )
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def embedding_dimension(embedder: Embedder) -> int:
+    """The embedder's vector size (asked of it when it does not say)."""
+    dimension = getattr(embedder, "dimension", -1)
+    if not isinstance(dimension, int) or dimension <= 0:
+        dimension = int(embedder.embed(["dimension probe"]).shape[1])
+    return dimension
+
+
+def check_embedder(meta: Store, embedder: Embedder, folder: Path) -> None:
+    """The folder's QA bank and knowledge were embedded by one embedder: refuse another."""
+    if not isinstance(embedder, Embedder):
+        raise TypeError("embedder must have name, dimension and embed(texts)")
+    stored = meta.get("embedder")
+    if stored is None:
+        meta.put("embedder", embedder.name)
+    elif stored != embedder.name:
+        raise PerCacheError(
+            f"the cache at {folder} was built with embedder {stored!r}, not "
+            f"{embedder.name!r}: open it with the same embedder or use a new folder"
+        )

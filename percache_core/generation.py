@@ -27,11 +27,10 @@ from .drafting import (
     greedy_tokens,
 )
 from .errors import PerCacheError
-from .kv.llama_cpp import LlamaEngine, Sampling
-from .kv.state_store import StateStore
-from .kv.tree import ChunkStateTree, StateNode, path_keys
+from .kv.engine import Engine, Sampling
+from .kv.tiers import TieredStateStore
+from .kv.tree import StateNode, path_keys
 from .prompting import PromptLayout, PromptSpec, chunk_text, lay_out, rag_prompt, system_text
-from .shared.redis_tier import SharedTier
 from .stopping import StopStringFilter
 from .types import Chunk
 
@@ -66,22 +65,13 @@ class RunResult:
 
 
 class PromptRunner:
-    """Runs prompts on *engine*, reusing and filling the chunk-state *tree*."""
+    """Runs prompts on *engine*, reusing and filling the stored chunk *states*."""
 
-    def __init__(
-        self,
-        engine: LlamaEngine,
-        tree: ChunkStateTree,
-        states: StateStore,
-        config: PerCacheConfig,
-    ) -> None:
+    def __init__(self, engine: Engine, states: TieredStateStore, config: PerCacheConfig) -> None:
         self.engine = engine
-        self.tree = tree
         self.states = states
         self.config = config
         self.restore_failures = 0
-        self.evictions = 0
-        self.shared: SharedTier | None = None  # a shared tier behind the local one
 
     def run(
         self,
@@ -118,11 +108,11 @@ class PromptRunner:
                 max_prompt_tokens=engine.n_ctx - max_new_tokens,
             )
             segments = [list(s.tokens) for s in layout.segments]
-            keys = path_keys(self.tree.root_key, segments[:-1]) if use_states else []
+            keys = path_keys(self.states.root_key, segments[:-1]) if use_states else []
             if prefix_only:
                 segments, decode = segments[:-1], False
             result = RunResult(layout)
-            with self.tree.pinned(keys):
+            with self.states.pinned(keys):
                 yield from self._run_segments(
                     result, segments, keys, max_new_tokens, decode, should_stop, started, stop, answer_drafts
                 )
@@ -159,7 +149,7 @@ class PromptRunner:
             engine.eval(segments[index], should_stop)
             if engine.n_past != expected:
                 raise Preempted("prefill pre-empted by a user question")
-            if keys and index < len(keys) and keys[index] not in self.tree:
+            if keys and index < len(keys) and keys[index] not in self.states:
                 new_states.append((index, engine.save_state(), engine.n_past))
         result.prefilled_tokens = sum(len(s) for s in segments) - reused
         timings["prefill"] = time.perf_counter() - clock
@@ -299,20 +289,20 @@ class PromptRunner:
             tokenize=self.engine.tokenize,
             max_prompt_tokens=self.engine.n_ctx - max_new_tokens,
         )
-        keys = path_keys(self.tree.root_key, [list(s.tokens) for s in layout.segments[:-1]])
-        return keys[-1] in self.tree
+        keys = path_keys(self.states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
+        return keys[-1] in self.states
 
     def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
         """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
         position, a chunk whose prefix state is stored comes first; the rest keep their order."""
         tokenize = self.engine.tokenize
-        parent = path_keys(self.tree.root_key, [tokenize(system_text(self.config.system_prompt), True)])[0]
+        parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.system_prompt), True)])[0]
         remaining = list(chunks)
         ordered: list[Chunk] = []
-        while remaining and parent in self.tree:
+        while remaining and parent in self.states:
             for chunk in remaining:
                 key = path_keys(parent, [tokenize(chunk_text(chunk), False)])[0]
-                if key in self.tree:
+                if key in self.states:
                     ordered.append(chunk)
                     remaining.remove(chunk)
                     parent = key
@@ -330,43 +320,17 @@ class PromptRunner:
         return depth, reused
 
     def _restore(self, keys: list[str]) -> tuple[int, int]:
-        """Restore the deepest usable stored prefix of *keys*: (segments, tokens) restored.
-        A deeper prefix in the shared tier (per its catalog) is fetched and kept locally."""
-        if self.shared is not None:
-            self._fetch_shared(keys)
-        for node in self.tree.match(keys):
-            data = self.states.get(node.key)
+        """Restore the deepest usable stored prefix of *keys* (from any tier):
+        (segments, tokens) restored."""
+        for node in self.states.candidates(keys):
+            data = self.states.get(node)
             if data is not None and self.engine.load_state(data, node.n_tokens):
-                self.tree.touch(node)
                 self.states.record_use(node)
                 return node.depth, node.n_tokens
             logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
-            self.tree.remove(node.key)
-            self.states.delete(node.key)
+            self.states.drop(node.key)
             self.restore_failures += 1
         return 0, 0
-
-    def _fetch_shared(self, keys: list[str]) -> None:
-        local = self.tree.match(keys)
-        local_depth = local[0].depth if local else 0
-        assert self.shared is not None
-        for depth in range(len(keys), local_depth, -1):
-            key = keys[depth - 1]
-            if not self.shared.available or not self.shared.might_have_state(key):
-                continue
-            fetched = self.shared.fetch_state(key, self.tree.root_key)
-            if fetched is not None:
-                node, data = fetched
-                self.states.put(node, data)
-                self.tree.insert(
-                    node.key,
-                    node.parent_key,
-                    depth=node.depth,
-                    n_tokens=node.n_tokens,
-                    label=node.label,
-                    size=node.size,
-                )
-                return
 
     def _keep_states(
         self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
@@ -374,22 +338,13 @@ class PromptRunner:
         """Store the states of new prefixes (as complete nodes: blob, record, tree)."""
         segments = layout.segments
         for index, data, n_tokens in new_states:
-            parent_key = keys[index - 1] if index > 0 else self.tree.root_key
+            parent_key = keys[index - 1] if index > 0 else self.states.root_key
             label = segments[index].chunk_id or segments[index].kind
-            node = StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data))
-            self.states.put(node, data)
-            self.tree.insert(
-                node.key, parent_key, depth=node.depth, n_tokens=n_tokens, label=label, size=len(data)
-            )
-            if self.shared is not None:
-                self.shared.put_state(node, data)
+            self.states.put(StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data)), data)
 
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""
-        evicted = self.tree.evict(self.config.chunk_state_budget_bytes)
-        for node in evicted:
-            self.states.delete(node.key)
-        self.evictions += len(evicted)
+        self.states.evict_to(self.config.chunk_state_budget_bytes)
 
 
 def drain(events: Generator[Any, None, T]) -> T:
@@ -402,7 +357,7 @@ def drain(events: Generator[Any, None, T]) -> T:
 
 
 def stream_text(
-    engine: LlamaEngine,
+    engine: Engine,
     prompt: str,
     *,
     max_new_tokens: int,
@@ -444,7 +399,7 @@ def stream_text(
 
 
 def decode_text(
-    engine: LlamaEngine,
+    engine: Engine,
     tokens: Iterator[int],
     stop: StopStringFilter,
     should_stop: StopCheck | None,

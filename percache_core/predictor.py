@@ -30,7 +30,7 @@ MAX_TEMPERATURE = 1.0
 TEMPERATURE_STEP = 0.1
 MIN_QUESTION_WORDS = 3
 MAX_QUESTION_WORDS = 40
-MAX_QUESTION_CHARS = 300
+MAX_PREDICTED_QUESTION_CHARS = 300
 PROMPT_TOKEN_BUDGET = 900  # prompt tokens for prediction prompts, masking included
 
 _LIST_ITEM = re.compile(r"^\s*(?:\d{1,3}\s*[.):]|[-*\u2022])\s*(.*)$")
@@ -89,7 +89,7 @@ def clean_question(text: str) -> str | None:
     else:
         return None
     words = text.split()
-    if not MIN_QUESTION_WORDS <= len(words) <= MAX_QUESTION_WORDS or len(text) > MAX_QUESTION_CHARS:
+    if not MIN_QUESTION_WORDS <= len(words) <= MAX_QUESTION_WORDS or len(text) > MAX_PREDICTED_QUESTION_CHARS:
         return None
     if sum(ch.isalpha() for ch in text) < 8:
         return None

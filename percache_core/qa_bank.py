@@ -1,7 +1,9 @@
 """The QA bank: stored questions with embeddings and answers, searched by cosine similarity.
 
-Vocabulary: ``check`` (best servable entry at or above a threshold), ``search`` (the top
-candidates), ``store``, ``drop``, ``correct`` (replace an answer), ``clear``. Entries
+Vocabulary (the facade's): ``lookup`` (the best servable entry at or above
+``similarity_threshold``, counted as a hit), ``search`` (the top candidates), ``remember``
+(store an answer, or a pending question), ``drop``, ``correct`` (replace an answer),
+``clear``. Entries
 persist in a :class:`~percache_core.storage.Store`; the bank's bytes (the serialized size of
 its records) stay within a budget by evicting the least frequently used entries.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .eviction import LFUPolicy
 from .storage import Store
 from .types import QAEntry, QAHit
 
@@ -116,11 +119,11 @@ class QABank:
 
     >>> import tempfile
     >>> bank = QABank(Store(tempfile.mkdtemp()), dimension=2)
-    >>> entry = bank.store("When is the rehearsal?", np.array([1.0, 0.0]), "Friday at 3 pm")
-    >>> hit = bank.check(np.array([0.96, 0.28]), threshold=0.9)
+    >>> entry = bank.remember("When is the rehearsal?", np.array([1.0, 0.0]), "Friday at 3 pm")
+    >>> hit = bank.lookup(np.array([0.96, 0.28]), similarity_threshold=0.9)
     >>> hit.entry.answer, round(hit.similarity, 2)
     ('Friday at 3 pm', 0.96)
-    >>> bank.check(np.array([0.0, 1.0]), threshold=0.9) is None
+    >>> bank.lookup(np.array([0.0, 1.0]), similarity_threshold=0.9) is None
     True
     """
 
@@ -138,6 +141,7 @@ class QABank:
         self._partition = np.zeros(16, dtype=np.int32)  # row -> partition code
         self._partition_codes: dict[str, int] = {partition_key(None, None): 0}
         self._dirty: set[str] = set()
+        self._policy: LFUPolicy[QAEntry] = LFUPolicy()
         self.bytes = 0
         self.evictions = 0
         self.listener: Callable[[QAEntry], None] | None = None  # told of each stored answer
@@ -189,6 +193,7 @@ class QABank:
         self._sizes.append(size)
         self._index[entry.id] = row
         self._by_question[question_key(entry.question, entry.metadata)] = entry.id
+        self._policy.add(entry.id, entry)
         self.bytes += size
 
     def _remove_row(self, row: int) -> QAEntry:
@@ -209,6 +214,7 @@ class QABank:
         if self._by_question.get(key) == entry.id:
             del self._by_question[key]
         self._dirty.discard(entry.id)
+        self._policy.remove(entry.id)
         return entry
 
     def _partition_code(self, key: str) -> int:
@@ -232,12 +238,12 @@ class QABank:
         embedding: np.ndarray,
         *,
         top_n: int = 1,
-        min_similarity: float = 0.0,
+        similarity_threshold: float = 0.0,
         servable_only: bool = True,
         scope: Mapping[str, Any] | None = None,
         binding: str | None = None,
     ) -> list[QAHit]:
-        """The *top_n* most similar entries at or above *min_similarity*, best first.
+        """The *top_n* most similar entries at or above *similarity_threshold*, best first.
 
         Only entries stored with exactly this *scope* (``metadata["scope"]``; None: entries
         without one) and *binding* (``metadata["binding"]``) are searched.
@@ -262,7 +268,7 @@ class QABank:
             return [
                 QAHit(self._entries[r], float(min(1.0, scores[r])))
                 for r in rows
-                if scores[r] >= min_similarity
+                if scores[r] >= similarity_threshold
             ]
 
     def find(
@@ -277,16 +283,19 @@ class QABank:
             return None
         return entry
 
-    def check(
+    def lookup(
         self,
         embedding: np.ndarray,
         *,
-        threshold: float,
+        similarity_threshold: float,
         scope: Mapping[str, Any] | None = None,
         binding: str | None = None,
     ) -> QAHit | None:
-        """The best servable entry whose similarity reaches *threshold*, counted as a hit."""
-        hits = self.search(embedding, top_n=1, min_similarity=threshold, scope=scope, binding=binding)
+        """The best servable entry whose similarity reaches *similarity_threshold*, counted
+        as a hit."""
+        hits = self.search(
+            embedding, top_n=1, similarity_threshold=similarity_threshold, scope=scope, binding=binding
+        )
         if not hits:
             return None
         self.record_hit(hits[0].entry.id)
@@ -295,13 +304,11 @@ class QABank:
     def record_hit(self, entry_id: str) -> None:
         """Count one use of an entry (for LFU eviction); persisted on ``flush``."""
         with self._lock:
-            entry = self.get(entry_id)
-            if entry is not None:
-                entry.hits += 1
-                entry.last_used_at = time.time()
+            if entry_id in self._index:
+                self._policy.touch(entry_id)
                 self._dirty.add(entry_id)
 
-    def store(
+    def remember(
         self,
         question: str,
         embedding: np.ndarray,
@@ -397,16 +404,17 @@ class QABank:
                 self.drop(entry.id)
 
     def _enforce_budget(self, keep: str) -> None:
-        while self.bytes > self.budget_bytes and len(self._entries) > 1:
-            candidates = [
-                (entry.hits, entry.last_used_at, row)
-                for row, entry in enumerate(self._entries)
-                if entry.id != keep
-            ]
-            _, _, row = min(candidates)
-            victim = self._entries[row]
-            self.drop(victim.id)
-            self.evictions += 1
+        """Evict by the LFU policy until within budget, never the entry *keep*."""
+        self._policy.set_evictable(keep, False)
+        try:
+            while self.bytes > self.budget_bytes:
+                victim = self._policy.victim()
+                if victim is None:
+                    break
+                self.drop(victim)
+                self.evictions += 1
+        finally:
+            self._policy.set_evictable(keep, True)
 
     def flush(self) -> None:
         """Persist hit counters updated since the last write."""

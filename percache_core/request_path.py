@@ -20,58 +20,41 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
 
-from .binding import answer_binding, answer_metadata, chunk_sources
+from .binding import answer_metadata, chunk_sources
 from .config import PerCacheConfig
-from .embedding import Embedder
-from .generation import PromptRunner, RunResult
-from .knowledge import KnowledgeBank
-from .qa_bank import QABank
+from .generation import RunResult
+from .parts import CacheParts
+from .prompting import PromptSpec
 from .types import Answer, Chunk, QAEntry, QAHit
-from .usage import UsageCounters
-from .verifier import make_verifier
+from .verifier import HitVerifier, make_verifier
 
 logger = logging.getLogger(__name__)
 
-RecordQuestion = Callable[[str, np.ndarray, "QAHit | None", "dict[str, Any] | None"], None]
-
-
-@dataclass
-class Parts:
-    """What the request path works with (the facade owns and wires them)."""
-
-    embedder: Embedder
-    knowledge: KnowledgeBank
-    qa_bank: QABank
-    usage: UsageCounters
-    runner: Callable[[], PromptRunner]
-    model_id: Callable[[], str]
-    record_question: RecordQuestion
-
 
 class RequestPath:
-    """Answers user questions over *parts* with the settings in ``config``."""
+    """Answers user questions over the cache's *parts*, with its current configuration."""
 
-    def __init__(self, parts: Parts, config: PerCacheConfig) -> None:
+    def __init__(self, parts: CacheParts) -> None:
         self.parts = parts
-        self.config = config
-        self._verifier = make_verifier(config.verifier)
+        self._verifier_name = parts.config.verifier
+        self._verifier = make_verifier(self._verifier_name)
 
-    def configure(self, config: PerCacheConfig) -> None:
-        """Use new settings from the next question on."""
-        self.config = config
-        self._verifier = make_verifier(config.verifier)
+    @property
+    def config(self) -> PerCacheConfig:
+        return self.parts.config
 
-    def binding(self, max_new_tokens: int) -> str:
-        """The binding of answers this cache's own pipeline gives now."""
-        return answer_binding(
-            self.config, self.parts.model_id(), top_k=self.config.top_k, max_new_tokens=max_new_tokens
-        )
+    @property
+    def verifier(self) -> HitVerifier:
+        """The semantic-mode verifier named by the current configuration."""
+        if self.config.verifier != self._verifier_name:
+            self._verifier_name = self.config.verifier
+            self._verifier = make_verifier(self._verifier_name)
+        return self._verifier
 
     # -- answering ------------------------------------------------------------------------
 
@@ -79,7 +62,7 @@ class RequestPath:
         self,
         question: str,
         *,
-        threshold: float,
+        similarity_threshold: float,
         top_k: int,
         max_new_tokens: int,
         scope: dict[str, Any] | None,
@@ -98,20 +81,20 @@ class RequestPath:
 
         embedding = parts.embedder.embed([question])[0]
         lap("embed")
-        binding = answer_binding(config, parts.model_id(), top_k=top_k, max_new_tokens=max_new_tokens)
+        binding = parts.binding(top_k=top_k, max_new_tokens=max_new_tokens)
         best: float | None = None
         if config.qa_bank and config.qa_mode == "semantic":
-            hit, best = self.semantic_hit(question, embedding, threshold, scope, binding, top_k)
+            hit, best = self.semantic_hit(question, embedding, similarity_threshold, scope, binding, top_k)
             lap("qa_check")
             if hit is not None:
-                parts.record_question(question, embedding, hit, scope)
+                parts.activity.record_question(question, embedding, hit, scope)
                 yield hit.entry.answer or ""
                 return self._finish(stored_answer(question, hit, started, timings))
         candidates = self.candidates(embedding, binding=binding, scope=scope)
         if candidates:
             best = candidates[0].similarity
         lap("qa_check")
-        parts.record_question(question, embedding, None, scope)
+        parts.activity.record_question(question, embedding, None, scope)
 
         retrieved = parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
         chunks = [r.chunk for r in retrieved]
@@ -131,6 +114,47 @@ class RequestPath:
             answer.similarity = best
         return answer
 
+    def lookup(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        similarity_threshold: float,
+        scope: dict[str, Any] | None,
+        binding: str,
+    ) -> QAHit | None:
+        """The stored answer a caller that generates on its own may serve, counted as a
+        hit: in exact mode the one stored for this very question text, in semantic mode
+        the best verified one at or above *similarity_threshold*."""
+        if self.config.qa_mode == "exact":
+            entry = self.parts.qa_bank.find(question, scope=scope, binding=binding)
+            hit = None
+            if entry is not None:
+                self.parts.qa_bank.record_hit(entry.id)
+                hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
+        else:
+            hit, _ = self.semantic_hit(question, embedding, similarity_threshold, scope, binding)
+        self.parts.activity.record_question(question, embedding, hit, scope)
+        return hit
+
+    def complete(
+        self,
+        question: str,
+        chunks: list[Chunk],
+        *,
+        spec: PromptSpec,
+        stop: Sequence[str] | None,
+        max_new_tokens: int,
+    ) -> Generator[str, None, Answer]:
+        """Run a caller's own prompt *spec* through the chunk states (no QA bank: its
+        answers are the caller's to keep). Yields text; returns the :class:`Answer`."""
+        started = time.perf_counter()
+        result = yield from self.parts.runtime.runner.run(
+            question, chunks, spec=spec, stop=stop, max_new_tokens=max_new_tokens, started=started
+        )
+        answer = generated_answer(question, result, started, dict(result.timings))
+        answer.latency_s = time.perf_counter() - started
+        return self._finish(answer)
+
     def candidates(self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None) -> list[QAHit]:
         """Exact mode: the stored answers offered as drafts (same binding and scope)."""
         config = self.config
@@ -139,7 +163,7 @@ class RequestPath:
         return self.parts.qa_bank.search(
             embedding,
             top_n=config.verifier_candidates,
-            min_similarity=config.draft_similarity,
+            similarity_threshold=config.draft_similarity,
             scope=scope,
             binding=binding,
         )
@@ -165,7 +189,7 @@ class RequestPath:
         if candidates is None:
             candidates = self.candidates(embedding, binding=binding, scope=scope)
         drafts = [self.draft_tokens(c.entry) for c in candidates]
-        result = yield from parts.runner().run(
+        result = yield from parts.runtime.runner.run(
             question, chunks, max_new_tokens=max_new_tokens, started=started, answer_drafts=drafts
         )
         clock = time.perf_counter()
@@ -180,7 +204,7 @@ class RequestPath:
             answer.entry_id = served.entry.id
         elif config.qa_bank and config.store_answers and answer.text:
             metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
-            parts.qa_bank.store(
+            parts.qa_bank.remember(
                 question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
             )
             timings["store_qa"] = time.perf_counter() - clock
@@ -195,29 +219,29 @@ class RequestPath:
             return list(tokens)
         if not entry.answer:
             return []
-        return self.parts.runner().engine.tokenize(" " + entry.answer)
+        return self.parts.runtime.engine.tokenize(" " + entry.answer)
 
     def semantic_hit(
         self,
         question: str,
         embedding: np.ndarray,
-        threshold: float,
+        similarity_threshold: float,
         scope: dict[str, Any] | None,
         binding: str | None,
         top_k: int | None = None,
     ) -> tuple[QAHit | None, float | None]:
-        """The best entry at or above *threshold* that the verifier accepts and whose
+        """The best entry at or above *similarity_threshold* that the verifier accepts and whose
         sources are unchanged, and the best similarity seen (None: no candidate)."""
         ranked = self.parts.qa_bank.search(
             embedding,
             top_n=self.config.verifier_candidates,
-            min_similarity=-1.0,
+            similarity_threshold=-1.0,
             scope=scope,
             binding=binding,
         )
         best = ranked[0].similarity if ranked else None
-        for candidate in (c for c in ranked if c.similarity >= threshold):
-            verdict = self._verifier.verify(question, candidate.entry, candidate.similarity)
+        for candidate in (c for c in ranked if c.similarity >= similarity_threshold):
+            verdict = self.verifier.verify(question, candidate.entry, candidate.similarity)
             if not verdict.accepted:
                 self.parts.usage.count_rejection()
                 logger.debug(

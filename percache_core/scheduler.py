@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -35,12 +34,9 @@ from .abstract import KnowledgeAbstract
 from .binding import answer_metadata
 from .generation import Preempted, RunResult, drain
 from .knowledge import matches_scope
+from .parts import CacheParts
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
-from .qa_bank import normalized_question
-from .types import Chunk, QAHit
-
-if TYPE_CHECKING:
-    from .pipeline import PerCache
+from .types import Chunk
 
 PREFILL_ONLY = "prefill_only"
 PREFILL_DECODE = "prefill_decode"
@@ -92,17 +88,14 @@ class WarmReport:
 
 
 class Scheduler:
-    """Plans and runs idle work for one :class:`~percache_core.pipeline.PerCache`."""
+    """Plans and runs idle work over one cache's *parts*."""
 
-    def __init__(self, pc: PerCache) -> None:
-        self._pc = pc
-        config = pc.config
-        self.history: deque[str] = deque(maxlen=config.history_size)
-        self.new_history = 0
-        self.history_scope: dict[str, Any] | None = None  # scope of the latest question
-        self.followups: deque[tuple[str, np.ndarray, dict[str, Any] | None]] = deque(maxlen=256)
+    def __init__(self, parts: CacheParts) -> None:
+        self.parts = parts
+        config = parts.config
+        self.activity = parts.activity
         self.abstract = KnowledgeAbstract(
-            pc._meta, max_lines=config.abstract_max_lines, batch_chunks=config.abstract_batch_chunks
+            parts.meta, max_lines=config.abstract_max_lines, batch_chunks=config.abstract_batch_chunks
         )
         self.accounts: dict[str, IdleAccount] = {PREFILL_ONLY: IdleAccount(), PREFILL_DECODE: IdleAccount()}
         self.preemptions = 0
@@ -110,23 +103,9 @@ class Scheduler:
         self._predictor: QueryPredictor | None = None
         self._lock = threading.Lock()  # one round at a time
         self._report: WarmReport | None = None
-        self._should_stop: Callable[[], bool] = pc.user_waiting
+        self._should_stop: Callable[[], bool] = parts.activity.waiting
 
-    # -- what the request path tells the scheduler ----------------------------------------
-
-    def record_question(
-        self,
-        question: str,
-        embedding: np.ndarray,
-        hit: QAHit | None,
-        scope: dict[str, Any] | None = None,
-    ) -> None:
-        """Remember a user question (for history prediction and follow-ups) and its scope."""
-        self.history.append(question)
-        self.new_history += 1
-        self.history_scope = scope
-        if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
-            self.followups.append((question, embedding, scope))
+    # -- what the facade tells the scheduler ------------------------------------------------
 
     def mark_stale(
         self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()
@@ -137,17 +116,17 @@ class Scheduler:
         chunk of a document whose text was replaced. (A document that is new to this cache
         but was the source of an entry, as with entries shared by another device, is not.)
         """
-        pc = self._pc
+        parts = self.parts
         if not new_chunks:
             return 0
-        entries = [e for e in pc.qa_bank.entries if e.answer is not None and not e.metadata.get("stale")]
-        chunks, matrix = pc.knowledge.embedding_matrix()
+        entries = [e for e in parts.qa_bank.entries if e.answer is not None and not e.metadata.get("stale")]
+        chunks, matrix = parts.knowledge.embedding_matrix()
         if not entries or matrix.size == 0:
             return 0
         new_ids = {c.id for c in new_chunks}
         new_columns = [i for i, c in enumerate(chunks) if c.id in new_ids]
         scores = np.stack([e.embedding for e in entries]) @ matrix.T
-        k = min(pc.config.top_k, scores.shape[1])
+        k = min(parts.config.top_k, scores.shape[1])
         kth_best = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
         marked = 0
         for row, entry in enumerate(entries):
@@ -156,7 +135,7 @@ class Scheduler:
                 chunk = chunks[column]
                 is_new_information = chunk.id not in sources or chunk.doc_id in replaced_documents
                 if is_new_information and scores[row, column] >= kth_best[row]:
-                    pc.qa_bank.correct(entry.id, entry.answer, stale=True)
+                    parts.qa_bank.correct(entry.id, entry.answer, stale=True)
                     marked += 1
                     break
         return marked
@@ -167,7 +146,7 @@ class Scheduler:
         """``prefill_only`` when tau is above the cutoff (hits need very close questions, so
         answers are rarely reused), else ``prefill_decode``. A tier that is off forces the
         strategy that still fills the other."""
-        config = self._pc.config
+        config = self.parts.config
         if not config.chunk_states:
             return PREFILL_DECODE
         if not config.qa_bank:
@@ -177,12 +156,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether an idle round would do anything useful now."""
-        pc = self._pc
-        if self.abstract.pending(pc.knowledge.chunks) or self.new_history or self.followups:
+        parts = self.parts
+        if self.abstract.pending(parts.knowledge.chunks) or self.activity.new_history or self.activity.followups:
             return True
-        if self._knowledge_rounds.get(self.abstract.version, 0) < pc.config.knowledge_prediction_rounds:
-            return bool(len(pc.knowledge))
-        entries = pc.qa_bank.entries
+        if self._knowledge_rounds.get(self.abstract.version, 0) < parts.config.knowledge_prediction_rounds:
+            return bool(len(parts.knowledge))
+        entries = parts.qa_bank.entries
         if any(e.metadata.get("stale") for e in entries):
             return True
         if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
@@ -203,8 +182,8 @@ class Scheduler:
         """Run one idle round (see the module docstring); stops early when a user question
         waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
         With ``knowledge_prediction=False`` only history-based prediction runs."""
-        pc = self._pc
-        should_stop = should_stop or pc.user_waiting
+        parts = self.parts
+        should_stop = should_stop or parts.activity.waiting
         with self._lock:
             strategy = self.strategy()
             report = WarmReport(strategy)
@@ -212,7 +191,7 @@ class Scheduler:
             self._should_stop = should_stop
             started = time.perf_counter()
             deadline = None if max_seconds is None else started + max_seconds
-            stride = max_predictions if max_predictions is not None else pc.config.prediction_stride
+            stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
             bar = _progress_bar(progress)
             try:
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
@@ -271,7 +250,7 @@ class Scheduler:
     def _llm(self, prompt: str, **options: Any) -> str:
         """Free-form completion for the predictor and the abstract, accounted and pre-emptible."""
         chat = self._chat_format() is not None
-        text, prompt_tokens, generated = self._pc.runner.complete(
+        text, prompt_tokens, generated = self.parts.runtime.runner.complete(
             prompt, chat=chat, should_stop=self._should_stop, **options
         )
         if self._report is not None:
@@ -280,35 +259,35 @@ class Scheduler:
         return text
 
     def _chat_format(self) -> Callable[[str], str] | None:
-        engine = self._pc.engine
-        if use_chat_template(self._pc.config, engine.model_name, engine.chat_template is not None):
+        engine = self.parts.runtime.engine
+        if use_chat_template(self.parts.config, engine.model_name, engine.chat_template is not None):
             return engine.chat_prompt
         return None
 
     def predictor(self) -> QueryPredictor:
         """The query predictor (built on first use)."""
         if self._predictor is None:
-            pc = self._pc
+            parts = self.parts
             self._predictor = QueryPredictor(
                 complete=self._llm,
-                count_tokens=lambda text: len(pc.engine.tokenize(text)),
-                embedder=pc.embedder,
+                count_tokens=lambda text: len(parts.runtime.engine.tokenize(text)),
+                embedder=parts.embedder,
                 known_similarity=lambda embedding: max(
                     (
                         h.similarity
-                        for h in pc.qa_bank.search(
-                            embedding, top_n=1, min_similarity=-1.0, servable_only=False
+                        for h in parts.qa_bank.search(
+                            embedding, top_n=1, similarity_threshold=-1.0, servable_only=False
                         )
                     ),
                     default=-1.0,
                 ),
-                config=pc.config,
+                config=parts.config,
                 chat_format=self._chat_format(),
             )
         return self._predictor
 
     def _update_abstract(self, should_stop: Callable[[], bool]) -> None:
-        pending = self.abstract.pending(self._pc.knowledge.chunks)
+        pending = self.abstract.pending(self.parts.knowledge.chunks)
         if not pending or self._report is None:
             return
         before = len(self.abstract.summarized)
@@ -316,7 +295,7 @@ class Scheduler:
             pending,
             self._llm,
             chat_format=self._chat_format(),
-            max_batches=self._pc.config.abstract_batches_per_round,
+            max_batches=self.parts.config.abstract_batches_per_round,
         )
         self._report.chunks_summarised += len(self.abstract.summarized) - before
 
@@ -329,16 +308,16 @@ class Scheduler:
         should_stop: Callable[[], bool],
         scope: dict[str, Any] | None = None,
     ) -> tuple[RunResult, list[Chunk]]:
-        pc = self._pc
-        retrieved = pc.knowledge.retrieve(
-            question, pc.config.top_k, question_embedding=embedding, where=scope
+        parts = self.parts
+        retrieved = parts.knowledge.retrieve(
+            question, parts.config.top_k, question_embedding=embedding, where=scope
         )
         chunks = [r.chunk for r in retrieved]
         result = drain(
-            pc.runner.run(
+            parts.runtime.runner.run(
                 question,
                 chunks,
-                max_new_tokens=pc.config.max_new_tokens,
+                max_new_tokens=parts.config.max_new_tokens,
                 decode=decode,
                 should_stop=should_stop,
             )
@@ -352,11 +331,11 @@ class Scheduler:
         self, result: RunResult, chunks: list[Chunk], scope: dict[str, Any] | None, origin: str
     ) -> dict[str, Any]:
         """Metadata of an entry this cache's own pipeline answered (binding, tokens, sources)."""
-        binding = self._pc.binding()
+        binding = self.parts.binding()
         return answer_metadata(result, chunks, binding=binding, scope=scope, origin=origin)
 
     def _refresh_stale(self, should_stop: Callable[[], bool]) -> None:
-        qa_bank = self._pc.qa_bank
+        qa_bank = self.parts.qa_bank
         for entry in [e for e in qa_bank.entries if e.metadata.get("stale")]:
             if entry.metadata.get("remembered"):
                 continue  # a caller's answer: only its caller replaces it
@@ -373,15 +352,15 @@ class Scheduler:
                 self._report.refreshed += 1
 
     def _answer_followups(self, should_stop: Callable[[], bool]) -> None:
-        if not self._pc.config.qa_bank:
-            self.followups.clear()
+        if not self.parts.config.qa_bank:
+            self.activity.followups.clear()
             return
-        while self.followups:
-            question, embedding, scope = self.followups[0]
+        while self.activity.followups:
+            question, embedding, scope = self.activity.followups[0]
             result, chunks = self._run(question, embedding, decode=True, should_stop=should_stop, scope=scope)
-            self.followups.popleft()
+            self.activity.followups.popleft()
             if result.text:
-                self._pc.qa_bank.store(
+                self.parts.qa_bank.remember(
                     question,
                     embedding,
                     result.text,
@@ -399,18 +378,18 @@ class Scheduler:
         bar: Any,
         use_knowledge: bool = True,
     ) -> None:
-        pc = self._pc
+        parts = self.parts
         report = self._report
         assert report is not None
-        if not pc.config.prediction or not len(pc.knowledge) or stride <= 0:
+        if not parts.config.prediction or not len(parts.knowledge) or stride <= 0:
             return
         predictor = self.predictor()
         predicted: list[tuple[PredictedQuestion, dict[str, Any] | None]] = []
-        if self.new_history:
-            history, tally = predictor.predict_from_history(list(self.history), stride)
-            self.new_history = 0
+        if self.activity.new_history:
+            history, tally = predictor.predict_from_history(list(self.activity.history), stride)
+            self.activity.new_history = 0
             report.history.add(tally)
-            predicted += [(p, self.history_scope) for p in history]
+            predicted += [(p, self.activity.history_scope) for p in history]
         self._tick(deadline)
         if use_knowledge:
             version = self.abstract.version
@@ -427,12 +406,12 @@ class Scheduler:
             )
             report.populated += 1
             bar.set_postfix(populated=report.populated)
-            if not pc.config.qa_bank:
+            if not parts.config.qa_bank:
                 continue
             answer = result.text if decode else None
             if decode and not answer:
                 continue
-            pc.qa_bank.store(
+            parts.qa_bank.remember(
                 prediction.text,
                 prediction.embedding,
                 answer,
@@ -445,33 +424,33 @@ class Scheduler:
                 report.answers_stored += 1
 
     def _convert(self, should_stop: Callable[[], bool]) -> None:
-        pc = self._pc
+        parts = self.parts
         report = self._report
         assert report is not None
-        if self.strategy() == PREFILL_DECODE and pc.config.qa_bank:
-            for entry in [e for e in pc.qa_bank.entries if e.answer is None and not e.metadata.get("stale")]:
+        if self.strategy() == PREFILL_DECODE and parts.config.qa_bank:
+            for entry in [e for e in parts.qa_bank.entries if e.answer is None and not e.metadata.get("stale")]:
                 scope = _scope(entry)
                 result, chunks = self._run(
                     entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
                 )
                 if result.text:
                     metadata = self._entry_metadata(result, chunks, scope, entry.metadata.get("origin", "predicted"))
-                    pc.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, **metadata)
+                    parts.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, **metadata)
                     report.pending_decoded += 1
-        if not pc.config.chunk_states:
+        if not parts.config.chunk_states:
             return
-        runner = pc.runner
-        for entry in pc.qa_bank.entries:
-            if runner.tree.bytes >= PREFILL_BUDGET_SHARE * pc.config.chunk_state_budget_bytes:
+        runner = parts.runtime.runner
+        for entry in parts.qa_bank.entries:
+            if runner.states.bytes >= PREFILL_BUDGET_SHARE * parts.config.chunk_state_budget_bytes:
                 break
-            chunks = [c for c in (pc.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
-            if not chunks or runner.path_is_stored(entry.question, chunks, pc.config.max_new_tokens):
+            chunks = [c for c in (parts.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
+            if not chunks or runner.path_is_stored(entry.question, chunks, parts.config.max_new_tokens):
                 continue
             result = drain(
                 runner.run(
                     entry.question,
                     chunks,
-                    max_new_tokens=pc.config.max_new_tokens,
+                    max_new_tokens=parts.config.max_new_tokens,
                     decode=False,
                     should_stop=should_stop,
                 )
@@ -484,23 +463,23 @@ class Scheduler:
         them, while the tree is under its prefill share of the budget: chunks of recent QA
         entries (user questions and predictions, newest first), then chunks in the latest
         question's scope, then the rest in knowledge order."""
-        pc = self._pc
-        config = pc.config
-        if not (config.chunk_states and config.knowledge_prefill) or not len(pc.knowledge):
+        parts = self.parts
+        config = parts.config
+        if not (config.chunk_states and config.knowledge_prefill) or not len(parts.knowledge):
             return
-        chunks = pc.knowledge.chunks
+        chunks = parts.knowledge.chunks
         by_id = {c.id: c for c in chunks}
         ordered: dict[str, Chunk] = {}
-        for entry in reversed(pc.qa_bank.entries):
+        for entry in reversed(parts.qa_bank.entries):
             ordered.update((i, by_id[i]) for i in entry.chunk_ids if i in by_id and i not in ordered)
-        scope = self.history_scope
+        scope = self.activity.history_scope
         in_scope = [c for c in chunks if scope and matches_scope(c, scope)]
         for chunk in in_scope + list(chunks):
             ordered.setdefault(chunk.id, chunk)
-        runner = pc.runner
+        runner = parts.runtime.runner
         limit = PREFILL_BUDGET_SHARE * config.chunk_state_budget_bytes
         for chunk in ordered.values():
-            if runner.tree.bytes >= limit:
+            if runner.states.bytes >= limit:
                 return
             if not runner.path_is_stored("", [chunk], 1):
                 yield chunk
@@ -509,7 +488,7 @@ class Scheduler:
         report = self._report
         assert report is not None
         for chunk in self._chunks_to_prefill():
-            report.prefill_tokens += self._pc.runner.prefill_prefix([chunk], should_stop=should_stop)
+            report.prefill_tokens += self.parts.runtime.runner.prefill_prefix([chunk], should_stop=should_stop)
             report.chunks_prefilled += 1
 
     # -- reporting ------------------------------------------------------------------------
@@ -518,8 +497,8 @@ class Scheduler:
         return {
             "strategy": self.strategy(),
             "preemptions": self.preemptions,
-            "history_buffer": len(self.history),
-            "pending_followups": len(self.followups),
+            "history_buffer": len(self.activity.history),
+            "pending_followups": len(self.activity.followups),
             "abstract_lines": len(self.abstract.lines),
             **{name: asdict(account) for name, account in self.accounts.items()},
         }

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .pipeline import PerCache
+from .activity import UserActivity
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 class IdleWorker:
-    """A daemon thread that calls ``pc.warm()`` in quiet periods.
+    """A daemon thread that runs the scheduler's idle rounds in quiet periods.
 
     >>> worker = pc.start_worker(idle_after_s=30, should_run=lambda: on_charger())  # doctest: +SKIP
     >>> pc.stop_worker()                                                            # doctest: +SKIP
@@ -29,14 +27,16 @@ class IdleWorker:
 
     def __init__(
         self,
-        pc: PerCache,
+        scheduler: Scheduler,
+        activity: UserActivity,
         *,
         idle_after_s: float,
         should_run: Callable[[], bool] | None = None,
         poll_s: float = 0.2,
         round_seconds: float | None = 60.0,
     ) -> None:
-        self._pc = pc
+        self._scheduler = scheduler
+        self._activity = activity
         self.idle_after_s = idle_after_s
         self._should_run = should_run or (lambda: True)
         self._poll_s = poll_s
@@ -62,20 +62,20 @@ class IdleWorker:
         return self._thread.is_alive()
 
     def _quiet(self) -> bool:
-        return time.monotonic() - self._pc.last_activity >= self.idle_after_s and not self._pc.user_waiting()
+        return self._activity.quiet_for() >= self.idle_after_s and not self._activity.waiting()
 
     def _loop(self) -> None:
         while not self._stop.wait(self._poll_s):
             try:
-                if not (self._quiet() and self._should_run() and self._pc.scheduler.has_work()):
+                if not (self._quiet() and self._should_run() and self._scheduler.has_work()):
                     continue
                 self.busy.set()
                 try:
-                    self._pc.warm(
+                    self._scheduler.warm(
                         max_seconds=self._round_seconds,
                         progress=False,
                         should_stop=lambda: (
-                            self._stop.is_set() or self._pc.user_waiting() or not self._should_run()
+                            self._stop.is_set() or self._activity.waiting() or not self._should_run()
                         ),
                     )
                 finally:

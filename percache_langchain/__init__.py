@@ -3,7 +3,7 @@ LLM that reuses chunk states.
 
 >>> from langchain_core.globals import set_llm_cache                       # doctest: +SKIP
 >>> set_llm_cache(PerCacheSemanticCache(pc))                                # doctest: +SKIP
->>> chain = PerCacheRetriever(inner=retriever, percache=pc) | prompt | PerCacheLlamaCpp(percache=pc)  # doctest: +SKIP
+>>> chain = PerCacheRetriever(inner=retriever, percache=pc) | prompt | PerCacheLlamaCPP(percache=pc)  # doctest: +SKIP
 
 Importing this package imports langchain-core but loads no model.
 """
@@ -13,7 +13,7 @@ from ._imports import require_langchain
 require_langchain()
 
 from .cache import PerCacheSemanticCache  # noqa: E402
-from .llm import PerCacheLlamaCpp  # noqa: E402
+from .llm import PerCacheLlamaCPP  # noqa: E402
 from .retriever import PerCacheRetriever  # noqa: E402
 
-__all__ = ["PerCacheLlamaCpp", "PerCacheRetriever", "PerCacheSemanticCache"]
+__all__ = ["PerCacheLlamaCPP", "PerCacheRetriever", "PerCacheSemanticCache"]

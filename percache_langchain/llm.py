@@ -1,4 +1,4 @@
-"""``PerCacheLlamaCpp``: a LangChain LLM on PerCache's llama.cpp engine that reuses chunk
+"""``PerCacheLlamaCPP``: a LangChain LLM on PerCache's llama.cpp engine that reuses chunk
 states for the documents a ``PerCacheRetriever`` put into the prompt.
 
 The prompt string is laid out as [text before the first document, document 1, ...,
@@ -22,7 +22,7 @@ from .recorder import as_percache, recorder_for
 from .retriever import _document_id
 
 
-class PerCacheLlamaCpp(LLM):
+class PerCacheLlamaCPP(LLM):
     """Generates with the PerCache's engine; ``max_new_tokens`` defaults to the PerCache's."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

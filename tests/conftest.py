@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -16,8 +17,20 @@ import pytest  # noqa: E402
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
 from percache_core.cli import demo_corpus  # noqa: E402
 from percache_core.embedding import SentenceTransformerEmbedder  # noqa: E402
+from percache_core.kv.fake_engine import FakeEngine  # noqa: E402
 from percache_core.kv.llama_cpp import LlamaEngine  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402
+from tests.fakes import HashingEmbedder  # noqa: E402
+
+# Tests that use these fixtures run the real model or embedder: marked ``model``, so that
+# ``pytest -m "not model"`` runs the pure-logic tests alone in seconds.
+MODEL_FIXTURES = frozenset({"model_path", "engine", "embedder", "make_cache"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
@@ -44,21 +57,43 @@ def corpus() -> dict[str, Any]:
     return demo_corpus()
 
 
-@pytest.fixture
-def make_cache(
-    tmp_path: Path, engine: LlamaEngine, embedder: SentenceTransformerEmbedder, corpus: dict[str, Any]
+@contextmanager
+def _cache_opener(
+    folder: Path, corpus: dict[str, Any], default_engine: Callable[[], Any], embedder: Any
 ) -> Iterator[Callable[..., PerCache]]:
-    """Open caches on the shared engine and embedder, with the demo corpus loaded."""
+    """A function that opens caches under *folder* with the demo corpus loaded (closed at
+    the end)."""
     opened: list[PerCache] = []
 
-    def open_cache(name: str = "cache", *, documents: bool = True, **config: Any) -> PerCache:
+    def open_cache(name: str = "cache", *, documents: bool = True, engine: Any = None, **config: Any) -> PerCache:
         config.setdefault("max_new_tokens", 24)
-        pc = PerCache.open(tmp_path / name, config=PerCacheConfig(**config), engine=engine, embedder=embedder)
+        pc = PerCache.open(
+            folder / name, config=PerCacheConfig(**config), engine=engine or default_engine(), embedder=embedder
+        )
         if documents:
             pc.add_documents(corpus["documents"])
         opened.append(pc)
         return pc
 
-    yield open_cache
-    for pc in opened:
-        pc.close()
+    try:
+        yield open_cache
+    finally:
+        for pc in opened:
+            pc.close()
+
+
+@pytest.fixture
+def make_cache(
+    tmp_path: Path, engine: LlamaEngine, embedder: SentenceTransformerEmbedder, corpus: dict[str, Any]
+) -> Iterator[Callable[..., PerCache]]:
+    """Open caches on the shared engine and embedder, with the demo corpus loaded."""
+    with _cache_opener(tmp_path, corpus, lambda: engine, embedder) as open_cache:
+        yield open_cache
+
+
+@pytest.fixture
+def fake_cache(tmp_path: Path, corpus: dict[str, Any]) -> Iterator[Callable[..., PerCache]]:
+    """Open caches on a :class:`FakeEngine` and a hashing embedder (no model), with the demo
+    corpus loaded: for tests of control flow, not of answers."""
+    with _cache_opener(tmp_path, corpus, FakeEngine, HashingEmbedder()) as open_cache:
+        yield open_cache

@@ -20,13 +20,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import EngineError, ModelNotFoundError, missing_dependency
 from ..models import file_sha256
+from .engine import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +54,9 @@ def _init_backend(lc, verbose: bool) -> None:
             _backend_ready = True
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: greedy when ``temperature == 0``."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-
 class LlamaEngine:
-    """A GGUF model in a llama.cpp context with a single sequence (id 0).
+    """A GGUF model in a llama.cpp context with a single sequence (id 0): the
+    :class:`~percache_core.kv.engine.Engine` that PerCache runs on.
 
     The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,
     so a streaming generator may release it from another thread) around any sequence of
@@ -72,8 +64,8 @@ class LlamaEngine:
 
     >>> engine = LlamaEngine("gemma-3-270m-q4_k_m.gguf")   # doctest: +SKIP
     >>> engine.reset(); engine.eval(engine.tokenize("The capital of France is", True))  # doctest: +SKIP
-    >>> [engine.token_bytes(t) for t in engine.generate(max_new_tokens=2)]   # doctest: +SKIP
-    [b' Paris', b'.']
+    >>> b"".join(engine.token_bytes(t) for t in engine.generate(max_new_tokens=2))   # doctest: +SKIP
+    b' Paris.'
     """
 
     def __init__(

@@ -8,8 +8,8 @@ another fingerprint can never match.
 
 The tree is metadata only (the state bytes live in a
 :class:`~percache_core.kv.state_store.StateStore`). Its API is ``match``, ``insert``,
-``remove`` and ``evict``; eviction is least-frequently-used over leaves and never touches a
-pinned node (one in use by a query).
+``remove`` and ``evict``; eviction follows the :class:`~percache_core.eviction.LFUPolicy`
+over leaves and never touches a pinned node (one in use by a query).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from ..eviction import LFUPolicy
 
 
 def node_key(parent_key: str, tokens: Sequence[int]) -> str:
@@ -89,6 +91,7 @@ class ChunkStateTree:
         self._nodes: dict[str, StateNode] = {}
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}
+        self._policy: LFUPolicy[StateNode] = LFUPolicy()  # evictable: unpinned leaves
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -124,9 +127,11 @@ class ChunkStateTree:
             node = StateNode(key, parent_key, depth, n_tokens, label, size)
             self._nodes[key] = node
             self.bytes += size
+            self._policy.add(key, node, evictable=key not in self._pins)
             parent = self._nodes.get(parent_key)
             if parent is not None:
                 parent.children += 1
+                self._policy.set_evictable(parent_key, False)
             return node
 
     def remove(self, key: str) -> StateNode | None:
@@ -139,16 +144,20 @@ class ChunkStateTree:
             if node is None:
                 return None
             self.bytes -= node.size
+            self._policy.remove(key)
             parent = self._nodes.get(node.parent_key)
             if parent is not None:
                 parent.children -= 1
+                self._update_evictable(parent)
             return node
+
+    def _update_evictable(self, node: StateNode) -> None:
+        self._policy.set_evictable(node.key, node.children == 0 and node.key not in self._pins)
 
     def touch(self, node: StateNode) -> None:
         """Count one restore of *node*."""
         with self._lock:
-            node.hits += 1
-            node.last_used_at = time.time()
+            self._policy.touch(node.key)
 
     @contextmanager
     def pinned(self, keys: Sequence[str]) -> Iterator[None]:
@@ -156,6 +165,7 @@ class ChunkStateTree:
         with self._lock:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
+                self._policy.set_evictable(key, False)
         try:
             yield
         finally:
@@ -164,9 +174,8 @@ class ChunkStateTree:
                     self._pins[key] -= 1
                     if not self._pins[key]:
                         del self._pins[key]
-
-    def _is_pinned(self, key: str) -> bool:
-        return key in self._pins
+                        if key in self._nodes:
+                            self._update_evictable(self._nodes[key])
 
     def evict(self, budget_bytes: int) -> list[StateNode]:
         """Remove least-frequently-used unpinned leaves until ``bytes <= budget_bytes``.
@@ -176,13 +185,10 @@ class ChunkStateTree:
         removed: list[StateNode] = []
         with self._lock:
             while self.bytes > budget_bytes:
-                leaves = [
-                    node
-                    for node in self._nodes.values()
-                    if node.children == 0 and not self._is_pinned(node.key)
-                ]
-                if not leaves:
+                victim = self._policy.victim()
+                if victim is None:
                     break
-                victim = min(leaves, key=lambda n: (n.hits, n.last_used_at, -n.depth))
-                removed.append(self.remove(victim.key))
+                node = self.remove(victim)
+                assert node is not None
+                removed.append(node)
         return removed

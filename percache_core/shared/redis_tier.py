@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from ..config import PerCacheConfig
 from ..errors import missing_dependency
 from ..kv.tree import StateNode
+from ..qa_bank import QABank
 from ..types import QAEntry
 from .bloom import BloomFilter
 from .breaker import CircuitBreaker
@@ -168,6 +170,25 @@ class SharedTier:
         """Share QA entries of this embedder; *on_entry* receives entries of other clients."""
         self._embedder_id = hashlib.sha256(embedder_name.encode("utf-8")).hexdigest()[:16]
         self._on_qa_entry = on_entry
+
+    def serve_qa_bank(self, qa_bank: QABank, embedder_name: str) -> None:
+        """Share *qa_bank*'s answered entries, and keep the entries other clients share in
+        it (entries with another embedding size are ignored)."""
+
+        def receive(entry: QAEntry) -> None:
+            if entry.embedding.shape != (qa_bank.dimension,):
+                logger.warning("shared QA entry %s has another embedding size: ignored", entry.id)
+                return
+            qa_bank.remember(
+                entry.question, entry.embedding, entry.answer, chunk_ids=entry.chunk_ids, metadata=entry.metadata
+            )
+
+        def share(entry: QAEntry) -> None:
+            if entry.metadata.get("origin") != "shared":
+                self.put_qa(entry)
+
+        self.bind_qa(embedder_name, receive)
+        qa_bank.listener = share
 
     def start(self) -> SharedTier:
         """Start the catalog synchronisation thread (one sync runs at once, first)."""
@@ -381,3 +402,19 @@ class SharedTier:
             "catalog_false_positive_rate_expected": self.bloom.expected_false_positive_rate(),
             **asdict(self.counters),
         }
+
+
+def open_shared_tier(config: PerCacheConfig, qa_bank: QABank, embedder_name: str) -> SharedTier | None:
+    """The Redis tier behind the local ones, when ``shared_url`` is set."""
+    if config.shared_url is None:
+        return None
+    shared = SharedTier(
+        config.shared_url,
+        namespace=config.shared_namespace,
+        secret=config.shared_secret or "",
+        write=config.shared_write,
+        timeout_s=config.shared_timeout_s,
+        sync_interval_s=config.shared_sync_interval_s,
+    )
+    shared.serve_qa_bank(qa_bank, embedder_name)
+    return shared.start()

@@ -4,7 +4,9 @@ report is written."""
 
 import json
 
-from percache_core.bench_e2e import SYSTEMS, evaluate, write_report
+import pytest
+
+from benchmarks.e2e_harness import SYSTEMS, evaluate, write_report
 
 DOCUMENTS = [
     {
@@ -54,6 +56,7 @@ QUERIES = [
 ]
 
 
+@pytest.mark.model  # runs the real model in this process or a subprocess
 def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
     data = tmp_path / "data" / "qmsum"
     data.mkdir(parents=True)

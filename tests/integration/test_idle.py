@@ -12,7 +12,7 @@ def all_nodes_restorable(pc) -> bool:
     engine = pc.engine
     with engine.lock:
         return all(
-            (data := pc.states.get(node.key)) is not None and engine.load_state(data, node.n_tokens)
+            (data := pc.states.get(node)) is not None and engine.load_state(data, node.n_tokens)
             for node in pc.tree.nodes
         )
 
@@ -152,7 +152,7 @@ def test_history_prediction_follows_user_questions(make_cache, origin):
     pc.answer("What is my flight booking reference?")
     report = pc.warm(progress=False)
     assert report.history.llm_calls >= 1
-    assert pc.scheduler.new_history == 0
+    assert pc.parts.activity.new_history == 0
     origins = {e.metadata.get("origin") for e in pc.qa_bank.entries}
     assert f"predicted-{origin}" in origins or report.history.accepted == 0
 

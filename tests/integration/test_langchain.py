@@ -12,7 +12,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_tests.integration_tests import AsyncCacheTestSuite, SyncCacheTestSuite
 
 from percache_core import MissingDependencyError, PerCache, PerCacheConfig
-from percache_langchain import PerCacheLlamaCpp, PerCacheRetriever, PerCacheSemanticCache
+from percache_langchain import PerCacheLlamaCPP, PerCacheRetriever, PerCacheSemanticCache
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NOTES = [
@@ -106,7 +106,7 @@ def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
         retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
         retriever.invoke("When is the rehearsal?", config={"callbacks": [events]})
         assert events.starts == 2  # the wrapper and the inner retriever both report
-        llm = PerCacheLlamaCpp(percache=pc)
+        llm = PerCacheLlamaCPP(percache=pc)
         results[name] = [
             llm.invoke(prompt_for(q)) for q in ("When is the rehearsal?", "Where is the rehearsal?")
         ]
@@ -118,12 +118,13 @@ def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
 def test_streaming_gives_the_invoke_text(make_cache):
     pc = make_cache(documents=False, qa_bank=False)
     PerCacheRetriever(inner=FixedRetriever(), percache=pc).invoke("How much did finance approve?")
-    llm = PerCacheLlamaCpp(percache=pc)
+    llm = PerCacheLlamaCPP(percache=pc)
     text = llm.invoke(prompt_for("How much did finance approve?"))
     pieces = list(llm.stream(prompt_for("How much did finance approve?")))
     assert len(pieces) >= 1 and "".join(pieces).strip() == text
 
 
+@pytest.mark.model  # runs the real model in this process or a subprocess
 def test_the_lcel_example_runs_and_shows_each_source(tmp_path):
     spec = importlib.util.spec_from_file_location("langchain_lcel", EXAMPLES / "langchain_lcel.py")
     module = importlib.util.module_from_spec(spec)
@@ -138,7 +139,7 @@ def test_bad_input_gets_clear_errors(monkeypatch):
     with pytest.raises((TypeError, ValueError), match="PerCache"):
         PerCacheRetriever(inner=FixedRetriever(), percache=object())
     with pytest.raises((TypeError, ValueError), match="PerCache"):
-        PerCacheLlamaCpp(percache=PerCacheConfig())
+        PerCacheLlamaCPP(percache=PerCacheConfig())
     from percache_langchain._imports import require_langchain
 
     monkeypatch.setitem(sys.modules, "langchain_core", None)

@@ -150,6 +150,7 @@ def test_bad_input_gets_clear_errors(make_cache, monkeypatch):
         require_llama_index()
 
 
+@pytest.mark.model  # runs the real model in this process or a subprocess
 def test_the_notebook_runs_and_shows_each_source():
     notebook = nbformat.read(EXAMPLES / "llamaindex_quickstart.ipynb", as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3").execute()

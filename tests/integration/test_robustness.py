@@ -28,7 +28,7 @@ def test_a_damaged_state_is_deleted_and_the_answer_stays_correct(make_cache, dam
     pc = make_cache(qa_bank=False)
     reference = pc.answer(QUESTION)
     node = deepest_node(pc)
-    path = pc.states.blob_path(node.key)
+    path = pc.states.local.blob_path(node.key)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncate" else bytes(b ^ 0xFF for b in data))
 
@@ -37,7 +37,7 @@ def test_a_damaged_state_is_deleted_and_the_answer_stays_correct(make_cache, dam
     assert again.reused_chunks == node.depth - 2  # fell back to the parent prefix
     assert pc.stats()["chunk_states"]["corrupt_dropped"] == 1
     assert "unusable" in caplog.text
-    assert pc.states.blob_path(node.key).read_bytes() == data  # re-stored, whole again
+    assert pc.states.local.blob_path(node.key).read_bytes() == data  # re-stored, whole again
     assert pc.answer(QUESTION).reused_chunks == node.depth - 1
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server is not installed (make test installs it)"
 )
 
-from percache_core.shared.local_redis import RedisServer, start_cluster  # noqa: E402
+from tests.local_redis import RedisServer, start_cluster  # noqa: E402
 
 SECRET = "test-secret"
 QUESTION = "When is the presentation rehearsal for the launch talk?"

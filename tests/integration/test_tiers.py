@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 from percache_core import PerCache, PerCacheConfig
 from percache_core.cli import main as cli_main
 
@@ -17,7 +19,7 @@ QUESTIONS = [
 
 
 def blob_bytes_on_disk(pc) -> list[int]:
-    return [pc.states.blob_path(n.key).stat().st_size for n in pc.tree.nodes]
+    return [pc.states.local.blob_path(n.key).stat().st_size for n in pc.tree.nodes]
 
 
 def test_chunk_state_budget_holds_after_every_answer(make_cache):
@@ -130,6 +132,7 @@ def test_demo_script_shows_each_source_it_promises(make_cache, corpus):
         assert pc.answer(item["question"]).source == item["expect"], item["question"]
 
 
+@pytest.mark.model  # runs the real model in this process or a subprocess
 def test_cli_ingest_ask_and_stats(tmp_path, capsys):
     note = tmp_path / "note.txt"
     note.write_text("The garden party is on 9 August at the Lindqvist house.")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from percache_core.bench_verify import evaluate, read_pairs
-from percache_core.cli import main as cli_main
+from benchmarks.verify import main as verify_main
+from benchmarks.verify_harness import evaluate, read_pairs
 from percache_core.types import QAEntry
 from percache_core.verifier import LexicalVerifier
 
@@ -92,6 +92,6 @@ def test_scoped_entries_never_answer_another_scope(make_cache):
 
 def test_bench_verify_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "verify.json"
-    assert cli_main(["bench", "verify", "--pairs", str(PAIRS), "--out", str(out)]) == 0
+    assert verify_main(["--pairs", str(PAIRS), "--out", str(out)]) == 0
     assert "verified" in capsys.readouterr().out
     assert json.loads(out.read_text())["pairs"] >= 150

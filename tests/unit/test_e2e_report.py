@@ -1,6 +1,6 @@
 """The evaluation report's arithmetic on hand-made records (pure logic, no model)."""
 
-from percache_core.bench_e2e import STAGES, _totals, markdown_table, reductions
+from benchmarks.e2e_harness import STAGES, _totals, markdown_table, reductions
 
 
 def run(latencies, sources, answers):

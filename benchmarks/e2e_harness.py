@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from .config import PerCacheConfig
-from .embedding import SentenceTransformerEmbedder
-from .eval_data import User, load_users, query_scope
-from .kv.llama_cpp import LlamaEngine
-from .models import resolve_model_path
-from .pipeline import PerCache
+from percache_core.config import PerCacheConfig
+from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.kv.llama_cpp import LlamaEngine
+from percache_core.models import resolve_model_path
+from percache_core.pipeline import PerCache
+
+from .data_sets import User, load_users, query_scope
 
 STAGES = ("embed", "qa_check", "retrieve", "restore", "prefill", "decode", "store_states", "store_qa")
 KINDS = {"qmsum": "meeting transcripts", "squad11-dev": "encyclopedia articles"}

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..errors import missing_dependency
+from percache_core.errors import missing_dependency
 
 try:
     import redis

@@ -1,0 +1,83 @@
+"""User activity: who is waiting for the model, when the last question came, and what
+users asked (the history that idle prediction and follow-ups work from).
+
+The request path records here; the scheduler and the idle worker read here. Neither side
+needs the other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from .qa_bank import normalized_question
+from .types import QAHit
+
+FOLLOWUPS_KEPT = 256
+
+
+class UserActivity:
+    """Waiting users, the time of the last activity, and recent questions.
+
+    >>> activity = UserActivity(history_size=8)
+    >>> with activity.user_turn():
+    ...     activity.waiting()
+    True
+    >>> activity.waiting()
+    False
+    """
+
+    def __init__(self, *, history_size: int) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self.last_activity = time.monotonic()
+        self.history: deque[str] = deque(maxlen=history_size)
+        self.new_history = 0  # questions recorded since history prediction last ran
+        self.history_scope: dict[str, Any] | None = None  # scope of the latest question
+        # questions that were served another question's answer: (question, embedding, scope)
+        self.followups: deque[tuple[str, np.ndarray, dict[str, Any] | None]] = deque(maxlen=FOLLOWUPS_KEPT)
+
+    @contextmanager
+    def user_turn(self) -> Iterator[None]:
+        """Mark a user's question as waiting (idle work yields the model to it)."""
+        with self._lock:
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting -= 1
+            self.touch()
+
+    def waiting(self) -> bool:
+        """True while a user's question is waiting for or using the model."""
+        return self._waiting > 0
+
+    def touch(self) -> None:
+        """Note user activity now (idle work waits for a quiet period after it)."""
+        self.last_activity = time.monotonic()
+
+    def quiet_for(self) -> float:
+        """Seconds since the last user activity."""
+        return time.monotonic() - self.last_activity
+
+    def record_question(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        hit: QAHit | None,
+        scope: dict[str, Any] | None = None,
+    ) -> None:
+        """Remember a user question (for history prediction) and its scope; a question that
+        was served another question's answer becomes a follow-up (answered in idle time)."""
+        self.history.append(question)
+        self.new_history += 1
+        self.history_scope = scope
+        if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
+            self.followups.append((question, embedding, scope))

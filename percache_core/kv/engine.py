@@ -1,0 +1,98 @@
+"""What PerCache needs of a model runtime: the ``Engine`` protocol.
+
+Generation, draft verification, the scheduler and the adapters use only these members.
+:class:`~percache_core.kv.llama_cpp.LlamaEngine` is the real one;
+:class:`~percache_core.kv.fake_engine.FakeEngine` is a deterministic stand-in for tests of
+pure logic (no model file, answers in microseconds).
+
+One engine holds one sequence. Callers hold ``engine.lock`` around any run of calls that
+must not interleave (restore, prefill, decode).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy when ``temperature == 0``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model with one token sequence, its KV state and its logits."""
+
+    lock: threading.Lock
+    n_ctx: int  # the most tokens the sequence can hold
+    n_past: int  # tokens in the sequence now
+    n_vocab: int
+
+    def fingerprint(self, extra: str = "") -> str:
+        """A digest of everything that changes state bytes and logits, plus *extra*."""
+        ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def chat_prompt(self, user_message: str) -> str: ...
+
+    def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]: ...
+
+    def tokenize_chat(self, prompt: str) -> list[int]: ...
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes: ...
+
+    def is_end_of_generation(self, token: int) -> bool: ...
+
+    def warm_up(self) -> None: ...
+
+    def reset(self) -> None:
+        """Empty the sequence."""
+        ...
+
+    def save_state(self) -> bytes:
+        """The sequence's state (everything needed to continue from ``n_past``)."""
+        ...
+
+    def load_state(self, data: bytes, n_tokens: int) -> bool:
+        """Replace the sequence with a saved state of *n_tokens*; False if refused."""
+        ...
+
+    def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
+        """Feed *tokens* after the current position (logits kept for the last)."""
+        ...
+
+    def eval_with_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed *tokens* in one batch, returning every position's logits."""
+        ...
+
+    def truncate(self, n_tokens: int) -> bool:
+        """Keep the first *n_tokens*; False when the sequence cannot continue exactly."""
+        ...
+
+    def last_logits(self) -> np.ndarray: ...
+
+    def generate(
+        self,
+        *,
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[int]:
+        """Decode up to *max_new_tokens* token ids (an end-of-generation id included)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,45 @@
+"""The parts of one cache, as the request path, the scheduler and the idle worker see them.
+
+:class:`~percache_core.pipeline.PerCache` builds a ``CacheParts`` and hands it to each of
+them; none of them sees the facade. ``config`` is the one current configuration:
+``PerCache.configure`` replaces it here, and every part reads it from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .activity import UserActivity
+from .binding import answer_binding
+from .config import PerCacheConfig
+from .embedding import Embedder
+from .knowledge import KnowledgeBank
+from .qa_bank import QABank
+from .runtime import ModelRuntime
+from .storage import Store
+from .usage import UsageCounters
+
+
+@dataclass
+class CacheParts:
+    """Everything a cache is made of, wired once at open."""
+
+    config: PerCacheConfig
+    embedder: Embedder
+    knowledge: KnowledgeBank
+    qa_bank: QABank
+    runtime: ModelRuntime
+    activity: UserActivity
+    usage: UsageCounters
+    meta: Store  # small records: the embedder's name, the knowledge abstract
+
+    def binding(self, *, top_k: int | None = None, max_new_tokens: int | None = None) -> str:
+        """The binding of answers the cache's own pipeline gives with these settings (see
+        :func:`~percache_core.binding.answer_binding`)."""
+        config = self.config
+        return answer_binding(
+            config,
+            self.runtime.model_id(),
+            top_k=top_k or config.top_k,
+            max_new_tokens=max_new_tokens or config.max_new_tokens,
+        )

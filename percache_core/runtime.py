@@ -1,0 +1,144 @@
+"""The model runtime: the engine, its stored chunk states and the prompt runner, loaded on
+first use (opening a cache loads no model).
+
+The engine is a loaded :class:`~percache_core.kv.engine.Engine` passed in (shared between
+caches, or a :class:`~percache_core.kv.fake_engine.FakeEngine` in tests) or a GGUF file
+loaded at the first question that needs it. Its states live in a
+:class:`~percache_core.kv.tiers.TieredStateStore` under ``folder/states``, one folder per
+engine fingerprint, with the shared tier (when configured) behind the local one.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from .config import PerCacheConfig
+from .drafting import deviation_bound
+from .generation import PromptRunner
+from .kv.engine import Engine
+from .kv.state_store import StateStore
+from .kv.tiers import SharedStates, TieredStateStore
+from .kv.tree import ChunkStateTree
+from .prompting import TEMPLATE_VERSION
+
+
+class ModelRuntime:
+    """The engine, the chunk-state tiers and the runner of one cache."""
+
+    def __init__(
+        self,
+        folder: Path,
+        config: PerCacheConfig,
+        *,
+        engine: Engine | None,
+        model_path: Path | None,
+        shared: SharedStates | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if engine is None and model_path is None:
+            raise ValueError("give an engine or a model path")
+        self._folder = folder
+        self.config = config
+        self._engine = engine
+        self._model_path = model_path
+        self._shared = shared
+        self._verbose = verbose
+        self.owns_engine = engine is None
+        self._lock = threading.Lock()
+        self._states: TieredStateStore | None = None
+        self._runner: PromptRunner | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, loaded on first use."""
+        with self._lock:
+            if self._engine is None:
+                from .kv.llama_cpp import LlamaEngine  # llama-cpp-python only when needed
+
+                assert self._model_path is not None
+                self._engine = LlamaEngine(
+                    self._model_path,
+                    n_ctx=self.config.n_ctx,
+                    n_batch=self.config.n_batch,
+                    n_threads=self.config.n_threads,
+                    verbose=self._verbose,
+                )
+            return self._engine
+
+    @property
+    def engine_loaded(self) -> bool:
+        return self._engine is not None
+
+    def model_id(self) -> str:
+        """The identity of the model that answers (the engine's fingerprint)."""
+        return self.engine.fingerprint(TEMPLATE_VERSION)
+
+    @property
+    def states(self) -> TieredStateStore:
+        """The stored chunk states of this engine's fingerprint (opened on first use)."""
+        self._open_states()
+        assert self._states is not None
+        return self._states
+
+    @property
+    def tree(self) -> ChunkStateTree:
+        return self.states.tree
+
+    @property
+    def runner(self) -> PromptRunner:
+        """Runs prompts on the engine through the stored chunk states."""
+        self._open_states()
+        assert self._runner is not None
+        return self._runner
+
+    @property
+    def states_open(self) -> bool:
+        return self._states is not None
+
+    def _open_states(self) -> None:
+        if self._states is not None:
+            return
+        engine = self.engine
+        with self._lock:
+            if self._states is None:
+                local = StateStore(self._folder / "states", engine.fingerprint(TEMPLATE_VERSION))
+                states = TieredStateStore(local, self._shared)
+                self._runner = PromptRunner(engine, states, self.config)
+                self._states = states
+
+    def configure(self, config: PerCacheConfig) -> None:
+        """Use new settings from the next prompt on."""
+        self.config = config
+        if self._runner is not None:
+            self._runner.config = config
+
+    def preload(self) -> None:
+        """Load the engine and the states now, and measure the draft-verification bound."""
+        engine = self.engine
+        engine.warm_up()
+        self._open_states()
+        with engine.lock:
+            deviation_bound(engine)
+
+    def stats(self) -> dict[str, Any]:
+        """Nodes, bytes, budget and failures of the chunk-state tier."""
+        budget = self.config.chunk_state_budget_bytes
+        if self._states is None or self._runner is None:
+            return {"nodes": 0, "bytes": 0, "budget_bytes": budget}
+        return {
+            "nodes": len(self._states.tree),
+            "bytes": self._states.bytes,
+            "budget_bytes": budget,
+            "evictions": self._states.evictions,
+            "restore_failures": self._runner.restore_failures,
+            "corrupt_dropped": self._states.local.corrupt_dropped,
+        }
+
+    def close(self) -> None:
+        """Persist state counters; free the engine if this runtime loaded it."""
+        if self._states is not None:
+            self._states.close()
+        if self.owns_engine and self._engine is not None:
+            self._engine.close()

@@ -1,0 +1,100 @@
+"""Control flow of the request path, the scheduler and the idle worker on a FakeEngine and a
+hashing embedder: no model, seconds for the lot. What they check is logic (which tier
+serves, what is stored, when idle work runs and yields); what the model answers is checked
+by the integration tests with the real model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from percache_core.kv.engine import Engine
+from percache_core.kv.fake_engine import FakeEngine
+
+QUESTION = "When is the presentation rehearsal for the launch talk?"
+
+
+def test_the_fake_engine_is_an_engine_and_restores_exactly():
+    engine = FakeEngine()
+    assert isinstance(engine, Engine)
+    prompt = engine.tokenize("Context: the rehearsal is on Friday. Question: when?", True)
+    engine.reset()
+    engine.eval(prompt)
+    live = list(engine.generate(max_new_tokens=16))
+    engine.reset()
+    engine.eval(prompt[:10])
+    state = engine.save_state()
+    engine.reset()
+    assert engine.load_state(state, 10)
+    engine.eval(prompt[10:])
+    assert list(engine.generate(max_new_tokens=16)) == live
+    assert not engine.load_state(b"junk", 10)
+
+
+def test_chunk_state_reuse_gives_the_cache_off_output(fake_cache):
+    reference = fake_cache("off", qa_bank=False, chunk_states=False)
+    cached = fake_cache("on", qa_bank=False)
+    questions = [QUESTION, "Who repairs the boiler?", "What is the booking reference?"]
+    expected = [reference.answer(q).text for q in questions]
+    first = [cached.answer(q) for q in questions]
+    again = [cached.answer(q) for q in questions]
+    assert [a.text for a in first] == expected == [a.text for a in again]
+    assert all(a.source == "chunk_states" and a.reused_chunks == len(a.chunk_ids) for a in again)
+
+
+def test_exact_mode_serves_a_repeat_from_the_qa_bank_only_when_the_model_agrees(fake_cache):
+    pc = fake_cache()
+    first = pc.answer(QUESTION)
+    repeat = pc.answer(QUESTION)
+    assert first.source != "qa_bank"
+    assert repeat.source == "qa_bank" and repeat.text == first.text and not repeat.approximate
+    assert pc.stats()["draft_tokens_accepted"] > 0
+    # another model (another fingerprint) never sees this entry
+    other = fake_cache("other", engine=FakeEngine(name="other-model"))
+    assert other.answer(QUESTION).source != "qa_bank"
+
+
+def test_a_question_waiting_pre_empts_an_idle_round(fake_cache):
+    pc = fake_cache(prediction=False)
+    calls = {"n": 0}
+
+    def user_arrives() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    report = pc.warm(progress=False, should_stop=user_arrives)
+    assert report.preempted
+    assert pc.stats()["idle"]["preemptions"] == 1
+
+
+def test_knowledge_prefill_stores_every_first_chunk_within_budget(fake_cache):
+    pc = fake_cache(prediction=False)
+    report = pc.warm(progress=False)
+    first_chunks = {node.label for node in pc.tree.nodes if node.depth == 2}
+    assert report.chunks_prefilled == len(pc.knowledge) == len(first_chunks)
+    answer = pc.answer(QUESTION)
+    assert answer.reused_chunks >= 1
+
+
+def test_the_worker_runs_rounds_when_quiet_and_stops(fake_cache):
+    pc = fake_cache(prediction=False)
+    worker = pc.start_worker(idle_after_s=0.0)
+    deadline = time.monotonic() + 20
+    while worker.rounds == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.rounds >= 1 and worker.errors == 0
+    assert pc.start_worker() is worker  # one worker per cache
+    pc.stop_worker()
+    assert not worker.running
+
+
+@pytest.mark.parametrize("bad", ["", "   ", None, 3])
+def test_bad_questions_fail_before_any_work(fake_cache, bad):
+    pc = fake_cache()
+    engine = pc.engine
+    assert isinstance(engine, FakeEngine)
+    before = dict(engine.calls)
+    with pytest.raises((TypeError, ValueError)):
+        pc.answer(bad)
+    assert engine.calls == before
