@@ -7,14 +7,19 @@ STAMP := $(VENV)/.percache-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench clean redis-server
+.PHONY: demo test lint bench wheels clean redis-server
 
-$(STAMP): pyproject.toml Makefile
+DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchain
+
+$(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the CPU build of torch, before anything that depends on torch
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet -e ".[all,dev]"
+	# the three distributions of this repository (percache-core and the two adapters),
+	# editable; an earlier checkout's single "percache" distribution is removed first
+	$(BIN)/python -m pip uninstall --quiet --yes percache 2>/dev/null || true
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -35,5 +40,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft.py --out benchmarks/results/ttft.json
 
+# wheels of the three distributions into dist/
+wheels: $(STAMP)
+	for project in . percache_llamaindex percache_langchain; do \
+		$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w dist $$project || exit 1; done
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info */*.egg-info

@@ -582,5 +582,5 @@ def write_report(result: dict[str, Any], out: Path) -> list[Path]:
     try:
         written += plot(result, out.parent / "plots")
     except ImportError:
-        pass  # matplotlib is optional: pip install "percache[bench]"
+        pass  # matplotlib is optional: pip install "percache-core[bench]"
     return written

@@ -48,7 +48,7 @@ class PerCacheConfig:
             serves on cosine alone. It only ever rejects; nothing below tau is served.
         verifier_candidates: candidates considered per question, best first.
 
-    Shared tier (Redis; ``pip install "percache[redis]"``):
+    Shared tier (Redis; ``pip install "percache-core[redis]"``):
         shared_url: ``redis://host:port/db`` or ``redis+cluster://host:port``; None: local only.
         shared_namespace: tenant or user; other namespaces are invisible.
         shared_secret: HMAC key that signs shared entries (required with a URL).

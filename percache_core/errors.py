@@ -47,10 +47,11 @@ class EngineError(PerCacheError, RuntimeError):
     """llama.cpp failed while evaluating or sampling tokens."""
 
 
-def missing_dependency(package: str, extra: str) -> MissingDependencyError:
-    """Build the error raised when an optional *package* is absent.
+def missing_dependency(package: str, install: str) -> MissingDependencyError:
+    """Build the error raised when an optional *package* is absent; *install* is what to
+    pip-install (a distribution of this project with its extra).
 
-    >>> str(missing_dependency("llama_cpp", "llama-cpp"))
-    'llama_cpp is not installed: pip install "percache[llama-cpp]"'
+    >>> str(missing_dependency("llama_cpp", "percache-core[llama-cpp]"))
+    'llama_cpp is not installed: pip install "percache-core[llama-cpp]"'
     """
-    return MissingDependencyError(f'{package} is not installed: pip install "percache[{extra}]"')
+    return MissingDependencyError(f'{package} is not installed: pip install "{install}"')

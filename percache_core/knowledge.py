@@ -224,7 +224,7 @@ class KnowledgeBank:
             try:
                 from rank_bm25 import BM25Okapi
             except ImportError as error:
-                raise missing_dependency("rank_bm25", "core") from error
+                raise missing_dependency("rank_bm25", "percache-core") from error
             self._bm25 = BM25Okapi([bm25_tokens(chunk.text) or ["_"] for chunk in self._chunks])
         return self._bm25
 

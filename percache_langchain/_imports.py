@@ -7,4 +7,4 @@ def require_langchain() -> None:
     try:
         import langchain_core  # noqa: F401
     except ImportError as error:
-        raise missing_dependency("langchain-core", "langchain") from error
+        raise missing_dependency("langchain-core", "percache-langchain") from error

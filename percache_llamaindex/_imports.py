@@ -7,4 +7,4 @@ def require_llama_index() -> None:
     try:
         import llama_index.core  # noqa: F401
     except ImportError as error:
-        raise missing_dependency("llama-index-core", "llamaindex") from error
+        raise missing_dependency("llama-index-core", "percache-llamaindex") from error

@@ -16,7 +16,7 @@ from percache_core.errors import missing_dependency
 try:
     import redis
 except ImportError as error:  # pragma: no cover - the redis extra is missing
-    raise missing_dependency("redis", "redis") from error
+    raise missing_dependency("redis", "percache-core[redis]") from error
 
 
 def _bindable(port: int) -> bool:

@@ -39,7 +39,7 @@ def _import_llama_cpp():
     try:
         import llama_cpp
     except ImportError as error:
-        raise missing_dependency("llama_cpp", "llama-cpp") from error
+        raise missing_dependency("llama_cpp", "percache-core[llama-cpp]") from error
     return llama_cpp
 
 

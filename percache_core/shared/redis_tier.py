@@ -81,7 +81,7 @@ def _connect(url: str, timeout_s: float) -> Any:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
     except ImportError as error:
-        raise missing_dependency("redis", "redis") from error
+        raise missing_dependency("redis", "percache-core[redis]") from error
     options = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,

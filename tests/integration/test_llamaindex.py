@@ -109,7 +109,7 @@ def test_other_llms_get_the_qa_bank_only(index, tmp_path):
     assert engine.query(QUESTION).metadata["percache"]["source"] == "qa_bank"
     assert engine.query(PARAPHRASE).metadata["percache"]["source"] == "full"  # exact: same question only
     report = engine.warm(progress=False)  # idle prediction would answer with another model
-    assert report.populated == 0 and engine.percache._engine is None
+    assert report.populated == 0 and not engine.percache.parts.runtime.engine_loaded
     semantic = PerCacheQueryEngine.from_index(
         index,
         cache_dir=tmp_path / "mock-semantic",
