@@ -85,6 +85,9 @@ class PerCache:
             usage=UsageCounters(),
             meta=meta,
         )
+        # the parts that never change, for callers and tools
+        self.embedder, self.knowledge, self.qa_bank = embedder, self.parts.knowledge, qa_bank
+        self.usage = self.parts.usage
         self.request_path = RequestPath(self.parts)
         self.scheduler = Scheduler(self.parts)
         self._worker: IdleWorker | None = None
@@ -158,22 +161,6 @@ class PerCache:
     @property
     def config(self) -> PerCacheConfig:
         return self.parts.config
-
-    @property
-    def embedder(self) -> Embedder:
-        return self.parts.embedder
-
-    @property
-    def knowledge(self) -> KnowledgeBank:
-        return self.parts.knowledge
-
-    @property
-    def qa_bank(self) -> QABank:
-        return self.parts.qa_bank
-
-    @property
-    def usage(self) -> UsageCounters:
-        return self.parts.usage
 
     @property
     def engine(self) -> Engine:

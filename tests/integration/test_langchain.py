@@ -143,5 +143,5 @@ def test_bad_input_gets_clear_errors(monkeypatch):
     from percache_langchain._imports import require_langchain
 
     monkeypatch.setitem(sys.modules, "langchain_core", None)
-    with pytest.raises(MissingDependencyError, match=r"percache\[langchain\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install \"percache-langchain\""):
         require_langchain()

@@ -146,7 +146,7 @@ def test_bad_input_gets_clear_errors(make_cache, monkeypatch):
     from percache_llamaindex._imports import require_llama_index
 
     monkeypatch.setitem(sys.modules, "llama_index.core", None)
-    with pytest.raises(MissingDependencyError, match=r"percache\[llamaindex\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install \"percache-llamaindex\""):
         require_llama_index()
 
 
