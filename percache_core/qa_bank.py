@@ -152,11 +152,6 @@ class QABank:
                 continue
             self._append(_entry(record), len(pickle.dumps(record)))
 
-    @property
-    def dimension(self) -> int:
-        """The embedding size of this bank's entries."""
-        return self._dimension
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -405,14 +400,14 @@ class QABank:
 
     def _enforce_budget(self, keep: str) -> None:
         """Evict by the LFU policy until within budget, never the entry *keep*."""
+
+        def evict(entry_id: str) -> None:
+            self.drop(entry_id)
+            self.evictions += 1
+
         self._policy.set_evictable(keep, False)
         try:
-            while self.bytes > self.budget_bytes:
-                victim = self._policy.victim()
-                if victim is None:
-                    break
-                self.drop(victim)
-                self.evictions += 1
+            self._policy.evict(lambda: self.bytes > self.budget_bytes, evict)
         finally:
             self._policy.set_evictable(keep, True)
 

@@ -183,12 +183,12 @@ class ChunkStateTree:
         Returns the removed nodes (the caller deletes their stored states).
         """
         removed: list[StateNode] = []
+
+        def remove(key: str) -> None:
+            node = self.remove(key)
+            assert node is not None
+            removed.append(node)
+
         with self._lock:
-            while self.bytes > budget_bytes:
-                victim = self._policy.victim()
-                if victim is None:
-                    break
-                node = self.remove(victim)
-                assert node is not None
-                removed.append(node)
+            self._policy.evict(lambda: self.bytes > budget_bytes, remove)
         return removed

@@ -54,3 +54,33 @@ def test_remove_keeps_children_reachable_by_key():
     tree.remove(keys[1])
     assert [n.depth for n in tree.match(keys)] == [3, 1]
     assert tree.bytes == 40
+
+
+def test_eviction_order_is_the_least_used_leaf_at_each_step():
+    """The heap-based eviction picks what a full rescan of the unpinned leaves would pick."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(20):
+        tree = ChunkStateTree("root")
+        keys = ["root"]
+        for i in range(40):
+            parent = rng.choice(keys)
+            depth = 1 if parent == "root" else tree.get(parent).depth + 1
+            node = tree.insert(f"n{i}", parent, depth=depth, n_tokens=depth, label=str(i), size=rng.randint(1, 9))
+            node.hits, node.last_used_at = rng.randint(0, 3), float(rng.randint(0, 5))
+            keys.append(node.key)
+        pinned = rng.sample(keys[1:], 5)
+        budget = tree.bytes // 3
+        expected, bytes_left = [], tree.bytes
+        shadow = {n.key: [n.parent_key, n.size, n.hits, n.last_used_at] for n in tree.nodes}
+        while bytes_left > budget:
+            leaves = [k for k in shadow if k not in pinned and not any(v[0] == k for v in shadow.values())]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda k: (shadow[k][2], shadow[k][3], k))
+            expected.append(victim)
+            bytes_left -= shadow.pop(victim)[1]
+        with tree.pinned(pinned):
+            evicted = [n.key for n in tree.evict(budget)]
+        assert evicted == expected and tree.bytes == bytes_left
