@@ -173,12 +173,9 @@ class SharedTier:
 
     def serve_qa_bank(self, qa_bank: QABank, embedder_name: str) -> None:
         """Share *qa_bank*'s answered entries, and keep the entries other clients share in
-        it (entries with another embedding size are ignored)."""
+        it."""
 
         def receive(entry: QAEntry) -> None:
-            if entry.embedding.shape != (qa_bank.dimension,):
-                logger.warning("shared QA entry %s has another embedding size: ignored", entry.id)
-                return
             qa_bank.remember(
                 entry.question, entry.embedding, entry.answer, chunk_ids=entry.chunk_ids, metadata=entry.metadata
             )
@@ -223,9 +220,15 @@ class SharedTier:
                 entry_id = fields.get(b"k", b"").decode("utf-8", "replace")
                 if entry_id and entry_id not in self._own_entries:
                     entry = self._fetch_qa(entry_id)
-                    if entry is not None:
+                    if entry is None:
+                        continue
+                    try:
                         self._on_qa_entry(entry)
-                        self.counters.qa_synced += 1
+                    except (ValueError, TypeError) as error:  # e.g. another embedding size
+                        self.counters.rejected += 1
+                        logger.warning("shared QA entry %s refused by the local bank: %s", entry_id, error)
+                        continue
+                    self.counters.qa_synced += 1
 
     def _read_stream(self, stream: str) -> list[dict[bytes, bytes]]:
         last = self._stream_ids.get(stream, "0-0")

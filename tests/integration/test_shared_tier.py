@@ -147,6 +147,21 @@ def test_tampered_or_unsigned_entries_are_never_served(standalone, make_cache):
     assert reader.stats()["shared"]["rejected"] >= 1
 
 
+def test_a_signed_entry_of_another_embedding_size_is_refused_and_sync_goes_on(standalone, make_cache):
+    import numpy as np
+
+    from percache_core.types import QAEntry
+
+    writer = make_cache("w", **shared(standalone.url, "sizes"))
+    odd = QAEntry("odd", "An odd question?", np.full(8, 8**-0.5, dtype=np.float32), "odd answer")
+    writer.shared.put_qa(odd)  # signed with the namespace's secret, but 8 values, not 384
+    reader = make_cache("r", **shared(standalone.url, "sizes"))  # its first sync meets it
+    writer.answer(QUESTION)  # a genuine entry after the odd one
+    wait_until(lambda: len(reader.qa_bank) >= 1)
+    assert reader.stats()["shared"]["rejected"] >= 1
+    assert [e.question for e in reader.qa_bank.entries] == [QUESTION]
+
+
 def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_cache):
     server = RedisServer(tmp_path / "dying").start()
     try:
