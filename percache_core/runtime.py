@@ -93,17 +93,13 @@ class ModelRuntime:
         assert self._runner is not None
         return self._runner
 
-    @property
-    def states_open(self) -> bool:
-        return self._states is not None
-
     def _open_states(self) -> None:
         if self._states is not None:
             return
-        engine = self.engine
+        engine, model_id = self.engine, self.model_id()
         with self._lock:
             if self._states is None:
-                local = StateStore(self._folder / "states", engine.fingerprint(TEMPLATE_VERSION))
+                local = StateStore(self._folder / "states", model_id)
                 states = TieredStateStore(local, self._shared)
                 self._runner = PromptRunner(engine, states, self.config)
                 self._states = states

@@ -9,15 +9,12 @@ when its state is in the local store.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from .state_store import StateStore
 from .tree import ChunkStateTree, StateNode
-
-logger = logging.getLogger(__name__)
 
 
 class SharedStates(Protocol):
@@ -47,10 +44,6 @@ class TieredStateStore:
             shared.bind_states(local.fingerprint)
 
     @property
-    def fingerprint(self) -> str:
-        return self.local.fingerprint
-
-    @property
     def root_key(self) -> str:
         return self.tree.root_key
 
@@ -61,11 +54,9 @@ class TieredStateStore:
     def bytes(self) -> int:
         return self.tree.bytes
 
-    @contextmanager
-    def pinned(self, keys: Sequence[str]) -> Iterator[None]:
+    def pinned(self, keys: Sequence[str]) -> AbstractContextManager[None]:
         """Keep these prefixes from eviction while a query uses them."""
-        with self.tree.pinned(keys):
-            yield
+        return self.tree.pinned(keys)
 
     def candidates(self, keys: Sequence[str]) -> list[StateNode]:
         """Stored prefixes among *keys*, deepest first (read-through: a deeper prefix held
