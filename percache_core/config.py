@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+from .stopping import stop_strings
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a personal assistant. Answer the question briefly, using only the notes below."
@@ -11,6 +14,10 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_STOP = ("\n", "Question:", "Note:")
 
 MB = 1024 * 1024
+MAX_TEMPERATURE = 10.0
+MIN_SECRET_CHARS = 16
+
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,8 +70,11 @@ class PerCacheConfig:
         temperature: 0 is greedy decoding (deterministic); above 0 samples with top_p and seed.
         stop: strings that end an answer (not included in it).
 
-    Budgets (bytes on disk; least frequently used entries are evicted beyond them):
+    Budgets (bytes on disk, over every process using the folder; least frequently used
+    entries are evicted beyond them):
         qa_bank_budget_bytes, chunk_state_budget_bytes.
+        min_free_disk_bytes: chunk states are not stored when the disk would keep less
+            free space than this (answers are unaffected).
 
     Prediction and idle-time population (used when ``prediction`` is on):
         prediction_stride: questions predicted per prediction step.
@@ -129,6 +139,7 @@ class PerCacheConfig:
 
     qa_bank_budget_bytes: int = 100 * MB
     chunk_state_budget_bytes: int = 1024 * MB
+    min_free_disk_bytes: int = 256 * MB
 
     prediction_stride: int = 5
     knowledge_kind: str = "personal e-mails and meeting notes"
@@ -164,14 +175,25 @@ class PerCacheConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_threads is not None and self.n_threads <= 0:
-            raise ValueError(f"n_threads must be positive or None, got {self.n_threads}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads <= 0):
+            raise ValueError(f"n_threads must be a positive integer or None, got {self.n_threads!r}")
+        if not isinstance(self.min_free_disk_bytes, int) or self.min_free_disk_bytes < 0:
+            raise ValueError(f"min_free_disk_bytes must be an integer >= 0, got {self.min_free_disk_bytes!r}")
+        for name in ("temperature", "top_p", "similarity_threshold", "idle_after_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.shared_url is not None and not self.shared_secret:
             raise ValueError("shared_url needs shared_secret (the HMAC key that signs shared entries)")
+        if self.shared_secret is not None and len(self.shared_secret) < MIN_SECRET_CHARS:
+            raise ValueError(
+                f"shared_secret must have at least {MIN_SECRET_CHARS} characters "
+                '(e.g. python -c "import secrets; print(secrets.token_urlsafe(32))")'
+            )
         if self.shared_timeout_s <= 0 or self.shared_sync_interval_s <= 0:
             raise ValueError("shared_timeout_s and shared_sync_interval_s must be positive")
         if self.verifier not in ("lexical", "none"):
@@ -191,7 +213,7 @@ class PerCacheConfig:
             raise ValueError(f"idle_after_s must be >= 0, got {self.idle_after_s}")
         if not self.system_prompt.strip():
             raise ValueError("system_prompt must not be empty")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", stop_strings(self.stop))
 
     def replace(self, **changes: object) -> PerCacheConfig:
         """A copy with some fields changed (validated again).
@@ -199,4 +221,7 @@ class PerCacheConfig:
         >>> PerCacheConfig().replace(qa_bank=False).qa_bank
         False
         """
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes)

@@ -39,6 +39,11 @@ class CacheFolderError(PerCacheError, OSError):
     """The cache folder cannot be created, read or written."""
 
 
+class StorageWriteError(PerCacheError, OSError):
+    """A write to the cache folder failed (disk full, read-only, locked too long); nothing
+    was half-written. After decoding, PerCache logs and counts it and still answers."""
+
+
 class CacheClosedError(PerCacheError, RuntimeError):
     """The cache was used after ``close()``."""
 

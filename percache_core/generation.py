@@ -26,7 +26,7 @@ from .drafting import (
     deviation_bound,
     greedy_tokens,
 )
-from .errors import PerCacheError
+from .errors import PerCacheError, StorageWriteError
 from .kv.engine import Engine, Sampling
 from .kv.tiers import TieredStateStore
 from .kv.tree import StateNode, path_keys
@@ -72,6 +72,7 @@ class PromptRunner:
         self.states = states
         self.config = config
         self.restore_failures = 0
+        self.storage_failures = 0
 
     def run(
         self,
@@ -116,8 +117,8 @@ class PromptRunner:
                 yield from self._run_segments(
                     result, segments, keys, max_new_tokens, decode, should_stop, started, stop, answer_drafts
                 )
-            if use_states:
-                self.evict_to_budget()
+            if use_states and self.states.bytes > self.config.chunk_state_budget_bytes:
+                self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
 
     def _run_segments(
@@ -322,7 +323,7 @@ class PromptRunner:
     def _restore(self, keys: list[str]) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys* (from any tier):
         (segments, tokens) restored."""
-        for node in self.states.candidates(keys):
+        for node in self.states.candidates(keys, budget_bytes=self.config.chunk_state_budget_bytes):
             data = self.states.get(node)
             if data is not None and self.engine.load_state(data, node.n_tokens):
                 self.states.record_use(node)
@@ -335,12 +336,19 @@ class PromptRunner:
     def _keep_states(
         self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
     ) -> None:
-        """Store the states of new prefixes (as complete nodes: blob, record, tree)."""
+        """Store the states of new prefixes (as complete nodes: file, record, tree). A
+        failed write (disk full, read-only) is logged and counted; the answer is kept."""
         segments = layout.segments
         for index, data, n_tokens in new_states:
             parent_key = keys[index - 1] if index > 0 else self.states.root_key
             label = segments[index].chunk_id or segments[index].kind
-            self.states.put(StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data)), data)
+            node = StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data))
+            try:
+                self.states.put(node, data, budget_bytes=self.config.chunk_state_budget_bytes)
+            except StorageWriteError as error:
+                self.storage_failures += 1
+                logger.warning("chunk state not stored (%s); the answer is unaffected", error)
+                return
 
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,7 +49,42 @@ def as_chunks(items: object) -> list[Chunk]:
 
 
 def validated_scope(scope: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """*scope* as a plain dict (None when empty), or a clear error."""
+    """*scope* as a plain dict (None when empty), or a clear error: keys are strings and
+    values are strings, numbers, booleans or None (a scope is stored with the answer).
+
+    >>> validated_scope({"meeting": "kickoff"}), validated_scope({})
+    ({'meeting': 'kickoff'}, None)
+    >>> validated_scope({"meeting": {1, 2}})
+    Traceback (most recent call last):
+    ...
+    TypeError: scope value of 'meeting' must be a string, number, boolean or None, got set
+    """
     if scope is not None and not isinstance(scope, Mapping):
         raise TypeError(f"scope must be a mapping, got {type(scope).__name__}")
+    for key, value in (scope or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"scope keys must be strings, got {type(key).__name__}")
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not (value is None or isinstance(value, (str, int, float, bool))) or not finite:
+            raise TypeError(
+                f"scope value of {key!r} must be a string, number, boolean or None, got {type(value).__name__}"
+            )
     return dict(scope) if scope else None
+
+
+def positive_override(name: str, value: object, default: int) -> int:
+    """A per-call integer setting: *default* when None, else a positive int (0 is an
+    error, not "use the default").
+
+    >>> positive_override("top_k", None, 3), positive_override("top_k", 2, 3)
+    (3, 2)
+    >>> positive_override("top_k", 0, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: top_k must be a positive integer, got 0
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from .chunking import split_into_chunks
 from .embedding import Embedder
 from .errors import InvalidDocumentError, missing_dependency
-from .storage import Store
+from .storage import Record, Store, json_text
 from .types import Chunk, RetrievedChunk
 
 DocumentInput = str | Mapping[str, Any]
@@ -85,6 +86,10 @@ def _as_document(item: DocumentInput) -> _Document:
         )
     if doc_id is None:
         doc_id = "doc-" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+    try:
+        json_text(metadata)
+    except TypeError as error:
+        raise InvalidDocumentError(f"document {doc_id!r} has metadata that cannot be stored: {error}") from None
     return _Document(doc_id, text, metadata)
 
 
@@ -106,39 +111,57 @@ class KnowledgeBank:
         self._lock = threading.RLock()
         self._chunks: list[Chunk] = []
         self._embeddings = np.zeros((0, 0), dtype=np.float32)
-        self._documents: dict[str, str] = {}  # doc id -> sha1 of its text
+        self._documents: dict[str, dict[str, Any]] = {}  # doc id -> {"digest", "chunks"}
         self._bm25 = None
+        self._version = -1
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
-        self._load()
+        self.sync()
 
-    def _load(self) -> None:
-        records = [self._store.get(key) for key in self._store.keys("chunk:")]
-        records = [record for record in records if record is not None]
-        records.sort(key=lambda record: record["seq"])
-        self._chunks = [
-            Chunk(r["id"], r["doc_id"], r["text"], dict(r.get("metadata") or {})) for r in records
-        ]
-        self._seq = records[-1]["seq"] + 1 if records else 0
-        self._embeddings = (
-            np.stack([r["embedding"] for r in records]).astype(np.float32)
-            if records
-            else np.zeros((0, 0), dtype=np.float32)
-        )
-        self._documents = {key.removeprefix("doc:"): self._store.get(key) for key in self._store.keys("doc:")}
-        self._bm25 = None
+    def configure(self, *, chunk_words: int, rrf_k: int) -> None:
+        """Use new chunking (for documents added from now on) and fusion settings."""
+        with self._lock:
+            self._chunk_words, self._rrf_k = chunk_words, rrf_k
+
+    def sync(self) -> None:
+        """Reload the chunks when any process changed them since the last load."""
+        with self._lock:
+            version = self._store.version()
+            if version == self._version:
+                return
+            chunks: list[Chunk] = []
+            vectors: list[np.ndarray] = []
+            for record in self._store.records("chunk:"):
+                chunk = _chunk(record)
+                if chunk is not None:
+                    chunks.append(chunk)
+                    vectors.append(record.vector)  # type: ignore[arg-type]
+            documents = {r.key.removeprefix("doc:"): r.value for r in self._store.records("doc:")}
+            if vectors:  # a damaged record with another size is left out
+                common = Counter(v.shape for v in vectors).most_common(1)[0][0]
+                kept = [i for i, v in enumerate(vectors) if v.shape == common]
+                chunks, vectors = [chunks[i] for i in kept], [vectors[i] for i in kept]
+            self._chunks = chunks
+            self._embeddings = np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32)
+            self._documents = {k: v for k, v in documents.items() if isinstance(v, dict)}
+            self._bm25 = None
+            self._version = version
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        with self._lock:
+            self.sync()
+            return len(self._chunks)
 
     @property
     def chunks(self) -> list[Chunk]:
         """Every chunk, in the order they were added."""
         with self._lock:
+            self.sync()
             return list(self._chunks)
 
     def get_chunk(self, chunk_id: str) -> Chunk | None:
         """The chunk with this id, or ``None``."""
         with self._lock:
+            self.sync()
             for chunk in self._chunks:
                 if chunk.id == chunk_id:
                     return chunk
@@ -151,52 +174,59 @@ class KnowledgeBank:
 
         A document seen before with the same text is skipped; one whose id is known but
         whose text changed replaces its old chunks. With ``split=False`` each document is
-        one chunk (for pre-chunked data).
+        one chunk (for pre-chunked data). Every document is checked before any work, and
+        the new chunks are written in one transaction: a call that fails (or a process
+        killed in it) leaves the bank as it was, so a retry does the whole work.
         """
-        if isinstance(documents, (str, Mapping)):
+        if isinstance(documents, (str, bytes, Mapping)):
             raise TypeError("add_documents takes a list of documents, not a single document")
+        if not isinstance(documents, Iterable):
+            raise TypeError(f"add_documents takes a list of documents, got {type(documents).__name__}")
         parsed = [_as_document(item) for item in documents]  # validate all before writing
-        new_chunks: list[Chunk] = []
+        seen: set[str] = set()
+        for document in parsed:
+            if document.id in seen:
+                raise InvalidDocumentError(f"document id {document.id!r} appears twice in one call")
+            seen.add(document.id)
         with self._lock:
-            self.last_replaced = set()
+            self.sync()
+            changed: list[tuple[_Document, str, list[Chunk]]] = []
             for document in parsed:
                 digest = hashlib.sha1(document.text.encode("utf-8")).hexdigest()
-                if self._documents.get(document.id) == digest:
+                if self._documents.get(document.id, {}).get("digest") == digest:
                     continue
-                if document.id in self._documents:
-                    self._remove_document(document.id)
-                    self.last_replaced.add(document.id)
                 texts = (
                     split_into_chunks(document.text, self._chunk_words) if split else [document.text.strip()]
                 )
-                for index, text in enumerate(texts):
-                    new_chunks.append(
-                        Chunk(f"{document.id}#c{index:03d}", document.id, text, document.metadata)
-                    )
-                self._documents[document.id] = digest
+                chunks = [
+                    Chunk(f"{document.id}#c{index:03d}", document.id, text, document.metadata)
+                    for index, text in enumerate(texts)
+                ]
+                changed.append((document, digest, chunks))
+            new_chunks = [chunk for _, _, chunks in changed for chunk in chunks]
             if not new_chunks:
+                self.last_replaced = set()
                 return []
             embeddings = self._embed_with_progress([c.text for c in new_chunks], progress)
-            for chunk, embedding in zip(new_chunks, embeddings):
-                self._store.put(
+            replaced = {document.id for document, _, _ in changed if document.id in self._documents}
+            old_keys = [
+                f"chunk:{chunk.id}" for chunk in self._chunks if chunk.doc_id in replaced
+            ]
+            items: list[tuple[str, Any, np.ndarray | None]] = [
+                (
                     f"chunk:{chunk.id}",
-                    {
-                        "id": chunk.id,
-                        "doc_id": chunk.doc_id,
-                        "text": chunk.text,
-                        "metadata": chunk.metadata,
-                        "embedding": embedding,
-                        "seq": self._seq,
-                    },
+                    {"id": chunk.id, "doc_id": chunk.doc_id, "text": chunk.text, "metadata": chunk.metadata},
+                    embedding,
                 )
-                self._seq += 1
-            for document in parsed:
-                self._store.put(f"doc:{document.id}", self._documents[document.id])
-            self._chunks.extend(new_chunks)
-            self._embeddings = (
-                embeddings if self._embeddings.size == 0 else np.concatenate([self._embeddings, embeddings])
-            )
-            self._bm25 = None
+                for chunk, embedding in zip(new_chunks, embeddings)
+            ]
+            items += [
+                (f"doc:{document.id}", {"digest": digest, "chunks": len(chunks)}, None)
+                for document, digest, chunks in changed
+            ]
+            self._store.put_many(items, remove=old_keys)
+            self.last_replaced = replaced
+            self.sync()
         return new_chunks
 
     def _embed_with_progress(self, texts: list[str], progress: bool) -> np.ndarray:
@@ -208,16 +238,6 @@ class KnowledgeBank:
             starts = tqdm(starts, desc="embedding chunks", unit="batch")
         parts = [self._embedder.embed(texts[start : start + batch]) for start in starts]
         return np.concatenate(parts).astype(np.float32)
-
-    def _remove_document(self, doc_id: str) -> None:
-        keep = [i for i, chunk in enumerate(self._chunks) if chunk.doc_id != doc_id]
-        for chunk in self._chunks:
-            if chunk.doc_id == doc_id:
-                self._store.delete(f"chunk:{chunk.id}")
-        self._chunks = [self._chunks[i] for i in keep]
-        self._embeddings = self._embeddings[keep] if keep else np.zeros((0, 0), dtype=np.float32)
-        del self._documents[doc_id]
-        self._store.delete(f"doc:{doc_id}")
 
     def _bm25_index(self):
         if self._bm25 is None and self._chunks:
@@ -244,6 +264,7 @@ class KnowledgeBank:
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         with self._lock:
+            self.sync()
             if not self._chunks:
                 return []
             if question_embedding is None:
@@ -271,11 +292,22 @@ class KnowledgeBank:
     def embedding_matrix(self) -> tuple[list[Chunk], np.ndarray]:
         """Every chunk and its embedding row (a snapshot)."""
         with self._lock:
+            self.sync()
             return list(self._chunks), self._embeddings.copy()
 
     def close(self) -> None:
         """Close the underlying store."""
         self._store.close()
+
+
+def _chunk(record: Record) -> Chunk | None:
+    """The chunk of a stored record, or None when damaged."""
+    value = record.value
+    try:
+        chunk = Chunk(str(value["id"]), str(value["doc_id"]), str(value["text"]), dict(value["metadata"] or {}))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return chunk if record.vector is not None and record.vector.size else None
 
 
 def matches_scope(chunk: Chunk, scope: Mapping[str, Any]) -> bool:

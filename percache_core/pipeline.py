@@ -19,8 +19,8 @@ from .activity import UserActivity
 from .config import PerCacheConfig
 from .embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
 from .errors import CacheClosedError, CacheFolderError
-from .generation import PromptRunner
-from .inputs import as_chunks, validated_question, validated_scope
+from .generation import PromptRunner, drain
+from .inputs import as_chunks, positive_override, validated_question, validated_scope
 from .knowledge import DocumentInput, KnowledgeBank
 from .kv.engine import Engine
 from .kv.tiers import TieredStateStore
@@ -33,11 +33,23 @@ from .request_path import RequestPath, stored_answer
 from .runtime import ModelRuntime
 from .scheduler import Scheduler, WarmReport
 from .shared.redis_tier import open_shared_tier
-from .storage import Store
+from .storage import Store, private_folder
 from .streaming import AnswerStream
 from .types import Answer, Chunk, QAEntry, RetrievedChunk
 from .usage import UsageCounters
 from .worker import IdleWorker
+
+SETTINGS_FIXED_AT_OPEN = frozenset(
+    {
+        "shared_url",
+        "shared_namespace",
+        "shared_secret",
+        "shared_write",
+        "shared_timeout_s",
+        "shared_sync_interval_s",
+    }
+)
+SETTINGS_OF_THE_LOADED_MODEL = frozenset({"model_path", "n_ctx", "n_batch", "n_threads"})
 
 
 class PerCache:
@@ -63,6 +75,10 @@ class PerCache:
     ) -> None:
         self.folder = folder
         self._closed = False
+        try:
+            private_folder(folder)
+        except OSError as error:
+            raise CacheFolderError(f"cannot create cache folder {folder}: {error}") from error
         meta = Store(folder / "meta")
         check_embedder(meta, embedder, folder)
         qa_bank = QABank(
@@ -119,6 +135,10 @@ class PerCache:
             raise TypeError(f"config must be a PerCacheConfig, got {type(config).__name__}")
         if engine is not None and not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine (e.g. LlamaEngine), got {type(engine).__name__}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a folder path, got {type(path).__name__}")
+        if not os.fspath(path).strip():
+            raise CacheFolderError("the cache folder path is empty (give a folder, e.g. ~/.percache/notes)")
         folder = Path(path).expanduser()
         if folder.exists() and not folder.is_dir():
             raise CacheFolderError(f"cache path exists and is not a folder: {folder}")
@@ -222,7 +242,7 @@ class PerCache:
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
         """The chunks hybrid retrieval gives for *question* (best first)."""
         self._ensure_open()
-        return self.knowledge.retrieve(validated_question(question), k or self.config.top_k)
+        return self.knowledge.retrieve(validated_question(question), positive_override("k", k, self.config.top_k))
 
     # -- answering ------------------------------------------------------------------------
 
@@ -246,10 +266,8 @@ class PerCache:
         self._ensure_open()
         question = validated_question(question)
         threshold = self._similarity_threshold(similarity_threshold)
-        top_k = top_k or self.config.top_k
-        max_new_tokens = max_new_tokens or self.config.max_new_tokens
-        if top_k <= 0 or max_new_tokens <= 0:
-            raise ValueError("top_k and max_new_tokens must be positive")
+        top_k = positive_override("top_k", top_k, self.config.top_k)
+        max_new_tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
         scope_dict = validated_scope(scope)
 
         def events() -> Generator[str, None, Answer]:
@@ -291,9 +309,7 @@ class PerCache:
         self._ensure_open()
         question = validated_question(question)
         chunk_list = as_chunks(chunks)
-        tokens = max_new_tokens or self.config.max_new_tokens
-        if tokens <= 0:
-            raise ValueError("max_new_tokens must be positive")
+        tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
         scope_dict = validated_scope(scope)
         binding = binding or self.binding(tokens)
         started = time.perf_counter()
@@ -337,9 +353,7 @@ class PerCache:
             raise TypeError("prefix and suffix must be strings")
         chunks = as_chunks(documents)
         spec = PromptSpec(prefix, tuple((c.id, c.text) for c in chunks), suffix)
-        tokens = max_new_tokens or self.config.max_new_tokens
-        if tokens <= 0:
-            raise ValueError("max_new_tokens must be positive")
+        tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
 
         def events() -> Generator[str, None, Answer]:
             with self.parts.activity.user_turn():
@@ -483,15 +497,28 @@ class PerCache:
 
     def configure(self, **changes: Any) -> PerCacheConfig:
         """Change settings at run time (e.g. ``similarity_threshold``, budgets): the next
-        question and the next idle round use them.
+        question and the next idle round use them. Settings fixed when the cache was
+        opened (the shared tier's, and the model's once it is loaded) are refused with a
+        ``ValueError``; reopen the cache to change them.
 
         >>> pc.configure(similarity_threshold=0.8)   # doctest: +SKIP
         """
         self._ensure_open()
+        fixed = set(changes) & SETTINGS_FIXED_AT_OPEN
+        if self.parts.runtime.engine_loaded:
+            fixed |= set(changes) & SETTINGS_OF_THE_LOADED_MODEL
+        fixed = {name for name in fixed if changes[name] != getattr(self.config, name)}
+        if fixed:
+            raise ValueError(
+                f"{', '.join(sorted(fixed))} cannot change while the cache is open "
+                "(close it and open it again with the new config)"
+            )
         config = self.config.replace(**changes)
         self.parts.config = config
         self.parts.runtime.configure(config)
         self.qa_bank.budget_bytes = config.qa_bank_budget_bytes
+        self.knowledge.configure(chunk_words=config.chunk_words, rrf_k=config.rrf_k)
+        self.scheduler.configure(config)
         return config
 
     # -- reporting ------------------------------------------------------------------------
@@ -519,6 +546,6 @@ class PerCache:
 
 
 def _delivered(events: Generator[str, None, Answer], stream: bool) -> Answer | AnswerStream:
-    """The stream of *events*, or (not streaming) its answer."""
-    stream_object = AnswerStream(events)
-    return stream_object if stream else stream_object.result()
+    """The stream of *events* (produced by a thread of its own), or (not streaming) its
+    answer, produced in the calling thread."""
+    return AnswerStream(events) if stream else drain(events)

@@ -11,48 +11,54 @@ its records) stay within a budget by evicting the least frequently used entries.
 from __future__ import annotations
 
 import hashlib
-import pickle
+import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .eviction import LFUPolicy
-from .storage import Store
+from .errors import StorageWriteError
+from .storage import Record, Store, json_text
 from .types import QAEntry, QAHit
 
 _PREFIX = "qa:"
+logger = logging.getLogger(__name__)
 
 
-def _record(entry: QAEntry) -> dict[str, Any]:
+def _value(entry: QAEntry) -> dict[str, Any]:
     return {
         "id": entry.id,
         "question": entry.question,
-        "embedding": entry.embedding,
         "answer": entry.answer,
-        "chunk_ids": tuple(entry.chunk_ids),
-        "metadata": dict(entry.metadata),
-        "hits": entry.hits,
+        "chunk_ids": list(entry.chunk_ids),
+        "metadata": entry.metadata,
         "created_at": entry.created_at,
-        "last_used_at": entry.last_used_at,
     }
 
 
-def _entry(record: Mapping[str, Any]) -> QAEntry:
-    return QAEntry(
-        id=record["id"],
-        question=record["question"],
-        embedding=np.asarray(record["embedding"], dtype=np.float32),
-        answer=record["answer"],
-        chunk_ids=tuple(record["chunk_ids"]),
-        metadata=dict(record["metadata"]),
-        hits=record["hits"],
-        created_at=record["created_at"],
-        last_used_at=record["last_used_at"],
-    )
+def _entry(record: Record, dimension: int) -> QAEntry | None:
+    """The entry of a stored record, or None when its shape is not this version's (or the
+    embedding is another embedder's)."""
+    value = record.value
+    try:
+        entry = QAEntry(
+            id=str(value["id"]),
+            question=str(value["question"]),
+            embedding=np.asarray(record.vector, dtype=np.float32),
+            answer=value["answer"] if isinstance(value["answer"], str) else None,
+            chunk_ids=tuple(str(c) for c in value["chunk_ids"]),
+            metadata=dict(value["metadata"]),
+            hits=record.hits,
+            created_at=float(value["created_at"]),
+            last_used_at=record.last_used,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    if record.vector is None or entry.embedding.shape != (dimension,) or record.key != _PREFIX + entry.id:
+        return None
+    return entry
 
 
 def normalized_question(question: str) -> str:
@@ -102,20 +108,33 @@ def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> st
 
 def keeps_existing(old: QAEntry, answer: str | None, metadata: Mapping[str, Any] | None) -> bool:
     """Whether storing *answer* for *old*'s question must leave *old* in place: a pending
-    entry never replaces an answered one, and the model's output never replaces an answer
-    a caller gave (``remembered``).
+    entry never replaces an answered one, the model's output never replaces an answer a
+    caller gave (``remembered``), and idle work (predictions, follow-ups) never replaces
+    the answer a user was given.
 
     >>> old = QAEntry("1", "q", np.zeros(2), "Friday", metadata={"remembered": True})
     >>> keeps_existing(old, "Monday", {}), keeps_existing(old, "Monday", {"remembered": True})
     (True, False)
+    >>> asked = QAEntry("2", "q", np.zeros(2), "Friday", metadata={"origin": "user"})
+    >>> keeps_existing(asked, "Friday", {"origin": "predicted-history"}), keeps_existing(asked, "Fri", {"origin": "user"})
+    (True, False)
     """
+    metadata = metadata or {}
     if old.answer is not None and answer is None:
         return True
-    return bool(old.metadata.get("remembered")) and not (metadata or {}).get("remembered")
+    if old.metadata.get("remembered") and not metadata.get("remembered"):
+        return True
+    return old.servable and old.metadata.get("origin") == "user" and metadata.get("origin") not in ("user", None)
 
 
 class QABank:
     """Questions with their embeddings and answers.
+
+    The entries live in a :class:`~percache_core.storage.Store` that other processes may
+    share: each search first takes in what others stored or removed since the last one
+    (one version check when nothing changed), an entry's id is its question key (so one
+    question is one record across processes), and the byte budget is enforced over the
+    stored total, least frequently used first (hit counts of every process add up).
 
     >>> import tempfile
     >>> bank = QABank(Store(tempfile.mkdtemp()), dimension=2)
@@ -135,22 +154,17 @@ class QABank:
         self._entries: list[QAEntry] = []
         self._sizes: list[int] = []
         self._index: dict[str, int] = {}  # entry id -> row
-        self._by_question: dict[str, str] = {}  # question key -> entry id
         self._matrix = np.zeros((16, dimension), dtype=np.float32)
         self._servable = np.zeros(16, dtype=bool)
         self._partition = np.zeros(16, dtype=np.int32)  # row -> partition code
         self._partition_codes: dict[str, int] = {partition_key(None, None): 0}
-        self._dirty: set[str] = set()
-        self._policy: LFUPolicy[QAEntry] = LFUPolicy()
+        self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
+        self._version = -1
         self.bytes = 0
         self.evictions = 0
+        self.unreadable = 0
         self.listener: Callable[[QAEntry], None] | None = None  # told of each stored answer
-        for key in list(store.keys(_PREFIX)):
-            record = store.get(key)
-            if record is None or np.asarray(record["embedding"]).shape != (dimension,):
-                store.delete(key)  # unreadable, or from another embedder
-                continue
-            self._append(_entry(record), len(pickle.dumps(record)))
+        self.sync()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -172,7 +186,37 @@ class QABank:
     def entries(self) -> list[QAEntry]:
         """A snapshot of every entry."""
         with self._lock:
+            self.sync()
             return list(self._entries)
+
+    def sync(self) -> None:
+        """Take in the entries other processes (or other banks on this folder) stored or
+        removed since the last sync."""
+        with self._lock:
+            if self._store.version() == self._version:
+                return
+            changes = self._store.changes(self._version if self._version >= 0 else 0, _PREFIX)
+            if not changes.complete:
+                for entry in list(self._entries):
+                    self._remove_row(self._index[entry.id])
+                changes = self._store.changes(0, _PREFIX)
+            for key in changes.removed:
+                row = self._index.get(key.removeprefix(_PREFIX))
+                if row is not None:
+                    self._remove_row(row)
+            for record in changes.written:
+                self._take(record)
+            self._version = changes.version
+
+    def _take(self, record: Record) -> None:
+        entry = _entry(record, self._dimension)
+        if entry is None:
+            self.unreadable += 1
+            return
+        row = self._index.get(entry.id)
+        if row is not None:
+            self._remove_row(row)
+        self._append(entry, record.size)
 
     def _append(self, entry: QAEntry, size: int) -> None:
         row = len(self._entries)
@@ -187,8 +231,6 @@ class QABank:
         self._entries.append(entry)
         self._sizes.append(size)
         self._index[entry.id] = row
-        self._by_question[question_key(entry.question, entry.metadata)] = entry.id
-        self._policy.add(entry.id, entry)
         self.bytes += size
 
     def _remove_row(self, row: int) -> QAEntry:
@@ -205,11 +247,7 @@ class QABank:
         self._entries.pop()
         self.bytes -= self._sizes.pop()
         del self._index[entry.id]
-        key = question_key(entry.question, entry.metadata)
-        if self._by_question.get(key) == entry.id:
-            del self._by_question[key]
-        self._dirty.discard(entry.id)
-        self._policy.remove(entry.id)
+        self._uses.pop(entry.id, None)
         return entry
 
     def _partition_code(self, key: str) -> int:
@@ -217,15 +255,12 @@ class QABank:
             self._partition_codes[key] = len(self._partition_codes)
         return self._partition_codes[key]
 
-    def _write(self, entry: QAEntry) -> int:
-        record = _record(entry)
-        self._store.put(_PREFIX + entry.id, record)
-        return len(pickle.dumps(record))
-
     def _check_embedding(self, embedding: np.ndarray) -> np.ndarray:
         vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
         if vector.shape != (self._dimension,):
             raise ValueError(f"embedding must have {self._dimension} values, got {vector.shape[0]}")
+        if not np.all(np.isfinite(vector)):
+            raise ValueError("embedding has values that are not finite")
         return vector
 
     def search(
@@ -237,20 +272,23 @@ class QABank:
         servable_only: bool = True,
         scope: Mapping[str, Any] | None = None,
         binding: str | None = None,
+        everywhere: bool = False,
     ) -> list[QAHit]:
         """The *top_n* most similar entries at or above *similarity_threshold*, best first.
 
         Only entries stored with exactly this *scope* (``metadata["scope"]``; None: entries
-        without one) and *binding* (``metadata["binding"]``) are searched.
+        without one) and *binding* (``metadata["binding"]``) are searched, unless
+        *everywhere* (for checks of what is known at all, never for serving).
         """
         vector = self._check_embedding(embedding)
         with self._lock:
+            self.sync()
             count = len(self._entries)
             code = self._partition_codes.get(partition_key(scope, binding))
-            if count == 0 or code is None:
+            if count == 0 or (code is None and not everywhere):
                 return []
             scores = self._matrix[:count] @ vector
-            allowed = self._partition[:count] == code
+            allowed = np.ones(count, dtype=bool) if everywhere else self._partition[:count] == code
             if servable_only:
                 allowed &= self._servable[:count]
             scores = np.where(allowed, scores, -np.inf)
@@ -272,8 +310,8 @@ class QABank:
         """The servable entry stored for exactly this question text (surrounding spaces
         aside) under *scope* and *binding*, or None."""
         with self._lock:
-            entry_id = self._by_question.get(question_key(question, {"scope": scope, "binding": binding}))
-            entry = None if entry_id is None else self._entries[self._index[entry_id]]
+            self.sync()
+            entry = self.get(question_key(question, {"scope": scope, "binding": binding}))
         if entry is None or not entry.servable or entry.question.strip() != question.strip():
             return None
         return entry
@@ -297,11 +335,14 @@ class QABank:
         return hits[0]
 
     def record_hit(self, entry_id: str) -> None:
-        """Count one use of an entry (for LFU eviction); persisted on ``flush``."""
+        """Count one use of an entry (for LFU eviction); written on ``flush``."""
         with self._lock:
-            if entry_id in self._index:
-                self._policy.touch(entry_id)
-                self._dirty.add(entry_id)
+            entry = self.get(entry_id)
+            if entry is not None:
+                entry.hits += 1
+                entry.last_used_at = time.time()
+                hits, _ = self._uses.get(entry_id, (0, 0.0))
+                self._uses[entry_id] = (hits + 1, entry.last_used_at)
 
     def remember(
         self,
@@ -315,33 +356,50 @@ class QABank:
         """Add an entry (``answer=None`` stores it as pending) and enforce the budget.
 
         Storing the same question (same text, scope and binding) again replaces it, except
-        where :func:`keeps_existing` says the old entry stays (then it is returned).
+        where :func:`keeps_existing` says the stored entry stays (then it is returned). A
+        failed write (:class:`~percache_core.errors.StorageWriteError`) changes nothing.
         """
         vector = self._check_embedding(embedding)
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
+        if answer is not None and not isinstance(answer, str):
+            raise TypeError(f"answer must be a string or None, got {type(answer).__name__}")
         now = time.time()
+        entry = QAEntry(
+            id=question_key(question, metadata),
+            question=question,
+            embedding=vector.copy(),
+            answer=answer,
+            chunk_ids=tuple(str(c) for c in chunk_ids),
+            metadata=dict(metadata or {}),
+            created_at=now,
+            last_used_at=now,
+        )
+        json_text(_value(entry))  # a TypeError here, before anything changes
         with self._lock:
-            existing = self._by_question.get(question_key(question, metadata))
-            entry = QAEntry(
-                id=existing or uuid.uuid4().hex,
-                question=question,
-                embedding=vector.copy(),
-                answer=answer,
-                chunk_ids=tuple(chunk_ids),
-                metadata=dict(metadata or {}),
-                created_at=now,
-                last_used_at=now,
+            self.sync()
+            kept: list[QAEntry] = []
+
+            def replaceable(stored: Record | None) -> bool:
+                old = None if stored is None else _entry(stored, self._dimension)
+                if old is not None and keeps_existing(old, answer, metadata):
+                    kept.append(old)
+                    return False
+                return True
+
+            self.flush()
+            evicted = self._store.put(
+                _PREFIX + entry.id,
+                _value(entry),
+                vector=entry.embedding,
+                keep_if=replaceable,
+                budget=(_PREFIX, self.budget_bytes),
             )
-            if existing is not None:
-                old = self._entries[self._index[existing]]
-                if keeps_existing(old, answer, metadata):
-                    return old
-                entry.hits, entry.created_at = old.hits, old.created_at
-                self._remove_row(self._index[existing])
-            size = self._write(entry)
-            self._append(entry, size)
-            self._enforce_budget(keep=entry.id)
+            self.sync()
+            if evicted is None:
+                return self.get(entry.id) or kept[0]
+            self.evictions += len(evicted)
+            entry = self.get(entry.id) or entry
         self._notify(entry)
         return entry
 
@@ -356,25 +414,35 @@ class QABank:
         """Replace an entry's answer (and its chunk ids, and update metadata keys); raise
         KeyError if absent. ``stale=True`` makes it unservable until corrected again."""
         with self._lock:
-            row = self._index[entry_id]
-            entry = self._entries[row]
-            entry.answer = answer
-            if chunk_ids is not None:
-                entry.chunk_ids = tuple(chunk_ids)
-            old_key = question_key(entry.question, entry.metadata)
-            entry.metadata.update(metadata_changes)
-            new_key = question_key(entry.question, entry.metadata)
-            if new_key != old_key:
-                if self._by_question.get(old_key) == entry_id:
-                    del self._by_question[old_key]
-                self._by_question[new_key] = entry_id
-                self._partition[row] = self._partition_code(entry_partition(entry.metadata))
-            self.bytes -= self._sizes[row]
-            self._sizes[row] = self._write(entry)
-            self.bytes += self._sizes[row]
-            self._servable[row] = entry.servable
-            self._dirty.discard(entry_id)
-            self._enforce_budget(keep=entry_id)
+            self.sync()
+            old = self._entries[self._index[entry_id]]
+            metadata = {**old.metadata, **metadata_changes}
+            new_id = question_key(old.question, metadata)
+            entry = QAEntry(
+                id=new_id,
+                question=old.question,
+                embedding=old.embedding,
+                answer=answer,
+                chunk_ids=old.chunk_ids if chunk_ids is None else tuple(str(c) for c in chunk_ids),
+                metadata=metadata,
+                hits=old.hits,
+                created_at=old.created_at,
+                last_used_at=old.last_used_at,
+            )
+            json_text(_value(entry))
+            self.flush()
+            if new_id != entry_id:
+                self._store.delete(_PREFIX + entry_id)
+            evicted = self._store.put(
+                _PREFIX + new_id,
+                _value(entry),
+                vector=entry.embedding,
+                hits=old.hits if new_id != entry_id else None,
+                budget=(_PREFIX, self.budget_bytes),
+            )
+            self.evictions += len(evicted or ())
+            self.sync()
+            entry = self.get(new_id) or entry
         self._notify(entry)
         return entry
 
@@ -385,42 +453,29 @@ class QABank:
     def drop(self, entry_id: str) -> bool:
         """Remove an entry; return whether it existed."""
         with self._lock:
+            existed = self._store.delete(_PREFIX + entry_id)
             row = self._index.get(entry_id)
-            if row is None:
-                return False
-            self._remove_row(row)
-            self._store.delete(_PREFIX + entry_id)
-            return True
+            if row is not None:
+                self._remove_row(row)
+            return existed or row is not None
 
     def clear(self) -> None:
         """Remove every entry."""
         with self._lock:
-            for entry in list(self._entries):
-                self.drop(entry.id)
-
-    def _enforce_budget(self, keep: str) -> None:
-        """Evict by the LFU policy until within budget, never the entry *keep*."""
-
-        def evict(entry_id: str) -> None:
-            self.drop(entry_id)
-            self.evictions += 1
-
-        self._policy.set_evictable(keep, False)
-        try:
-            self._policy.evict(lambda: self.bytes > self.budget_bytes, evict)
-        finally:
-            self._policy.set_evictable(keep, True)
+            self._store.clear(_PREFIX)
+            self.sync()
 
     def flush(self) -> None:
-        """Persist hit counters updated since the last write."""
+        """Write the hit counters counted since the last flush (added to what other
+        processes counted)."""
         with self._lock:
-            for entry_id in list(self._dirty):
-                entry = self.get(entry_id)
-                if entry is not None:
-                    self._write(entry)
-            self._dirty.clear()
+            uses, self._uses = self._uses, {}
+        self._store.add_hits({_PREFIX + entry_id: use for entry_id, use in uses.items()})
 
     def close(self) -> None:
-        """Persist counters and close the underlying store."""
-        self.flush()
+        """Write counters and close the underlying store (never rewrites entries)."""
+        try:
+            self.flush()
+        except StorageWriteError as error:
+            logger.warning("QA-bank hit counters not written: %s", error)
         self._store.close()

@@ -27,6 +27,7 @@ import numpy as np
 
 from .binding import answer_metadata, chunk_sources
 from .config import PerCacheConfig
+from .errors import StorageWriteError
 from .generation import RunResult
 from .parts import CacheParts
 from .prompting import PromptSpec
@@ -204,9 +205,13 @@ class RequestPath:
             answer.entry_id = served.entry.id
         elif config.qa_bank and config.store_answers and answer.text:
             metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
-            parts.qa_bank.remember(
-                question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
-            )
+            try:
+                parts.qa_bank.remember(
+                    question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
+                )
+            except StorageWriteError as error:
+                parts.usage.count_storage_failure()
+                logger.warning("answer not stored in the QA bank (%s); it is returned all the same", error)
             timings["store_qa"] = time.perf_counter() - clock
         answer.latency_s = time.perf_counter() - started
         return self._finish(answer)

@@ -99,7 +99,9 @@ class ModelRuntime:
         engine, model_id = self.engine, self.model_id()
         with self._lock:
             if self._states is None:
-                local = StateStore(self._folder / "states", model_id)
+                local = StateStore(
+                    self._folder / "states", model_id, min_free_bytes=self.config.min_free_disk_bytes
+                )
                 states = TieredStateStore(local, self._shared)
                 self._runner = PromptRunner(engine, states, self.config)
                 self._states = states
@@ -109,6 +111,8 @@ class ModelRuntime:
         self.config = config
         if self._runner is not None:
             self._runner.config = config
+        if self._states is not None:
+            self._states.local.min_free_bytes = config.min_free_disk_bytes
 
     def preload(self) -> None:
         """Load the engine and the states now, and measure the draft-verification bound."""
@@ -129,6 +133,7 @@ class ModelRuntime:
             "budget_bytes": budget,
             "evictions": self._states.evictions,
             "restore_failures": self._runner.restore_failures,
+            "storage_failures": self._runner.storage_failures,
             "corrupt_dropped": self._states.local.corrupt_dropped,
         }
 

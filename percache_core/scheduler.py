@@ -32,6 +32,7 @@ import numpy as np
 
 from .abstract import KnowledgeAbstract
 from .binding import answer_metadata
+from .config import PerCacheConfig
 from .generation import Preempted, RunResult, drain
 from .knowledge import matches_scope
 from .parts import CacheParts
@@ -107,6 +108,13 @@ class Scheduler:
 
     # -- what the facade tells the scheduler ------------------------------------------------
 
+    def configure(self, config: PerCacheConfig) -> None:
+        """Use new settings from the next round on (the predictor is rebuilt with them)."""
+        with self._lock:
+            self.abstract.max_lines = config.abstract_max_lines
+            self.abstract.batch_chunks = config.abstract_batch_chunks
+            self._predictor = None
+
     def mark_stale(
         self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()
     ) -> int:
@@ -155,17 +163,19 @@ class Scheduler:
         return PREFILL_ONLY if tau > config.strategy_cutoff else PREFILL_DECODE
 
     def has_work(self) -> bool:
-        """Whether an idle round would do anything useful now."""
-        parts = self.parts
-        if self.abstract.pending(parts.knowledge.chunks) or self.activity.new_history or self.activity.followups:
+        """Whether an idle round would do anything useful now (with ``prediction=False``
+        only refreshing stale answers and prefilling chunk states remain)."""
+        parts, config = self.parts, self.parts.config
+        entries = parts.qa_bank.entries if config.qa_bank else []
+        if any(e.metadata.get("stale") and not e.metadata.get("remembered") for e in entries):
             return True
-        if self._knowledge_rounds.get(self.abstract.version, 0) < parts.config.knowledge_prediction_rounds:
-            return bool(len(parts.knowledge))
-        entries = parts.qa_bank.entries
-        if any(e.metadata.get("stale") for e in entries):
-            return True
-        if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
-            return True
+        if config.prediction and len(parts.knowledge):
+            if self.abstract.pending(parts.knowledge.chunks) or self.activity.new_history or self.activity.followups:
+                return True
+            if self._knowledge_rounds.get(self.abstract.version, 0) < config.knowledge_prediction_rounds:
+                return True
+            if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
+                return True
         return next(self._chunks_to_prefill(), None) is not None
 
     # -- the round ------------------------------------------------------------------------
@@ -183,14 +193,18 @@ class Scheduler:
         waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
         With ``knowledge_prediction=False`` only history-based prediction runs."""
         parts = self.parts
-        should_stop = should_stop or parts.activity.waiting
+        waiting = should_stop or parts.activity.waiting
         with self._lock:
             strategy = self.strategy()
             report = WarmReport(strategy)
             self._report = report
-            self._should_stop = should_stop
             started = time.perf_counter()
             deadline = None if max_seconds is None else started + max_seconds
+
+            def should_stop() -> bool:  # checked between segments and tokens
+                return waiting() or (deadline is not None and time.perf_counter() > deadline)
+
+            self._should_stop = should_stop
             stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
             bar = _progress_bar(progress)
             try:
@@ -209,8 +223,11 @@ class Scheduler:
                 self._step("prefill chunks", bar, deadline, should_stop, self._prefill_chunks)
                 self._step("convert", bar, deadline, should_stop, self._convert)
             except Preempted:
-                report.preempted = True
-                self.preemptions += 1
+                if deadline is not None and time.perf_counter() > deadline and not waiting():
+                    report.out_of_time = True
+                else:
+                    report.preempted = True
+                    self.preemptions += 1
             except _OutOfTime:
                 report.out_of_time = True
             finally:
@@ -276,7 +293,7 @@ class Scheduler:
                     (
                         h.similarity
                         for h in parts.qa_bank.search(
-                            embedding, top_n=1, similarity_threshold=-1.0, servable_only=False
+                            embedding, top_n=1, similarity_threshold=-1.0, servable_only=False, everywhere=True
                         )
                     ),
                     default=-1.0,
@@ -287,6 +304,8 @@ class Scheduler:
         return self._predictor
 
     def _update_abstract(self, should_stop: Callable[[], bool]) -> None:
+        if not self.parts.config.prediction:
+            return  # the abstract only serves prediction
         pending = self.abstract.pending(self.parts.knowledge.chunks)
         if not pending or self._report is None:
             return

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+
+def stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Stop strings as a tuple: one string is one stop string (not one per character).
+
+    >>> stop_strings("abc"), stop_strings(["\\n", "Q:"]), stop_strings(None)
+    (('abc',), ('\\n', 'Q:'), ())
+    >>> stop_strings([""])
+    Traceback (most recent call last):
+    ...
+    ValueError: stop strings must be non-empty strings, got ''
+    """
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else tuple(stop)
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop strings must be non-empty strings, got {item!r}")
+    return items
 
 
 class StopStringFilter:
@@ -18,8 +37,8 @@ class StopStringFilter:
     'Friday at 3.'
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
-        self._stop = [s for s in stop if s]
+    def __init__(self, stop: str | Sequence[str]) -> None:
+        self._stop = list(stop_strings([s for s in ((stop,) if isinstance(stop, str) else stop) if s]))
         self._held = ""
         self._started = False
         self.text = ""

@@ -1,14 +1,93 @@
-"""``AnswerStream``: an answer that arrives piece by piece."""
+"""Streams that never keep the model from others.
+
+A generator that holds the model's lock across its ``yield`` keeps it as long as the
+caller keeps the generator: a caller that breaks out of its loop (and keeps the object)
+would block every later question, its own thread's included. So a stream here is
+produced by a thread of its own, which runs the generation to its end (bounded by the
+answer's token limit; the answer is stored as usual) and hands the pieces over through
+a queue: the lock is released whether or not anyone reads on. ``close()`` stops the
+production at the next piece.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from .types import Answer
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class _Finished(Generic[R]):
+    value: R | None = None
+    error: BaseException | None = None
+
+
+class BackgroundStream(Generic[T, R]):
+    """Items of *events* (a generator) produced by a daemon thread; iterate it for the
+    items, then read ``result`` (the generator's return value).
+
+    >>> def count():
+    ...     yield 1
+    ...     yield 2
+    ...     return "done"
+    >>> stream = BackgroundStream(count())
+    >>> list(stream), stream.result
+    ([1, 2], 'done')
+    """
+
+    def __init__(self, events: Generator[T, None, R], *, name: str = "percache-stream") -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._finished: _Finished[R] | None = None
+        self._thread = threading.Thread(target=self._produce, args=(events,), name=name, daemon=True)
+        self._thread.start()
+
+    def _produce(self, events: Generator[T, None, R]) -> None:
+        try:
+            while True:
+                if self._cancelled.is_set():
+                    events.close()
+                    self._queue.put(_Finished())
+                    return
+                self._queue.put(next(events))
+        except StopIteration as done:
+            self._queue.put(_Finished(value=done.value))
+        except BaseException as error:  # handed to the reader
+            self._queue.put(_Finished(error=error))
+
+    def __iter__(self) -> Iterator[T]:
+        while self._finished is None:
+            item = self._queue.get()
+            if isinstance(item, _Finished):
+                self._finished = item
+                break
+            yield item
+        if self._finished.error is not None:
+            error, self._finished.error = self._finished.error, None
+            raise error
+
+    @property
+    def result(self) -> R | None:
+        """The generator's return value once iteration ended (None before, or if closed)."""
+        return None if self._finished is None else self._finished.value
+
+    def close(self) -> None:
+        """Stop producing at the next item (the generator is closed, releasing the model)."""
+        self._cancelled.set()
 
 
 class AnswerStream:
     """An answer arriving piece by piece; iterate it for text, then read ``answer``.
+
+    It is produced by a thread of its own, so a loop that stops early never keeps the
+    model from other questions (the answer is still completed and stored).
 
     >>> stream = pc.answer_stream("When is the rehearsal?")   # doctest: +SKIP
     >>> for piece in stream: print(piece, end="")              # doctest: +SKIP
@@ -17,25 +96,24 @@ class AnswerStream:
     """
 
     def __init__(self, events: Generator[str, None, Answer]) -> None:
-        self._events = events
-        self.answer: Answer | None = None
+        self._stream: BackgroundStream[str, Answer] = BackgroundStream(events, name="percache-answer-stream")
+
+    @property
+    def answer(self) -> Answer | None:
+        """The finished answer (None until the stream is consumed)."""
+        return self._stream.result
 
     def __iter__(self) -> Iterator[str]:
-        while True:
-            try:
-                piece = next(self._events)
-            except StopIteration as done:
-                self.answer = done.value
-                return
-            yield piece
+        return iter(self._stream)
 
     def result(self) -> Answer:
         """Consume what is left and return the finished answer."""
         for _ in self:
             pass
-        assert self.answer is not None
+        if self.answer is None:
+            raise RuntimeError("the stream was closed before its answer was finished")
         return self.answer
 
     def close(self) -> None:
-        """Abandon the stream (releases the model for other questions)."""
-        self._events.close()
+        """Abandon the stream: decoding stops at the next piece (nothing is stored)."""
+        self._stream.close()

@@ -20,6 +20,7 @@ class _Totals:
     generated_tokens: int = 0
     verifier_rejections: int = 0
     stale_dropped: int = 0
+    storage_failures: int = 0
     draft_tokens_accepted: int = 0
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
@@ -66,6 +67,11 @@ class UsageCounters:
         with self._lock:
             self._totals.stale_dropped += 1
 
+    def count_storage_failure(self) -> None:
+        """Count an answer that was returned but could not be stored (disk full, ...)."""
+        with self._lock:
+            self._totals.storage_failures += 1
+
     def summary(self) -> dict[str, Any]:
         """Counts, hit rates and mean latency per source."""
         with self._lock:
@@ -83,6 +89,7 @@ class UsageCounters:
                 "generated_tokens": c.generated_tokens,
                 "verifier_rejections": c.verifier_rejections,
                 "stale_dropped": c.stale_dropped,
+                "storage_failures": c.storage_failures,
                 "draft_tokens_accepted": c.draft_tokens_accepted,
                 "mean_latency_s": {
                     source: total / max(1, count)

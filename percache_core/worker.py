@@ -45,6 +45,7 @@ class IdleWorker:
         self._thread = threading.Thread(target=self._loop, name="percache-idle", daemon=True)
         self.rounds = 0
         self.errors = 0
+        self._idle_since: float | None = None  # last activity before a round that did nothing
         self.busy = threading.Event()
 
     def start(self) -> IdleWorker:
@@ -67,11 +68,13 @@ class IdleWorker:
     def _loop(self) -> None:
         while not self._stop.wait(self._poll_s):
             try:
+                if self._idle_since == self._activity.last_activity:
+                    continue  # the last round found nothing to do and nothing happened since
                 if not (self._quiet() and self._should_run() and self._scheduler.has_work()):
                     continue
                 self.busy.set()
                 try:
-                    self._scheduler.warm(
+                    report = self._scheduler.warm(
                         max_seconds=self._round_seconds,
                         progress=False,
                         should_stop=lambda: (
@@ -81,6 +84,8 @@ class IdleWorker:
                 finally:
                     self.busy.clear()
                 self.rounds += 1
+                did_nothing = not (report.prefill_tokens or report.decode_tokens or report.preempted)
+                self._idle_since = self._activity.last_activity if did_nothing else None
             except Exception:  # keep the worker alive; the error is logged
                 self.errors += 1
                 logger.exception("idle round failed")

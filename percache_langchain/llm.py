@@ -83,9 +83,11 @@ class PerCacheLlamaCPP(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> str:
-        stream = self._stream_answer(prompt, stop)
-        text = "".join(stream)
-        return stream.answer.text if stream.answer is not None else text.strip()
+        prefix, chunks, suffix = self._layout(prompt)
+        answer = self.percache.complete_with_documents(
+            prefix, chunks, suffix, max_new_tokens=self.max_new_tokens, stop=stop
+        )
+        return answer.text
 
     def _stream(
         self,

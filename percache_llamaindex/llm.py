@@ -6,6 +6,7 @@ Used alone it completes prompts like any LlamaIndex LLM; given to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
@@ -17,6 +18,7 @@ from percache_core.config import DEFAULT_STOP
 from percache_core.generation import stream_text
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
+from percache_core.streaming import BackgroundStream
 
 
 class PerCacheLlamaCPP(CustomLLM):
@@ -57,14 +59,17 @@ class PerCacheLlamaCPP(CustomLLM):
             is_chat_model=False,
         )
 
-    def _pieces(self, prompt: str):
-        for piece in stream_text(
+    def _pieces(self, prompt: str) -> Iterator[str]:
+        """The completion's text pieces, produced by a thread of their own (an abandoned
+        stream never keeps the model from other calls)."""
+        events = stream_text(
             self.engine,
             prompt,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             stop=self.stop,
-        ):
+        )
+        for piece in BackgroundStream(events):
             if isinstance(piece, str):
                 yield piece
 

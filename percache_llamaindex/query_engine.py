@@ -200,10 +200,10 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return self._synthesize(query_bundle, nodes, binding)
 
     def _generate(self, question: str, nodes: list[NodeWithScore], binding: str) -> RESPONSE_TYPE:
-        stream = self._percache.generate(question, node_chunks(nodes), binding=binding, stream=True)
         if not self._streaming:
-            answer = stream.result()
+            answer = self._percache.generate(question, node_chunks(nodes), binding=binding)
             return Response(answer.text, source_nodes=nodes, metadata={"percache": _metadata(answer)})
+        stream = self._percache.generate(question, node_chunks(nodes), binding=binding, stream=True)
         metadata: dict[str, Any] = {}
 
         def pieces() -> Generator[str, None, None]:

@@ -1,26 +1,34 @@
-"""Stored KV states of the chunk-state tree: node records and state blobs on disk.
+"""Stored KV states of the chunk-state tree: node records and state files on disk.
 
 Each fingerprint gets its own folder, so states of another model or configuration are
-never even listed. Every record also carries its fingerprint and the blob's size and
-digest; a blob that does not match (truncated, corrupt, foreign) is deleted, logged and
-treated as a miss. A blob is written before its record, so a crash leaves at worst an
-orphan blob, which is removed at the next open: a node is either absent or complete.
+never even listed. A node's state is a file (written whole, then renamed into place)
+and its record (in the folder's SQLite store) carries its fingerprint and the file's
+size and digest; a file that does not match (truncated, corrupt, foreign) is deleted,
+logged and treated as a miss. The file is written before its record, so a crash leaves
+at worst an orphan file, removed at a later open: a node is either absent or complete.
+
+Several processes may share the folder: each :meth:`StateStore.put` enforces the byte
+budget over every process's nodes in the same transaction, and :meth:`StateStore.changes`
+tells a process what the others stored or removed. Writes keep a free-space reserve on
+the disk: below it a state is not stored (:class:`~percache_core.errors.StorageWriteError`).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
 
-from ..storage import Store
+from ..errors import StorageWriteError
+from ..storage import Changes, Store
 from .tree import ChunkStateTree, StateNode
 
 logger = logging.getLogger(__name__)
 
 _NODE = "node:"
-_BLOB = "blob:"
+_ORPHAN_AGE_S = 300.0  # a younger file without a record may be another process's write in progress
 
 
 def blob_digest(data: bytes) -> str:
@@ -34,72 +42,120 @@ def blob_digest(data: bytes) -> str:
 
 
 class StateStore:
-    """Node records and state bytes of one fingerprint under *folder*."""
+    """Node records and state files of one fingerprint under *folder*."""
 
-    def __init__(self, folder: str | Path, fingerprint: str) -> None:
+    def __init__(self, folder: str | Path, fingerprint: str, *, min_free_bytes: int = 0) -> None:
         self.fingerprint = fingerprint
+        self.min_free_bytes = min_free_bytes
         self._store = Store(Path(folder) / fingerprint[:24])
         self.corrupt_dropped = 0
-        self._used: dict[str, StateNode] = {}  # hit counters not yet written
+        self._used: dict[str, tuple[int, float]] = {}  # hit counters not yet written
 
-    def load_tree(self) -> ChunkStateTree:
-        """Rebuild the tree from the stored records, dropping unusable leftovers."""
-        tree = ChunkStateTree(self.fingerprint)
-        records: list[dict[str, Any]] = []
-        for key in list(self._store.keys(_NODE)):
-            record = self._store.get(key)
-            if not isinstance(record, dict) or record.get("fingerprint") != self.fingerprint:
-                logger.warning("dropping chunk-state record %s of another fingerprint", key)
-                self.delete(key.removeprefix(_NODE))
+    def remove_orphans(self, tree: ChunkStateTree) -> None:
+        """Delete state files that no record names (left by a crash between the two writes);
+        files younger than a few minutes may be another process's write in progress."""
+        try:
+            for name in self._store.file_names(older_than_s=_ORPHAN_AGE_S):
+                if name not in tree and self._store.record(_NODE + name) is None:
+                    self._store.delete_file(name)
+        except (OSError, StorageWriteError):
+            pass
+
+    def changes(self, since: int) -> Changes:
+        """Nodes stored or removed (by any process) after version *since*."""
+        return self._store.changes(since, _NODE)
+
+    def version(self) -> int:
+        return self._store.version()
+
+    def apply(self, tree: ChunkStateTree, changes: Changes) -> None:
+        """Bring *tree* up to *changes* (nodes another process stored or evicted; with
+        incomplete changes, every stored node, and nodes not among them are removed)."""
+        if not changes.complete:
+            changes = self.changes(0)
+            stored = {record.key.removeprefix(_NODE) for record in changes.written}
+            for node in tree.nodes:
+                if node.key not in stored:
+                    tree.remove(node.key)
+        for key in changes.removed:
+            tree.remove(key.removeprefix(_NODE))
+        for record in sorted(changes.written, key=lambda r: _depth(r.value)):
+            value = record.value
+            if not _valid_node(value, self.fingerprint):
                 continue
-            records.append(record)
-        for record in sorted(records, key=lambda r: r["depth"]):
             node = tree.insert(
-                record["key"],
-                record["parent_key"],
-                depth=record["depth"],
-                n_tokens=record["n_tokens"],
-                label=record["label"],
-                size=record["size"],
+                value["key"],
+                value["parent_key"],
+                depth=value["depth"],
+                n_tokens=value["n_tokens"],
+                label=value["label"],
+                size=record.size,
             )
-            node.hits = record.get("hits", 0)
-            node.last_used_at = record.get("last_used_at", node.last_used_at)
-        for key in list(self._store.keys(_BLOB)):
-            if key.removeprefix(_BLOB) not in tree:
-                self._store.delete(key)  # orphan from an interrupted write
-        return tree
+            node.hits = max(node.hits, record.hits)
+            node.last_used_at = max(node.last_used_at, record.last_used)
 
-    def put(self, node: StateNode, data: bytes) -> None:
-        """Store *data* as the state of *node* (blob first, then its record)."""
-        self._store.put(_BLOB + node.key, data)
-        self._store.put(
-            _NODE + node.key,
-            {
-                "key": node.key,
-                "parent_key": node.parent_key,
-                "depth": node.depth,
-                "n_tokens": node.n_tokens,
-                "label": node.label,
-                "size": node.size,
-                "digest": blob_digest(data),
-                "fingerprint": self.fingerprint,
-                "hits": node.hits,
-                "last_used_at": node.last_used_at,
-            },
-        )
+    def put(self, node: StateNode, data: bytes, *, budget_bytes: int, protected: set[str]) -> list[str]:
+        """Store *data* as the state of *node* (file first, then its record) and evict down
+        to *budget_bytes* (never *protected* keys); returns the evicted keys. Raises
+        :class:`StorageWriteError` when the disk's free-space reserve would be crossed or
+        the write fails (then nothing is stored)."""
+        try:
+            free = shutil.disk_usage(self._store.folder).free
+        except OSError as error:
+            raise StorageWriteError(f"cannot check free space: {error}") from error
+        if free - len(data) < self.min_free_bytes:
+            raise StorageWriteError(
+                f"not storing a {len(data):,}-byte chunk state: {free:,} bytes free, reserve {self.min_free_bytes:,}"
+            )
+        self._store.write_file(node.key, data)
+        value = {
+            "key": node.key,
+            "parent_key": node.parent_key,
+            "depth": node.depth,
+            "n_tokens": node.n_tokens,
+            "label": node.label,
+            "digest": blob_digest(data),
+            "fingerprint": self.fingerprint,
+        }
+        try:
+            evicted = self._store.put(
+                _NODE + node.key,
+                value,
+                parent=_NODE + node.parent_key,
+                size=len(data),
+                budget=(_NODE, budget_bytes),
+                protected={_NODE + key for key in protected},
+            )
+        except (StorageWriteError, TypeError):
+            self._store.delete_file(node.key)
+            raise
+        keys = [key.removeprefix(_NODE) for key in evicted or ()]
+        for key in keys:
+            self._store.delete_file(key)
+        return keys
+
+    def trim(self, budget_bytes: int, protected: set[str]) -> list[str]:
+        """Evict down to *budget_bytes* (e.g. after the budget was lowered); the keys."""
+        keys = [key.removeprefix(_NODE) for key in self._store.trim(_NODE, budget_bytes, {_NODE + k for k in protected})]
+        for key in keys:
+            self._store.delete_file(key)
+        return keys
 
     def get(self, key: str) -> bytes | None:
-        """The verified state bytes of node *key*, or None (a bad blob is deleted)."""
-        record = self._store.get(_NODE + key)
-        data = self._store.get(_BLOB + key)
-        if record is None or data is None:
+        """The verified state bytes of node *key*, or None (a bad file is deleted)."""
+        record = self._store.record(_NODE + key)
+        if record is None:
             return None
+        data = self._store.read_file(key)
+        value = record.value
         problem = None
-        if record.get("fingerprint") != self.fingerprint:
-            problem = "another fingerprint"
-        elif not isinstance(data, bytes) or len(data) != record["size"]:
-            problem = f"size {len(data) if isinstance(data, bytes) else '?'} != {record['size']}"
-        elif blob_digest(data) != record["digest"]:
+        if not _valid_node(value, self.fingerprint):
+            problem = "not a node record of this fingerprint"
+        elif data is None:
+            problem = "file missing"
+        elif len(data) != record.size:
+            problem = f"size {len(data)} != {record.size}"
+        elif blob_digest(data) != value.get("digest"):
             problem = "digest mismatch"
         if problem is not None:
             logger.warning("chunk state %s is unusable (%s): deleted", key, problem)
@@ -109,28 +165,48 @@ class StateStore:
         return data
 
     def record_use(self, node: StateNode) -> None:
-        """Note a node's new hit counter; it is written by ``flush`` (off the answer path)."""
-        self._used[node.key] = node
+        """Note one restore of *node*; counters are written by ``flush`` (off the answer
+        path) and add up over processes."""
+        hits, _ = self._used.get(node.key, (0, 0.0))
+        self._used[node.key] = (hits + 1, node.last_used_at)
 
     def flush(self) -> None:
-        """Persist the hit counters noted since the last flush."""
+        """Write the restore counters noted since the last flush."""
         used, self._used = self._used, {}
-        for node in used.values():
-            record = self._store.get(_NODE + node.key)
-            if record is not None:
-                record["hits"], record["last_used_at"] = node.hits, node.last_used_at
-                self._store.put(_NODE + node.key, record)
+        self._store.add_hits({_NODE + key: use for key, use in used.items()})
 
     def delete(self, key: str) -> None:
-        """Remove node *key* (record first, so no record ever points to a missing blob)."""
-        self._store.delete(_NODE + key)
-        self._store.delete(_BLOB + key)
+        """Remove node *key* (record first, so no record ever points to a missing file)."""
+        try:
+            self._store.delete(_NODE + key)
+        finally:
+            self._store.delete_file(key)
 
     def blob_path(self, key: str) -> Path | None:
-        """Where diskcache keeps the blob of *key* on disk (for tests and tools)."""
-        return self._store.file_path(_BLOB + key)
+        """Where the state file of *key* is (for tests and tools), or None."""
+        path = self._store.file_path(key)
+        return path if path.exists() else None
 
     def close(self) -> None:
-        """Persist hit counters and close the store."""
-        self.flush()
+        """Write restore counters and close the store."""
+        try:
+            self.flush()
+        except StorageWriteError as error:
+            logger.warning("chunk-state counters not written: %s", error)
         self._store.close()
+
+
+def _depth(value: Any) -> int:
+    return value.get("depth", 0) if isinstance(value, dict) and isinstance(value.get("depth"), int) else 0
+
+
+def _valid_node(value: Any, fingerprint: str) -> bool:
+    """Whether a record has this version's node shape and this fingerprint."""
+    return (
+        isinstance(value, dict)
+        and value.get("fingerprint") == fingerprint
+        and isinstance(value.get("key"), str)
+        and isinstance(value.get("parent_key"), str)
+        and all(isinstance(value.get(name), int) for name in ("depth", "n_tokens"))
+        and isinstance(value.get("label"), str)
+    )

@@ -4,17 +4,22 @@
 through the tiers (a deeper prefix that only the shared tier has is fetched, kept locally
 and then restored from there); writes go to every tier. The tree (which prefixes are
 stored locally) and the LFU budget are kept here too, so a node is in the tree exactly
-when its state is in the local store.
+when its state is in the local store. The tree follows what other processes store and
+evict in the same folder (:meth:`TieredStateStore.sync`, at every lookup).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from ..errors import StorageWriteError
 from .state_store import StateStore
 from .tree import ChunkStateTree, StateNode
+
+logger = logging.getLogger(__name__)
 
 
 class SharedStates(Protocol):
@@ -38,8 +43,11 @@ class TieredStateStore:
     def __init__(self, local: StateStore, shared: SharedStates | None = None) -> None:
         self.local = local
         self.shared = shared
-        self.tree: ChunkStateTree = local.load_tree()
+        self.tree = ChunkStateTree(local.fingerprint)
+        self._version = 0
         self.evictions = 0
+        self.sync()
+        local.remove_orphans(self.tree)
         if shared is not None:
             shared.bind_states(local.fingerprint)
 
@@ -58,11 +66,20 @@ class TieredStateStore:
         """Keep these prefixes from eviction while a query uses them."""
         return self.tree.pinned(keys)
 
-    def candidates(self, keys: Sequence[str]) -> list[StateNode]:
+    def sync(self) -> None:
+        """Take in the nodes other processes stored or evicted since the last sync."""
+        if self.local.version() == self._version:
+            return
+        changes = self.local.changes(self._version)
+        self.local.apply(self.tree, changes)
+        self._version = changes.version
+
+    def candidates(self, keys: Sequence[str], *, budget_bytes: int | None = None) -> list[StateNode]:
         """Stored prefixes among *keys*, deepest first (read-through: a deeper prefix held
-        by the shared tier is fetched and kept locally first)."""
-        if self.shared is not None:
-            self._read_through(keys)
+        by the shared tier is fetched and kept locally first, within *budget_bytes*)."""
+        self.sync()
+        if self.shared is not None and budget_bytes is not None:
+            self._read_through(keys, budget_bytes)
         return self.tree.match(keys)
 
     def get(self, node: StateNode) -> bytes | None:
@@ -74,9 +91,11 @@ class TieredStateStore:
         self.tree.touch(node)
         self.local.record_use(node)
 
-    def put(self, node: StateNode, data: bytes) -> None:
-        """Store *node*'s state in every tier (write-through)."""
-        self._put_local(node, data)
+    def put(self, node: StateNode, data: bytes, *, budget_bytes: int) -> None:
+        """Store *node*'s state in every tier (write-through), evicting local nodes of any
+        process down to *budget_bytes*. Raises StorageWriteError when it cannot be stored
+        locally (then it is not shared either)."""
+        self._put_local(node, data, budget_bytes)
         if self.shared is not None:
             self.shared.put_state(node, data)
 
@@ -86,23 +105,28 @@ class TieredStateStore:
         self.local.delete(key)
 
     def evict_to(self, budget_bytes: int) -> int:
-        """Evict least frequently used unpinned leaves down to *budget_bytes*; the count."""
-        evicted = self.tree.evict(budget_bytes)
-        for node in evicted:
-            self.local.delete(node.key)
-        self.evictions += len(evicted)
+        """Evict least frequently used leaves (of every process; never one a query here
+        uses) down to *budget_bytes*; the count."""
+        evicted = self.local.trim(budget_bytes, self.tree.pinned_keys())
+        self._forget(evicted)
         return len(evicted)
+
+    def _forget(self, evicted: list[str]) -> None:
+        for key in evicted:
+            self.tree.remove(key)
+        self.evictions += len(evicted)
 
     def close(self) -> None:
         self.local.close()
 
-    def _put_local(self, node: StateNode, data: bytes) -> None:
-        self.local.put(node, data)
+    def _put_local(self, node: StateNode, data: bytes, budget_bytes: int) -> None:
+        evicted = self.local.put(node, data, budget_bytes=budget_bytes, protected=self.tree.pinned_keys())
         self.tree.insert(
             node.key, node.parent_key, depth=node.depth, n_tokens=node.n_tokens, label=node.label, size=node.size
         )
+        self._forget(evicted)
 
-    def _read_through(self, keys: Sequence[str]) -> None:
+    def _read_through(self, keys: Sequence[str], budget_bytes: int) -> None:
         assert self.shared is not None
         local = self.tree.match(keys)
         local_depth = local[0].depth if local else 0
@@ -112,5 +136,8 @@ class TieredStateStore:
                 continue
             fetched = self.shared.fetch_state(key, self.root_key)
             if fetched is not None:
-                self._put_local(*fetched)
+                try:
+                    self._put_local(*fetched, budget_bytes)
+                except StorageWriteError as error:
+                    logger.warning("shared chunk state not kept locally: %s", error)
                 return

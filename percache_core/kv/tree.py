@@ -7,9 +7,10 @@ the same tokens at the same positions under the same engine settings, and a key 
 another fingerprint can never match.
 
 The tree is metadata only (the state bytes live in a
-:class:`~percache_core.kv.state_store.StateStore`). Its API is ``match``, ``insert``,
-``remove`` and ``evict``; eviction follows the :class:`~percache_core.eviction.LFUPolicy`
-over leaves and never touches a pinned node (one in use by a query).
+:class:`~percache_core.kv.state_store.StateStore`, which also enforces the byte budget
+over what every process stored, least frequently used leaves first). Its API is
+``match``, ``insert``, ``remove`` and ``pinned`` (the nodes a query uses, which this
+process never evicts).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-from ..eviction import LFUPolicy
 
 
 def node_key(parent_key: str, tokens: Sequence[int]) -> str:
@@ -82,8 +81,6 @@ class ChunkStateTree:
     >>> _ = tree.insert(keys[1], keys[0], depth=2, n_tokens=3, label="c1", size=30)
     >>> [node.label for node in tree.match(keys)]
     ['c1', 'system']
-    >>> [node.label for node in tree.evict(budget_bytes=15)]
-    ['c1']
     """
 
     def __init__(self, root_key: str) -> None:
@@ -91,7 +88,6 @@ class ChunkStateTree:
         self._nodes: dict[str, StateNode] = {}
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}
-        self._policy: LFUPolicy[StateNode] = LFUPolicy()  # evictable: unpinned leaves
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -127,11 +123,9 @@ class ChunkStateTree:
             node = StateNode(key, parent_key, depth, n_tokens, label, size)
             self._nodes[key] = node
             self.bytes += size
-            self._policy.add(key, node, evictable=key not in self._pins)
             parent = self._nodes.get(parent_key)
             if parent is not None:
                 parent.children += 1
-                self._policy.set_evictable(parent_key, False)
             return node
 
     def remove(self, key: str) -> StateNode | None:
@@ -144,20 +138,21 @@ class ChunkStateTree:
             if node is None:
                 return None
             self.bytes -= node.size
-            self._policy.remove(key)
             parent = self._nodes.get(node.parent_key)
             if parent is not None:
                 parent.children -= 1
-                self._update_evictable(parent)
             return node
-
-    def _update_evictable(self, node: StateNode) -> None:
-        self._policy.set_evictable(node.key, node.children == 0 and node.key not in self._pins)
 
     def touch(self, node: StateNode) -> None:
         """Count one restore of *node*."""
         with self._lock:
-            self._policy.touch(node.key)
+            node.hits += 1
+            node.last_used_at = time.time()
+
+    def pinned_keys(self) -> set[str]:
+        """The keys queries of this process are using now."""
+        with self._lock:
+            return set(self._pins)
 
     @contextmanager
     def pinned(self, keys: Sequence[str]) -> Iterator[None]:
@@ -165,7 +160,6 @@ class ChunkStateTree:
         with self._lock:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
-                self._policy.set_evictable(key, False)
         try:
             yield
         finally:
@@ -174,21 +168,3 @@ class ChunkStateTree:
                     self._pins[key] -= 1
                     if not self._pins[key]:
                         del self._pins[key]
-                        if key in self._nodes:
-                            self._update_evictable(self._nodes[key])
-
-    def evict(self, budget_bytes: int) -> list[StateNode]:
-        """Remove least-frequently-used unpinned leaves until ``bytes <= budget_bytes``.
-
-        Returns the removed nodes (the caller deletes their stored states).
-        """
-        removed: list[StateNode] = []
-
-        def remove(key: str) -> None:
-            node = self.remove(key)
-            assert node is not None
-            removed.append(node)
-
-        with self._lock:
-            self._policy.evict(lambda: self.bytes > budget_bytes, remove)
-        return removed

@@ -73,6 +73,7 @@ class SharedCounters:
     failures: int = 0
     skipped_while_open: int = 0
     qa_synced: int = 0
+    replayed: int = 0  # signed entries older than one already taken in: refused
 
 
 def _connect(url: str, timeout_s: float) -> Any:
@@ -133,7 +134,8 @@ class SharedTier:
         self._client_lock = threading.Lock()
         self._fingerprint: str | None = None
         self._embedder_id: str | None = None
-        self._on_qa_entry: Callable[[QAEntry], None] | None = None
+        self._on_qa_entry: Callable[[QAEntry], bool | None] | None = None
+        self._latest_written: dict[str, int] = {}  # entry id -> newest envelope time taken in
         self._stream_ids: dict[str, str] = {}
         self._own_entries: set[str] = set()
         self._stop = threading.Event()
@@ -166,7 +168,7 @@ class SharedTier:
         """Share chunk states of this engine fingerprint."""
         self._fingerprint = fingerprint
 
-    def bind_qa(self, embedder_name: str, on_entry: Callable[[QAEntry], None]) -> None:
+    def bind_qa(self, embedder_name: str, on_entry: Callable[[QAEntry], bool | None]) -> None:
         """Share QA entries of this embedder; *on_entry* receives entries of other clients."""
         self._embedder_id = hashlib.sha256(embedder_name.encode("utf-8")).hexdigest()[:16]
         self._on_qa_entry = on_entry
@@ -175,10 +177,15 @@ class SharedTier:
         """Share *qa_bank*'s answered entries, and keep the entries other clients share in
         it."""
 
-        def receive(entry: QAEntry) -> None:
+        def receive(entry: QAEntry) -> bool:
+            local = qa_bank.get(entry.id)
+            written = entry.metadata["shared_written_ns"]
+            if local is not None and local.metadata.get("shared_written_ns", -1) >= written:
+                return False  # a replay of an entry older than the one kept here
             qa_bank.remember(
                 entry.question, entry.embedding, entry.answer, chunk_ids=entry.chunk_ids, metadata=entry.metadata
             )
+            return True
 
         def share(entry: QAEntry) -> None:
             if entry.metadata.get("origin") != "shared":
@@ -207,7 +214,11 @@ class SharedTier:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._sync_interval_s):
-            self.sync()
+            try:
+                self.sync()
+            except Exception:  # never fatal to the thread; the next sync tries again
+                self.counters.failures += 1
+                logger.exception("shared-tier sync failed")
 
     def sync(self) -> None:
         """Read new catalog entries: node keys into the Bloom filter, QA entries into the
@@ -222,12 +233,20 @@ class SharedTier:
                     entry = self._fetch_qa(entry_id)
                     if entry is None:
                         continue
+                    written = entry.metadata["shared_written_ns"]
+                    if self._latest_written.get(entry_id, -1) >= written:
+                        self.counters.replayed += 1
+                        continue
                     try:
-                        self._on_qa_entry(entry)
-                    except (ValueError, TypeError) as error:  # e.g. another embedding size
+                        taken = self._on_qa_entry(entry)
+                    except Exception as error:  # e.g. another embedding size, a full disk
                         self.counters.rejected += 1
                         logger.warning("shared QA entry %s refused by the local bank: %s", entry_id, error)
                         continue
+                    if taken is False:
+                        self.counters.replayed += 1
+                        continue
+                    self._latest_written[entry_id] = written
                     self.counters.qa_synced += 1
 
     def _read_stream(self, stream: str) -> list[dict[bytes, bytes]]:
@@ -356,6 +375,7 @@ class SharedTier:
             "question": entry.question,
             "answer": entry.answer,
             "chunk_ids": list(entry.chunk_ids),
+            "written_ns": time.time_ns(),
             **{name: entry.metadata.get(name) for name in _SHARED_METADATA},
         }
         envelope = seal(self._secret, key, header, np.asarray(entry.embedding, dtype=np.float32).tobytes())
@@ -379,10 +399,11 @@ class SharedTier:
         if header.get("id") != entry_id or not isinstance(header.get("answer"), str):
             self.counters.rejected += 1
             return None
-        if not _shared_metadata_valid(header) or len(payload) % 4:
+        written = header.get("written_ns")
+        if not _shared_metadata_valid(header) or len(payload) % 4 or type(written) is not int:
             self.counters.rejected += 1
             return None
-        metadata: dict[str, Any] = {"origin": "shared", "shared_id": entry_id}
+        metadata: dict[str, Any] = {"origin": "shared", "shared_id": entry_id, "shared_written_ns": written}
         metadata.update({name: header[name] for name in _SHARED_METADATA if header.get(name)})
         return QAEntry(
             id=entry_id,

@@ -1,6 +1,7 @@
-"""The chunk-state tree's pure logic: keys, matching, LFU eviction of unpinned leaves."""
+"""The chunk-state tree's keys and matching, and the state store's LFU budget."""
 
-from percache_core.kv.tree import ChunkStateTree, node_key, path_keys
+from percache_core.kv.state_store import StateStore
+from percache_core.kv.tree import ChunkStateTree, StateNode, node_key, path_keys
 
 
 def build(sizes: list[int]) -> tuple[ChunkStateTree, list[str]]:
@@ -29,24 +30,51 @@ def test_match_returns_deepest_first_and_partial_paths():
     assert tree.match(path_keys("root", [[5]])) == []
 
 
-def test_evict_only_leaves_least_frequently_used_first():
-    tree, keys = build([10, 20, 30])
-    branch = node_key(keys[0], [7])
-    tree.insert(branch, keys[0], depth=2, n_tokens=15, label="b", size=25)
-    tree.touch(tree.get(keys[2]))  # the deep leaf is used once, the branch never
-    removed = tree.evict(budget_bytes=tree.bytes - 1)
-    assert [n.key for n in removed] == [branch]
-    assert tree.get(keys[0]).children == 1
-    removed = tree.evict(budget_bytes=0)
-    assert [n.depth for n in removed] == [3, 2, 1]  # leaves first, up the path
-    assert tree.bytes == 0 and len(tree) == 0
+def stored_path(store: StateStore, sizes: list[int], budget: int = 10**9) -> list[StateNode]:
+    nodes, parent = [], "root"
+    for depth, key in enumerate(path_keys("root", [[i] for i in range(len(sizes))]), 1):
+        node = StateNode(key, parent, depth, depth * 10, f"s{depth}", sizes[depth - 1])
+        store.put(node, b"x" * node.size, budget_bytes=budget, protected=set())
+        nodes.append(node)
+        parent = key
+    return nodes
 
 
-def test_pinned_nodes_are_never_evicted():
-    tree, keys = build([10, 20])
-    with tree.pinned(keys):
-        assert tree.evict(budget_bytes=0) == []
-    assert len(tree.evict(budget_bytes=0)) == 2
+def test_store_evicts_leaves_before_inner_nodes_least_used_first(tmp_path):
+    store = StateStore(tmp_path, "root")
+    path = stored_path(store, [10, 20, 30])
+    branch = StateNode(node_key(path[0].key, [7]), path[0].key, 2, 15, "b", 25)
+    store.put(branch, b"y" * 25, budget_bytes=10**9, protected=set())
+    store.record_use(path[2])  # the deep leaf is used once, the branch never
+    store.flush()
+    assert store.trim(85 - 1, set()) == [branch.key]
+    tree = ChunkStateTree("root")
+    store.apply(tree, store.changes(0))
+    assert len(tree) == 3 and tree.get(path[0].key).children == 1
+    assert store.trim(0, set())[0] == path[2].key  # the last leaf, then the inner nodes
+    assert store.changes(0).written == [] and store.blob_path(path[0].key) is None
+    store.close()
+
+
+def test_pinned_nodes_are_never_evicted(tmp_path):
+    store = StateStore(tmp_path, "root")
+    path = stored_path(store, [10, 20])
+    assert store.trim(0, {node.key for node in path}) == []
+    assert len(store.trim(0, set())) == 2
+    store.close()
+
+
+def test_budget_holds_over_every_store_on_the_folder(tmp_path):
+    first, second = StateStore(tmp_path, "root"), StateStore(tmp_path, "root")
+    stored_path(first, [40, 40])
+    evicted = second.put(StateNode(node_key("root", [9]), "root", 1, 5, "c", 40), b"z" * 40,
+                         budget_bytes=100, protected=set())
+    assert len(evicted) == 1 and second.trim(100, set()) == []
+    tree = ChunkStateTree("root")
+    first.apply(tree, first.changes(0))
+    assert tree.bytes == 80 and len(tree) == 2
+    first.close()
+    second.close()
 
 
 def test_remove_keeps_children_reachable_by_key():
@@ -54,33 +82,3 @@ def test_remove_keeps_children_reachable_by_key():
     tree.remove(keys[1])
     assert [n.depth for n in tree.match(keys)] == [3, 1]
     assert tree.bytes == 40
-
-
-def test_eviction_order_is_the_least_used_leaf_at_each_step():
-    """The heap-based eviction picks what a full rescan of the unpinned leaves would pick."""
-    import random
-
-    rng = random.Random(7)
-    for _ in range(20):
-        tree = ChunkStateTree("root")
-        keys = ["root"]
-        for i in range(40):
-            parent = rng.choice(keys)
-            depth = 1 if parent == "root" else tree.get(parent).depth + 1
-            node = tree.insert(f"n{i}", parent, depth=depth, n_tokens=depth, label=str(i), size=rng.randint(1, 9))
-            node.hits, node.last_used_at = rng.randint(0, 3), float(rng.randint(0, 5))
-            keys.append(node.key)
-        pinned = rng.sample(keys[1:], 5)
-        budget = tree.bytes // 3
-        expected, bytes_left = [], tree.bytes
-        shadow = {n.key: [n.parent_key, n.size, n.hits, n.last_used_at] for n in tree.nodes}
-        while bytes_left > budget:
-            leaves = [k for k in shadow if k not in pinned and not any(v[0] == k for v in shadow.values())]
-            if not leaves:
-                break
-            victim = min(leaves, key=lambda k: (shadow[k][2], shadow[k][3], k))
-            expected.append(victim)
-            bytes_left -= shadow.pop(victim)[1]
-        with tree.pinned(pinned):
-            evicted = [n.key for n in tree.evict(budget)]
-        assert evicted == expected and tree.bytes == bytes_left
