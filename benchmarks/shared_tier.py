@@ -21,7 +21,7 @@ from percache_core import Chunk, PerCache, PerCacheConfig
 from percache_core.shared.bloom import BloomFilter
 from tests.local_redis import RedisServer
 
-SECRET = "benchmark-secret"
+SECRET = "benchmark-secret-twenty-chars"
 
 
 def prompts(data: Path, count: int) -> list[tuple[str, list[Chunk]]]:

@@ -87,7 +87,10 @@ class Changes:
 def private_folder(folder: Path) -> Path:
     """Create *folder* (and missing parents) readable by its owner only; tighten an existing
     one that this user owns. Returns the folder."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    missing = [folder, *(p for p in folder.parents if not p.exists())] if not folder.exists() else []
+    for path in reversed(missing):  # parents too (mkdir(parents=True) ignores the mode for them)
+        path.mkdir(mode=0o700, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
     try:
         if folder.stat().st_uid == os.getuid() and folder.stat().st_mode & 0o077:
             folder.chmod(0o700)
@@ -318,7 +321,7 @@ class Store:
         row = self._db.execute(
             "SELECT key, value, vector, size, hits, last_used, version FROM records WHERE key = ?", (key,)
         ).fetchone()
-        return None if row is None else _as_record(row)
+        return None if row is None else _as_record_or_none(row)
 
     def record(self, key: str) -> Record | None:
         """The record under *key*, or None."""

@@ -47,7 +47,9 @@ def test_a_state_llama_cpp_refuses_is_a_logged_miss(make_cache, caplog):
     node = deepest_node(pc)
     junk = b"\x00" * node.size  # right size and a matching digest, but not a state
     pc.states.put(
-        StateNode(node.key, node.parent_key, node.depth, node.n_tokens, node.label, len(junk)), junk
+        StateNode(node.key, node.parent_key, node.depth, node.n_tokens, node.label, len(junk)),
+        junk,
+        budget_bytes=pc.config.chunk_state_budget_bytes,
     )
     again = pc.answer(QUESTION)
     assert again.text == reference.text
@@ -134,6 +136,6 @@ def test_bad_documents_and_paths(make_cache, tmp_path):
         PerCache.open(a_file, engine=pc.engine, embedder=pc.embedder)
     broken = tmp_path / "broken" / "meta"
     broken.mkdir(parents=True)
-    (broken / "cache.db").write_bytes(b"this is not sqlite" * 100)
+    (broken / "percache.sqlite3").write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(CacheFolderError):
         PerCache.open(tmp_path / "broken", engine=pc.engine, embedder=pc.embedder)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 from tests.local_redis import RedisServer, start_cluster  # noqa: E402
 
-SECRET = "test-secret"
+SECRET = "test-secret-of-twenty-chars"
 QUESTION = "When is the presentation rehearsal for the launch talk?"
 PARAPHRASE = "When is the rehearsal for the launch presentation?"
 
@@ -160,6 +160,29 @@ def test_a_signed_entry_of_another_embedding_size_is_refused_and_sync_goes_on(st
     wait_until(lambda: len(reader.qa_bank) >= 1)
     assert reader.stats()["shared"]["rejected"] >= 1
     assert [e.question for e in reader.qa_bank.entries] == [QUESTION]
+
+
+def test_a_replayed_older_envelope_is_refused(standalone, make_cache):
+    import redis
+
+    writer = make_cache("w", **shared(standalone.url, "replay"))
+    first = writer.remember(QUESTION, "Monday at 9 am.")
+    client = redis.Redis.from_url(standalone.url)
+    key = writer.shared._qa_key(first.id)
+    old_envelope = client.get(key)
+    reader = make_cache("r", **shared(standalone.url, "replay"))
+    time.sleep(0.01)
+    writer.remember(QUESTION, "Tuesday at 10 am.")  # a newer signed envelope
+    wait_until(lambda: any(e.answer == "Tuesday at 10 am." for e in reader.qa_bank.entries))
+    client.set(key, old_envelope)  # a peer replays the old, validly signed envelope
+    client.xadd(writer.shared._qa_catalog(), {"k": first.id})
+    wait_until(lambda: reader.stats()["shared"]["replayed"] >= 1)
+    assert [e.answer for e in reader.qa_bank.entries] == ["Tuesday at 10 am."]
+
+
+def test_short_secrets_are_refused():
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        PerCacheConfig(shared_url="redis://localhost:6379/0", shared_secret="x")
 
 
 def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_cache):

@@ -1,0 +1,53 @@
+"""The idle worker: no rounds without work, time limits kept, users' answers kept."""
+
+from __future__ import annotations
+
+import time
+
+from percache_core.qa_bank import question_key
+
+QUESTION = "When is the presentation rehearsal for the launch talk?"
+
+
+def test_no_rounds_without_work_when_prediction_is_off(fake_cache):
+    pc = fake_cache(prediction=False, knowledge_prefill=False)
+    pc.answer(QUESTION)
+    assert not pc.scheduler.has_work()
+    worker = pc.start_worker(idle_after_s=0.0)
+    time.sleep(1.5)
+    pc.stop_worker()
+    assert worker.rounds == 0 and sum(pc.engine.calls.values()) > 0
+
+
+def test_a_round_that_finds_nothing_is_not_repeated_until_something_happens(fake_cache):
+    pc = fake_cache(prediction=False)
+    worker = pc.start_worker(idle_after_s=0.0)
+    time.sleep(2.0)
+    rounds = worker.rounds
+    time.sleep(1.0)
+    pc.stop_worker()
+    assert rounds <= 2 and worker.rounds == rounds and worker.errors == 0
+
+
+def test_warm_ends_near_its_time_limit(make_cache):
+    pc = make_cache()
+    started = time.perf_counter()
+    report = pc.warm(max_seconds=3, progress=False)
+    elapsed = time.perf_counter() - started
+    assert report.out_of_time and not report.preempted
+    assert elapsed < 3 + 4.0, elapsed  # within about one segment (a prefill or a token step)
+
+
+def test_an_answered_user_entry_is_never_replaced_by_idle_work(fake_cache):
+    pc = fake_cache()
+    scope = {"meeting_id": "kickoff"}
+    answer = pc.answer(QUESTION, scope=scope)
+    entry_id = question_key(QUESTION, {"scope": scope, "binding": pc.binding()})
+    stored = pc.qa_bank[entry_id]
+    assert stored.answer == answer.text and stored.metadata["origin"] == "user"
+    embedding = pc.embedder.embed([QUESTION])[0]
+    for answer_text, origin in ((None, "predicted-history"), ("Another text.", "predicted-history"), ("x", "follow-up")):
+        kept = pc.qa_bank.remember(
+            QUESTION, embedding, answer_text, metadata={**stored.metadata, "origin": origin}
+        )
+        assert kept.answer == answer.text and kept.metadata["origin"] == "user"
