@@ -476,6 +476,7 @@ class QABank:
         """Write counters and close the underlying store (never rewrites entries)."""
         try:
             self.flush()
+            self._store.prune_tombstones()
         except StorageWriteError as error:
             logger.warning("QA-bank hit counters not written: %s", error)
         self._store.close()

@@ -191,6 +191,7 @@ class StateStore:
         """Write restore counters and close the store."""
         try:
             self.flush()
+            self._store.prune_tombstones()
         except StorageWriteError as error:
             logger.warning("chunk-state counters not written: %s", error)
         self._store.close()
