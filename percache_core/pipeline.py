@@ -414,10 +414,11 @@ class PerCache:
         question = validated_question(question)
         if not isinstance(answer, str):
             raise TypeError(f"answer must be a string, got {type(answer).__name__}")
+        scope_dict = validated_scope(scope)
         extra = dict(metadata or {})
         extra["remembered"] = True
-        if scope:
-            extra["scope"] = dict(scope)
+        if scope_dict:
+            extra["scope"] = scope_dict
         extra["binding"] = binding or self.binding()
         embedding = self.embedder.embed([question])[0]
         return self.qa_bank.remember(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .errors import StorageWriteError
-from .storage import Record, Store, json_text
+from .storage import Record, Store
 from .types import QAEntry, QAHit
 
 _PREFIX = "qa:"
@@ -357,7 +357,8 @@ class QABank:
 
         Storing the same question (same text, scope and binding) again replaces it, except
         where :func:`keeps_existing` says the stored entry stays (then it is returned). A
-        failed write (:class:`~percache_core.errors.StorageWriteError`) changes nothing.
+        failed write (:class:`~percache_core.errors.StorageWriteError`, or a TypeError for
+        metadata that is not JSON) changes nothing.
         """
         vector = self._check_embedding(embedding)
         if not isinstance(question, str) or not question.strip():
@@ -375,7 +376,6 @@ class QABank:
             created_at=now,
             last_used_at=now,
         )
-        json_text(_value(entry))  # a TypeError here, before anything changes
         with self._lock:
             self.sync()
             kept: list[QAEntry] = []
@@ -429,17 +429,17 @@ class QABank:
                 created_at=old.created_at,
                 last_used_at=old.last_used_at,
             )
-            json_text(_value(entry))
             self.flush()
-            if new_id != entry_id:
-                self._store.delete(_PREFIX + entry_id)
-            evicted = self._store.put(
-                _PREFIX + new_id,
-                _value(entry),
-                vector=entry.embedding,
-                hits=old.hits if new_id != entry_id else None,
-                budget=(_PREFIX, self.budget_bytes),
-            )
+            with self._store.transaction():  # a failed write (e.g. TypeError) deletes nothing
+                if new_id != entry_id:
+                    self._store.delete(_PREFIX + entry_id)
+                evicted = self._store.put(
+                    _PREFIX + new_id,
+                    _value(entry),
+                    vector=entry.embedding,
+                    hits=old.hits if new_id != entry_id else None,
+                    budget=(_PREFIX, self.budget_bytes),
+                )
             self.evictions += len(evicted or ())
             self.sync()
             entry = self.get(new_id) or entry

@@ -186,7 +186,7 @@ class Store:
         if schema > SCHEMA_VERSION:
             raise CacheFolderError(f"{self.path} was written by a newer PerCache (schema {schema})")
         if application_id != APPLICATION_ID or schema != SCHEMA_VERSION:
-            with self._write():
+            with self.transaction():
                 self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 for statement in _SCHEMA.split(";"):
@@ -195,7 +195,20 @@ class Store:
 
     # -- writing --------------------------------------------------------------------------
 
-    def _write(self) -> _Transaction:
+    def transaction(self) -> _Transaction:
+        """Several writes as one: all or none (nested uses join the outer one).
+
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> try:
+        ...     with store.transaction():
+        ...         _ = store.put("a", 1)
+        ...         _ = store.put("b", object())
+        ... except TypeError:
+        ...     pass
+        >>> store.get("a") is None
+        True
+        """
         return _Transaction(self)
 
     def _next_version(self) -> int:
@@ -250,7 +263,7 @@ class Store:
         prefix (leaves before records others name as their *parent*) are removed until the
         total fits, never *key* nor *protected* keys; their keys are returned.
         """
-        with self._write():
+        with self.transaction():
             if keep_if is not None and not keep_if(self._record(key)):
                 return None
             self._upsert(key, value, vector, parent, size, hits)
@@ -259,12 +272,12 @@ class Store:
     def trim(self, prefix: str, budget_bytes: int, protected: Iterable[str] = ()) -> list[str]:
         """Remove least frequently used records with *prefix* until their total fits
         *budget_bytes* (never *protected* keys); the removed keys."""
-        with self._write():
+        with self.transaction():
             return self._enforce((prefix, budget_bytes), set(protected))
 
     def put_many(self, items: Sequence[tuple[str, Any, np.ndarray | None]], *, remove: Iterable[str] = ()) -> None:
         """Remove the keys *remove*, then store ``(key, value, vector)`` items: all or none."""
-        with self._write():
+        with self.transaction():
             for key in remove:
                 self._remove(key)
             for key, value, vector in items:
@@ -296,12 +309,12 @@ class Store:
 
     def delete(self, key: str) -> bool:
         """Remove *key*; return whether it existed."""
-        with self._write():
+        with self.transaction():
             return self._remove(key)
 
     def clear(self, prefix: str = "") -> None:
         """Remove every key starting with *prefix*."""
-        with self._write():
+        with self.transaction():
             for key in self.keys(prefix):
                 self._remove(key)
 
@@ -309,7 +322,7 @@ class Store:
         """Add ``(hits, last used)`` to records (LFU counters of every process add up)."""
         if not uses:
             return
-        with self._write():
+        with self.transaction():
             self._db.executemany(
                 "UPDATE records SET hits = hits + ?, last_used = max(last_used, ?) WHERE key = ?",
                 [(hits, used, key) for key, (hits, used) in uses.items()],
@@ -449,7 +462,7 @@ class Store:
     def prune_tombstones(self) -> None:
         """Forget the oldest removals when there are many (a process that synced before
         them reloads everything instead)."""
-        with self._write():
+        with self.transaction():
             count = self._db.execute("SELECT count(*) FROM removed").fetchone()[0]
             if count <= _TOMBSTONES_KEPT:
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from percache_core import PerCache, PerCacheConfig
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"opened": True}), flush=True)
             signal = Path(rest[0])
             while not signal.exists():
-                pass
+                time.sleep(0.05)
             answer = pc.answer(rest[1])
             print(json.dumps({"text": answer.text, "source": answer.source}), flush=True)
     else:

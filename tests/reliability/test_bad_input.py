@@ -147,3 +147,11 @@ def test_store_values_are_json_only(tmp_path):
         store.put("k", {"value": np.float32(1.0)})
     assert store.get("k") is None
     store.close()
+
+
+def test_a_failed_correct_keeps_the_entry(fake_cache):
+    pc = fake_cache()
+    entry = pc.remember("When is the review?", "Monday.")
+    with pytest.raises(TypeError, match="JSON"):
+        pc.qa_bank.correct(entry.id, "Tuesday.", scope={"note": object()})  # a new id: moves the entry
+    assert pc.lookup("When is the review?").text == "Monday."
