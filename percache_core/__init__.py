@@ -20,6 +20,7 @@ from .errors import (
     ModelNotFoundError,
     PerCacheError,
 )
+from .kv.engine import Sampling
 from .pipeline import AnswerStream, PerCache
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 
@@ -44,6 +45,7 @@ __all__ = [
     "QAEntry",
     "QAHit",
     "RetrievedChunk",
+    "Sampling",
     "SentenceTransformerEmbedder",
     "__version__",
 ]

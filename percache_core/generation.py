@@ -13,6 +13,7 @@ import codecs
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,7 +31,16 @@ from .errors import PerCacheError, StorageWriteError
 from .kv.engine import Engine, Sampling
 from .kv.tiers import TieredStateStore
 from .kv.tree import StateNode, path_keys
-from .prompting import PromptLayout, PromptSpec, chunk_text, lay_out, rag_prompt, system_text
+from .prompting import (
+    PromptLayout,
+    PromptSpec,
+    TextPrompt,
+    chunk_text,
+    lay_out,
+    lay_out_text,
+    rag_prompt,
+    system_text,
+)
 from .stopping import StopStringFilter
 from .types import Chunk
 
@@ -64,10 +74,26 @@ class RunResult:
         return max(0, self.depth - 1)
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    """How one run decodes."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    prompt_lookup: bool
+    stop: Sequence[str] | None
+    answer_drafts: Sequence[Sequence[int]]
+
+    @property
+    def drafting(self) -> bool:
+        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time)."""
+        return self.sampling.temperature == 0 and (self.prompt_lookup or bool(self.answer_drafts))
+
+
 class PromptRunner:
     """Runs prompts on *engine*, reusing and filling the stored chunk *states*."""
 
-    def __init__(self, engine: Engine, states: TieredStateStore, config: PerCacheConfig) -> None:
+    def __init__(self, engine: Engine, states: TieredStateStore | None, config: PerCacheConfig) -> None:
         self.engine = engine
         self.states = states
         self.config = config
@@ -79,7 +105,7 @@ class PromptRunner:
         question: str,
         chunks: Sequence[Chunk],
         *,
-        spec: PromptSpec | None = None,
+        spec: PromptSpec | TextPrompt | None = None,
         stop: Sequence[str] | None = None,
         max_new_tokens: int,
         decode: bool = True,
@@ -87,12 +113,16 @@ class PromptRunner:
         started: float | None = None,
         prefix_only: bool = False,
         answer_drafts: Sequence[Sequence[int]] = (),
+        sampling: Sampling | None = None,
+        prompt_lookup: bool | None = None,
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
 
-        *spec* replaces PerCache's own prompt (for callers with their own template).
+        *spec* replaces PerCache's own prompt: segments of a caller's template
+        (:class:`PromptSpec`) or a finished prompt string (:class:`TextPrompt`).
         *answer_drafts* (token ids of stored answers) are verified as drafts with greedy
-        decoding; the output is the same with or without them.
+        decoding; the output is the same with or without them. *sampling* and
+        *prompt_lookup* replace the configured ones.
 
         With ``decode=False`` only the prefill runs (to populate chunk states); with
         ``prefix_only=True`` the question is not prefilled either. When
@@ -100,24 +130,27 @@ class PromptRunner:
         not complete, no new state is kept.
         """
         started = time.perf_counter() if started is None else started
-        use_states = self.config.chunk_states
+        states = self.states if self.config.chunk_states else None
         engine = self.engine
+        config = self.config
+        sampling = sampling or Sampling(config.temperature, config.top_p, config.seed)
+        lookup = config.prompt_lookup if prompt_lookup is None else prompt_lookup
         with engine.lock:
-            layout = lay_out(
-                spec or rag_prompt(self.config.system_prompt, chunks, question),
-                tokenize=engine.tokenize,
-                max_prompt_tokens=engine.n_ctx - max_new_tokens,
-            )
+            spec = spec or rag_prompt(config.system_prompt, chunks, question)
+            max_prompt_tokens = engine.n_ctx - max_new_tokens
+            if isinstance(spec, TextPrompt):
+                layout = lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens)
+            else:
+                layout = lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
             segments = [list(s.tokens) for s in layout.segments]
-            keys = path_keys(self.states.root_key, segments[:-1]) if use_states else []
+            keys = path_keys(states.root_key, segments[:-1]) if states is not None else []
             if prefix_only:
                 segments, decode = segments[:-1], False
             result = RunResult(layout)
-            with self.states.pinned(keys):
-                yield from self._run_segments(
-                    result, segments, keys, max_new_tokens, decode, should_stop, started, stop, answer_drafts
-                )
-            if use_states and self.states.bytes > self.config.chunk_state_budget_bytes:
+            decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts)
+            with states.pinned(keys) if states is not None else nullcontext():
+                yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding)
+            if states is not None and states.bytes > config.chunk_state_budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
 
@@ -126,16 +159,14 @@ class PromptRunner:
         result: RunResult,
         segments: list[list[int]],
         keys: list[str],
-        max_new_tokens: int,
         decode: bool,
         should_stop: StopCheck | None,
         started: float,
-        stop: Sequence[str] | None = None,
-        answer_drafts: Sequence[Sequence[int]] = (),
+        decoding: _Decoding,
     ) -> Generator[str, None, None]:
         engine = self.engine
         timings = result.timings
-        bound = deviation_bound(engine) if decode and self._drafting(answer_drafts) else None
+        bound = deviation_bound(engine) if decode and decoding.drafting else None
         clock = time.perf_counter()
         depth, reused = self._restore_or_reset(keys)
         result.depth, result.reused_tokens = depth, reused
@@ -150,26 +181,21 @@ class PromptRunner:
             engine.eval(segments[index], should_stop)
             if engine.n_past != expected:
                 raise Preempted("prefill pre-empted by a user question")
-            if keys and index < len(keys) and keys[index] not in self.states:
+            worth_keeping = index < len(keys) and result.layout.segments[index].keep_state
+            if worth_keeping and keys[index] not in self.states:
                 new_states.append((index, engine.save_state(), engine.n_past))
         result.prefilled_tokens = sum(len(s) for s in segments) - reused
         timings["prefill"] = time.perf_counter() - clock
         try:
             if decode:
                 rebuild = self._rebuilder(segments, keys)
-                yield from self._decode(
-                    result, max_new_tokens, should_stop, started, stop, answer_drafts, bound, rebuild
-                )
+                yield from self._decode(result, decoding, should_stop, started, bound, rebuild)
         finally:
             # The prefill is complete, so its states are whole whatever happened while
             # decoding; they are written after the answer so that they do not delay it.
             clock = time.perf_counter()
             self._keep_states(result.layout, keys, new_states)
             timings["store_states"] = time.perf_counter() - clock
-
-    def _drafting(self, answer_drafts: Sequence[Sequence[int]]) -> bool:
-        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time)."""
-        return self.config.temperature == 0 and (self.config.prompt_lookup or bool(answer_drafts))
 
     def _rebuilder(self, segments: list[list[int]], keys: list[str]) -> Callable[[], None]:
         """A function that brings the sequence back to the end of the prompt (restore the
@@ -185,16 +211,15 @@ class PromptRunner:
     def _decode(
         self,
         result: RunResult,
-        max_new_tokens: int,
+        decoding: _Decoding,
         should_stop: StopCheck | None,
         started: float,
-        stop_strings: Sequence[str] | None,
-        answer_drafts: Sequence[Sequence[int]],
         bound: float | None,
         rebuild: Callable[[], None],
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
-        stop = StopStringFilter(self.config.stop if stop_strings is None else stop_strings)
+        stop = StopStringFilter(self.config.stop if decoding.stop is None else decoding.stop)
+        max_new_tokens = decoding.max_new_tokens
 
         def count_token(token: int) -> None:
             result.tokens.append(token)
@@ -205,11 +230,10 @@ class PromptRunner:
                 result.ttft_s = time.perf_counter() - started
 
         if bound is None:
-            sampling = Sampling(self.config.temperature, self.config.top_p, self.config.seed)
-            tokens = self.engine.generate(max_new_tokens=max_new_tokens, sampling=sampling)
+            tokens = self.engine.generate(max_new_tokens=max_new_tokens, sampling=decoding.sampling)
         else:
-            sources: list[DraftSource] = [AnswerDraft(answer_drafts)]
-            if self.config.prompt_lookup:
+            sources: list[DraftSource] = [AnswerDraft(decoding.answer_drafts)]
+            if decoding.prompt_lookup:
                 prompt = [t for segment in result.layout.segments for t in segment.tokens]
                 sources.append(PromptLookup(prompt))
             tokens = self._greedy_with_drafts(result, max_new_tokens, sources, bound, should_stop, rebuild)

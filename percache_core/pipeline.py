@@ -22,12 +22,12 @@ from .errors import CacheClosedError, CacheFolderError
 from .generation import PromptRunner, drain
 from .inputs import as_chunks, positive_override, validated_question, validated_scope
 from .knowledge import DocumentInput, KnowledgeBank
-from .kv.engine import Engine
+from .kv.engine import Engine, Sampling
 from .kv.tiers import TieredStateStore
 from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
 from .parts import CacheParts
-from .prompting import PromptSpec
+from .prompting import TextPrompt
 from .qa_bank import QABank
 from .request_path import RequestPath, stored_answer
 from .runtime import ModelRuntime
@@ -331,34 +331,47 @@ class PerCache:
 
         return _delivered(events(), stream)
 
-    def complete_with_documents(
+    def complete_text(
         self,
-        prefix: str,
-        documents: Sequence[Chunk | str],
-        suffix: str,
+        prompt: str,
         *,
+        documents: Sequence[str] = (),
         max_new_tokens: int | None = None,
+        sampling: Sampling | None = None,
         stop: Sequence[str] | None = None,
+        prompt_lookup: bool = False,
         stream: bool = False,
     ) -> Answer | AnswerStream:
-        """Continue the prompt ``prefix + documents + suffix`` (a caller's own template),
-        laid out as segments [prefix, document 1, ..., suffix] so that stored states of
-        the same prefix and documents are reused. Document texts are used verbatim;
-        ``stop`` replaces the configured stop strings.
+        """Continue a finished prompt string (a framework's template, a chat template) as
+        the model does without a cache, reusing stored states of its leading part.
 
-        >>> pc.complete_with_documents("Context: ", ["Lunch is at noon. "], "Q: When? A:")  # doctest: +SKIP
+        The prompt is tokenized whole and fed in pieces cut after its line breaks, the
+        same pieces with or without stored states, so the output never depends on the
+        cache. States are kept after the pieces that end one of *documents* (texts that
+        appear in the prompt, such as retrieved chunks). *sampling* (default: the
+        configured one), *stop* (replaces the configured stop strings) and
+        ``max_new_tokens`` apply to this call. No QA bank: the answer is the caller's.
+
+        >>> pc.complete_text("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
+        ...                  documents=["Lunch is at noon."])  # doctest: +SKIP
         """
         self._ensure_open()
-        if not isinstance(prefix, str) or not isinstance(suffix, str):
-            raise TypeError("prefix and suffix must be strings")
-        chunks = as_chunks(documents)
-        spec = PromptSpec(prefix, tuple((c.id, c.text) for c in chunks), suffix)
+        if not isinstance(prompt, str) or not prompt:
+            raise TypeError("prompt must be a non-empty string")
+        if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+            raise TypeError("documents must be a sequence of strings")
         tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
+        spec = TextPrompt(prompt, tuple(documents))
 
         def events() -> Generator[str, None, Answer]:
             with self.parts.activity.user_turn():
                 answer = yield from self.request_path.complete(
-                    suffix or prefix, chunks, spec=spec, stop=stop, max_new_tokens=tokens
+                    prompt,
+                    spec=spec,
+                    stop=stop,
+                    max_new_tokens=tokens,
+                    sampling=sampling,
+                    prompt_lookup=prompt_lookup,
                 )
             return answer
 

@@ -1,4 +1,11 @@
-"""Laying a RAG prompt out as segments: [system, chunk 1, ..., chunk k, question].
+"""Laying prompts out as segments whose KV states can be stored and restored.
+
+PerCache's own RAG prompt is [system, chunk 1, ..., chunk k, question] (``lay_out``). A
+caller's finished prompt string (a LlamaIndex or LangChain template, a chat template) is
+laid out by ``lay_out_text``: tokenized whole, exactly as llama.cpp tokenizes it, and cut
+after its line breaks. The cuts depend on the prompt alone, so the tokens, the batches the
+model sees and hence the output are the same with or without a cache; which cut states are
+worth keeping (the ends of known documents) is a separate choice that never changes them.
 
 Each segment is tokenized on its own and fed to the model as a token list, so a stored
 KV state of [system, chunk 1, ...] is exactly the state a later prompt with the same
@@ -10,18 +17,29 @@ which suits base models such as the bundled Gemma 3 270M.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from .errors import ContextOverflowError
 from .types import Chunk
 
 TEMPLATE_VERSION = "completion-v1"
 
-SegmentKind = Literal["system", "chunk", "question"]
+SegmentKind = Literal["system", "chunk", "question", "text"]
 Tokenizer = Callable[[str, bool], list[int]]  # (text, add_bos) -> token ids
+
+
+class TextTokenizer(Protocol):
+    """What ``lay_out_text`` needs of an engine."""
+
+    def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]: ...
+
+    def tokenize_chat(self, prompt: str) -> list[int]: ...
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -32,6 +50,7 @@ class Segment:
     text: str
     tokens: tuple[int, ...]
     chunk_id: str | None = None
+    keep_state: bool = True  # whether the state after this segment is worth storing
 
 
 def system_text(system_prompt: str) -> str:
@@ -89,6 +108,81 @@ class PromptSpec:
     prefix: str
     chunks: tuple[tuple[str | None, str], ...]
     suffix: str
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A caller's finished prompt string; *documents* are texts in it (retrieved chunks)
+    after which a state is worth keeping. They never change the tokens or the output."""
+
+    text: str
+    documents: tuple[str, ...] = ()
+
+
+_LINE_BREAKS = re.compile(r"\n+")
+
+
+def line_cuts(text: str) -> list[int]:
+    """Character offsets just after each run of line breaks in *text* (not at its end).
+
+    >>> line_cuts("Context:\\n\\nA.\\nB.\\nQ?")
+    [10, 13, 16]
+    """
+    return [m.end() for m in _LINE_BREAKS.finditer(text) if m.end() < len(text)]
+
+
+def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
+    """Character offsets where a whole occurrence of a (stripped) document ends."""
+    ends: list[int] = []
+    for document in documents:
+        needle = document.strip()
+        if not needle:
+            continue
+        start = text.find(needle)
+        while start >= 0:
+            ends.append(start + len(needle))
+            start = text.find(needle, start + 1)
+    return sorted(ends)
+
+
+def lay_out_text(prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens: int) -> PromptLayout:
+    """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, one
+    BOS) and cut into segments at the token boundaries that fall right after line breaks
+    (every document of a framework's template ends at one).
+
+    A segment whose text ends a document (up to whitespace) keeps its state; the last
+    segment never does. When the detokenized pieces do not spell the prompt exactly, the
+    prompt is one segment. Raises :class:`ContextOverflowError` when it does not fit.
+    """
+    text = prompt.text
+    tokens = engine.tokenize_chat(text)
+    if len(tokens) > max_prompt_tokens:
+        raise ContextOverflowError(
+            f"the prompt has {len(tokens)} tokens but only {max_prompt_tokens} fit (n_ctx "
+            "minus max_new_tokens): shorten it, retrieve fewer chunks or raise n_ctx"
+        )
+    added = len(tokens) - len(engine.tokenize(text, False, special=True))
+    data = text.encode("utf-8")
+    boundaries: dict[int, int] = {}  # byte offset -> token index
+    offset = 0
+    for index in range(added, len(tokens)):
+        offset += len(engine.token_bytes(tokens[index], special=True))
+        boundaries[offset] = index + 1
+    if offset != len(data):
+        return PromptLayout((Segment("text", text, tuple(tokens), keep_state=False),))
+    document_ends = _document_ends(text, prompt.documents)
+    segments: list[Segment] = []
+    start_char, start_token = 0, 0
+    for cut in line_cuts(text):
+        cut_token = boundaries.get(len(text[:cut].encode("utf-8")))
+        if cut_token is None or cut_token <= start_token:
+            continue
+        piece = text[start_char:cut]
+        ends_document = any(start_char < end <= cut and not text[end:cut].strip() for end in document_ends)
+        segments.append(Segment("text", piece, tuple(tokens[start_token:cut_token]), keep_state=ends_document))
+        start_char, start_token = cut, cut_token
+    segments.append(Segment("text", text[start_char:], tuple(tokens[start_token:]), keep_state=False))
+    return PromptLayout(tuple(segments))
 
 
 def rag_prompt(system_prompt: str, chunks: Sequence[Chunk], question: str) -> PromptSpec:

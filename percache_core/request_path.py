@@ -29,8 +29,9 @@ from .binding import answer_metadata, chunk_sources
 from .config import PerCacheConfig
 from .errors import StorageWriteError
 from .generation import RunResult
+from .kv.engine import Sampling
 from .parts import CacheParts
-from .prompting import PromptSpec
+from .prompting import TextPrompt
 from .types import Answer, Chunk, QAEntry, QAHit
 from .verifier import HitVerifier, make_verifier
 
@@ -140,17 +141,25 @@ class RequestPath:
     def complete(
         self,
         question: str,
-        chunks: list[Chunk],
         *,
-        spec: PromptSpec,
+        spec: TextPrompt,
         stop: Sequence[str] | None,
         max_new_tokens: int,
+        sampling: Sampling | None,
+        prompt_lookup: bool,
     ) -> Generator[str, None, Answer]:
         """Run a caller's own prompt *spec* through the chunk states (no QA bank: its
         answers are the caller's to keep). Yields text; returns the :class:`Answer`."""
         started = time.perf_counter()
         result = yield from self.parts.runtime.runner.run(
-            question, chunks, spec=spec, stop=stop, max_new_tokens=max_new_tokens, started=started
+            question,
+            [],
+            spec=spec,
+            stop=stop,
+            max_new_tokens=max_new_tokens,
+            started=started,
+            sampling=sampling,
+            prompt_lookup=prompt_lookup,
         )
         answer = generated_answer(question, result, started, dict(result.timings))
         answer.latency_s = time.perf_counter() - started

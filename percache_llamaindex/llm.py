@@ -1,43 +1,119 @@
-"""``PerCacheLlamaCPP``: a LlamaIndex LLM on PerCache's llama.cpp engine.
+"""``PerCacheLlamaCPP``: a LlamaIndex LLM on llama.cpp whose answers do not depend on a cache.
 
-Used alone it completes prompts like any LlamaIndex LLM; given to
-``PerCacheQueryEngine`` it lets answers reuse chunk states.
+Every prompt, whoever formatted it, is tokenized whole and fed to the model in pieces cut
+after its line breaks (``percache_core.prompting.lay_out_text``). Inside a
+:class:`~percache_llamaindex.PerCacheQueryEngine`, each LLM call (the one call of
+``compact``, every call of ``refine`` and ``tree_summarize``) also restores the stored KV
+state of the longest known leading part of its prompt and keeps the states that end a
+retrieved node; elsewhere (``index.as_query_engine(llm=llm)``, ``llm.complete``) the same
+pieces run without stored states. The pieces are the same either way, so the text is too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
-from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+)
 from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
-from percache_core.config import DEFAULT_STOP
-from percache_core.generation import stream_text
+from percache_core import Answer, AnswerStream, PerCache, PerCacheConfig, Sampling
+from percache_core.errors import EngineError
+from percache_core.generation import PromptRunner
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
+from percache_core.prompting import TextPrompt
 from percache_core.streaming import BackgroundStream
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheScope:
+    """The cache that LLM calls use inside a :func:`cache_scope` block, and their answers."""
+
+    percache: PerCache
+    documents: tuple[str, ...]
+    answers: list[Answer] = field(default_factory=list)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(a.reused_tokens for a in self.answers)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return sum(a.prefilled_tokens for a in self.answers)
+
+
+_scope: ContextVar[CacheScope | None] = ContextVar("percache_llamaindex_cache_scope", default=None)
+
+
+@contextmanager
+def cache_scope(percache: PerCache, documents: Sequence[str]) -> Iterator[CacheScope]:
+    """Within this block, LLM calls reuse and keep *percache*'s chunk states; a state is
+    kept where one of *documents* (the retrieved nodes' texts) ends in the prompt."""
+    scope = CacheScope(percache, tuple(documents))
+    token = _scope.set(scope)
+    try:
+        yield scope
+    finally:
+        _scope.reset(token)
 
 
 class PerCacheLlamaCPP(CustomLLM):
-    """A GGUF model (default: the bundled Gemma 3 270M) on PerCache's engine.
+    """A GGUF model (default: the bundled Gemma 3 270M) as a LlamaIndex LLM.
+
+    ``complete``/``stream_complete``/``chat``/``stream_chat`` and their async forms. Chat
+    messages are laid out with the GGUF file's chat template (llama.cpp's rendering; give
+    ``chat_template`` to name one of llama.cpp's built-in templates, e.g. ``"gemma"``, for a
+    file without one; with neither, LlamaIndex's generic ``messages_to_prompt``), unless a
+    ``messages_to_prompt`` is given. The defaults suit the bundled small base model:
+    greedy decoding and answers that end at a line break (``stop=["\\n"]``).
 
     >>> llm = PerCacheLlamaCPP(max_new_tokens=32)            # doctest: +SKIP
     >>> llm.complete("The capital of France is").text        # doctest: +SKIP
     """
 
     model_path: str | None = Field(default=None, description="GGUF file; None: the bundled model")
-    max_new_tokens: int = Field(default=128, gt=0)
-    n_ctx: int = Field(default=2048, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    stop: list[str] = Field(default_factory=lambda: list(DEFAULT_STOP))
+    max_new_tokens: int = Field(default=128, gt=0, description="most tokens of one answer")
+    n_ctx: int = Field(default=2048, gt=0, description="llama.cpp context length in tokens")
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0, description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = Field(default=0, description="sampling seed (temperature > 0)")
+    stop: list[str] = Field(default_factory=lambda: ["\n"], description="stop strings (not in the text)")
+    chat_template: str | None = Field(
+        default=None, description="a llama.cpp built-in template name or template text; None: the GGUF's"
+    )
+    prompt_lookup: bool = Field(
+        default=False, description="verify drafts from the prompt while decoding (greedy only)"
+    )
     _engine: LlamaEngine | None = PrivateAttr(default=None)
+    _runner: PromptRunner | None = PrivateAttr(default=None)
 
     def __init__(self, engine: LlamaEngine | None = None, **kwargs: Any) -> None:
+        own_layout = kwargs.get("messages_to_prompt") is not None
         super().__init__(**kwargs)
         self._engine = engine
+        if not own_layout:
+            self.messages_to_prompt = self.chat_prompt
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> PerCacheLlamaCPP:
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        return self
 
     @classmethod
     def class_name(cls) -> str:
@@ -59,27 +135,71 @@ class PerCacheLlamaCPP(CustomLLM):
             is_chat_model=False,
         )
 
-    def _pieces(self, prompt: str) -> Iterator[str]:
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """*messages* as the prompt ``chat`` completes (when no ``messages_to_prompt`` was
+        given): the chat template, else LlamaIndex's generic layout."""
+        pairs = [(m.role.value, m.content or "") for m in messages]
+        try:
+            return self.engine.format_chat(pairs, template=self.chat_template)
+        except EngineError:
+            logger.info("%s has no chat template: LlamaIndex's generic layout is used", self.engine.model_name)
+            return generic_messages_to_prompt(messages)
+
+    def _standalone_runner(self) -> PromptRunner:
+        if self._runner is None:
+            self._runner = PromptRunner(self.engine, None, PerCacheConfig(chunk_states=False))
+        return self._runner
+
+    def _pieces(self, prompt: str, scope: CacheScope | None) -> Iterator[str]:
         """The completion's text pieces, produced by a thread of their own (an abandoned
-        stream never keeps the model from other calls)."""
-        events = stream_text(
-            self.engine,
+        stream never keeps the model from other calls); through the cache of *scope* (the
+        caller's :func:`cache_scope`) when it runs on this LLM's engine."""
+        sampling = Sampling(self.temperature, self.top_p, self.seed)
+        if scope is not None and scope.percache.parts.runtime.engine is self.engine:
+            stream = scope.percache.complete_text(
+                prompt,
+                documents=scope.documents,
+                max_new_tokens=self.max_new_tokens,
+                sampling=sampling,
+                stop=self.stop,
+                prompt_lookup=self.prompt_lookup,
+                stream=True,
+            )
+            assert isinstance(stream, AnswerStream)
+            yield from stream
+            if stream.answer is not None:
+                scope.answers.append(stream.answer)
+            return
+        events = self._standalone_runner().run(
             prompt,
+            [],
+            spec=TextPrompt(prompt),
             max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
+            sampling=sampling,
             stop=self.stop,
+            prompt_lookup=self.prompt_lookup,
         )
-        for piece in BackgroundStream(events):
-            if isinstance(piece, str):
-                yield piece
+        yield from BackgroundStream(events)
+
+    def _prompt(self, prompt: str, formatted: bool) -> str:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        return prompt if formatted else self.completion_to_prompt(prompt)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return CompletionResponse(text="".join(self._pieces(prompt)).strip())
+        pieces = self._pieces(self._prompt(prompt, formatted), _scope.get())
+        return CompletionResponse(text="".join(pieces))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        text = ""
-        for piece in self._pieces(prompt):
-            text += piece
-            yield CompletionResponse(text=text, delta=piece)
+        # The scope is read now: the generator runs later, outside the caller's block.
+        pieces = self._pieces(self._prompt(prompt, formatted), _scope.get())
+
+        def responses() -> CompletionResponseGen:
+            text = ""
+            for piece in pieces:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+
+        return responses()

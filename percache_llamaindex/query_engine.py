@@ -1,22 +1,28 @@
 """``PerCacheQueryEngine``: ``index.as_query_engine()`` with PerCache in front.
 
-Each question is retrieved with the index's own retriever (and node postprocessors)
-first. A stored answer is returned without calling the LLM only when it is bound to the
-same LLM, response mode and retrieved nodes (ids and texts): in the default exact mode
-for the same question text, in semantic mode (opt-in, approximate) for a similar one.
-Otherwise the answer is generated through the chunk-state tree when the LLM is a
-llama.cpp model (``PerCacheLlamaCPP``, or ``llama-index-llms-llama-cpp``'s ``LlamaCPP``,
-whose GGUF file PerCache loads itself), or through LlamaIndex's response synthesizer with
-any other LLM. ``response.metadata["percache"]`` says what happened.
+The app's own engine does the work: ``index.as_query_engine(llm=llm, **kwargs)`` is built
+with the user's arguments (prompt templates, ``response_mode``, node postprocessors,
+streaming), and every question is retrieved by it. PerCache adds two things that cannot
+change the answer:
 
-Idle-time prediction answers with the model that answers the user: with an LLM that is
-not llama.cpp, ``warm()`` and ``start_worker()`` do nothing (and say so in the log).
+- a stored answer is returned without calling the LLM only when it is bound to the same
+  LLM (class and settings), the same response synthesizer (class, response mode, prompt
+  templates) and the same retrieved nodes (ids, order, and the texts the LLM sees), and,
+  in the default exact mode, the same question text; so an ``index.insert`` or
+  ``delete_ref_doc`` that changes what is retrieved changes the binding. Semantic mode
+  (``qa_mode="semantic"``, opt-in and approximate) serves similar questions too.
+- with :class:`PerCacheLlamaCPP` as the LLM, each of the synthesizer's LLM calls restores
+  the stored KV state of its prompt's longest known leading part (see its module).
+
+Nothing is stored when retrieval finds no node (LlamaIndex answers "Empty Response").
+``response.metadata["percache"]`` says what happened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Generator
@@ -34,7 +40,7 @@ from percache_core.binding import chunk_sources
 from percache_core.scheduler import WarmReport
 
 from .embedding import PerCacheEmbedding
-from .llm import PerCacheLlamaCPP
+from .llm import PerCacheLlamaCPP, cache_scope
 from .nodes import node_chunks, record_nodes
 
 logger = logging.getLogger(__name__)
@@ -49,21 +55,25 @@ def llm_identity(llm: Any) -> str:
     return f"{type(llm).__module__}.{type(llm).__qualname__}:{settings}"
 
 
+def synthesizer_identity(engine: RetrieverQueryEngine, llm: Any) -> str:
+    """A text that tells response synthesizers apart: class, response mode and the text
+    of every prompt template the engine uses (as formatted for *llm*)."""
+    synthesizer = engine._response_synthesizer
+    parts = [f"{type(synthesizer).__module__}.{type(synthesizer).__qualname__}"]
+    parts.append(str(getattr(synthesizer, "_response_mode", "")))
+    for name, prompt in sorted(engine.get_prompts().items()):
+        try:
+            template = prompt.get_template(llm=llm)
+        except TypeError:
+            template = prompt.get_template()
+        partials = sorted((str(k), str(v)) for k, v in getattr(prompt, "kwargs", {}).items())
+        parts.append(f"{name}={template!r}{partials!r}")
+    return "|".join(parts)
+
+
 def _default_llm() -> Any:
     """``Settings.llm`` when one was set, else None (LlamaIndex's default needs OpenAI)."""
     return getattr(Settings, "_llm", None)
-
-
-def _llama_cpp_model_path(llm: Any) -> str | None:
-    """The GGUF file of ``llama-index-llms-llama-cpp``'s ``LlamaCPP``, else None."""
-    if type(llm).__name__ == "LlamaCPP" and isinstance(getattr(llm, "model_path", None), str):
-        return llm.model_path
-    return None
-
-
-def supports_chunk_states(llm: Any) -> bool:
-    """Whether answers from *llm* can go through PerCache's chunk-state tree."""
-    return isinstance(llm, PerCacheLlamaCPP) or _llama_cpp_model_path(llm) is not None
 
 
 def _metadata(answer: Answer) -> dict[str, Any]:
@@ -79,28 +89,18 @@ def _metadata(answer: Answer) -> dict[str, Any]:
 
 
 class PerCacheQueryEngine(BaseQueryEngine):
-    """A query engine that answers from PerCache first.
+    """A query engine that answers from PerCache first, and otherwise as the app's engine.
 
     Build it with :meth:`from_index`, which takes the keyword arguments of
     ``index.as_query_engine()``.
     """
 
-    def __init__(
-        self,
-        *,
-        inner: RetrieverQueryEngine,
-        percache: PerCache,
-        llm: Any,
-        streaming: bool = False,
-        response_mode: str = "compact",
-    ) -> None:
+    def __init__(self, *, inner: RetrieverQueryEngine, percache: PerCache, llm: Any) -> None:
         super().__init__(callback_manager=inner.callback_manager)
         self._inner = inner
         self._percache = percache
         self._llm = llm
-        self._uses_states = supports_chunk_states(llm)
-        self._streaming = streaming
-        self._answer_key = f"{llm_identity(llm)}|{response_mode}"
+        self._uses_states = isinstance(llm, PerCacheLlamaCPP)
 
     @classmethod
     def from_index(
@@ -113,35 +113,27 @@ class PerCacheQueryEngine(BaseQueryEngine):
         **kwargs: Any,
     ) -> PerCacheQueryEngine:
         """Like ``index.as_query_engine(llm=llm, **kwargs)`` (``similarity_top_k``,
-        ``response_mode``, ``streaming``, ``node_postprocessors``, ...), with a PerCache
-        in *cache_dir*. Without an LLM (and no ``Settings.llm``), the bundled Gemma 3 270M
-        is used through :class:`PerCacheLlamaCPP`.
+        ``response_mode``, ``text_qa_template``, ``streaming``, ``node_postprocessors``,
+        ...), with a PerCache in *cache_dir*. Without an LLM (and no ``Settings.llm``), the
+        bundled Gemma 3 270M through :class:`PerCacheLlamaCPP`. Chunk states need a
+        :class:`PerCacheLlamaCPP`; with any other LLM only exact answers are reused.
+
+        >>> engine = PerCacheQueryEngine.from_index(index, cache_dir="cache", similarity_top_k=3)  # doctest: +SKIP
         """
         if not isinstance(index, BaseIndex):
             raise TypeError(f"index must be a LlamaIndex index, got {type(index).__name__}")
         llm = llm or _default_llm() or PerCacheLlamaCPP()
-        model_path = _llama_cpp_model_path(llm)
         config = config or PerCacheConfig()
         if "similarity_top_k" in kwargs:
             config = config.replace(top_k=kwargs["similarity_top_k"])
         embed_model = getattr(index, "_embed_model", None)
         embedder = embed_model.embedder if isinstance(embed_model, PerCacheEmbedding) else None
+        inner = index.as_query_engine(llm=llm, **kwargs)
         if isinstance(llm, PerCacheLlamaCPP):
             percache = PerCache.open(cache_dir, config=config, embedder=embedder, engine=llm.engine)
-        elif model_path is not None:
-            percache = PerCache.open(
-                cache_dir, config=config.replace(model_path=model_path), embedder=embedder
-            )
         else:
             percache = PerCache.open(cache_dir, config=config.replace(chunk_states=False), embedder=embedder)
-        inner = index.as_query_engine(llm=llm, **kwargs)
-        return cls(
-            inner=inner,
-            percache=percache,
-            llm=llm,
-            streaming=bool(kwargs.get("streaming")),
-            response_mode=str(kwargs.get("response_mode", "compact")),
-        )
+        return cls(inner=inner, percache=percache, llm=llm)
 
     @property
     def percache(self) -> PerCache:
@@ -171,10 +163,10 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return self._percache.start_worker(**kwargs)
 
     def _binding(self, nodes: list[NodeWithScore]) -> str:
-        """What decides this engine's answer besides the question: LLM, response mode and
-        the retrieved nodes' ids and texts (a changed or new node changes it)."""
-        sources = chunk_sources(node_chunks(nodes))
-        payload = f"{self._answer_key}|{sources}"
+        """What decides this engine's answer besides the question: the LLM, the response
+        synthesizer and the retrieved nodes' ids and texts, in order."""
+        sources = json.dumps(chunk_sources(node_chunks(nodes)))
+        payload = "\x1f".join((llm_identity(self._llm), synthesizer_identity(self._inner, self._llm), sources))
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
     def _get_prompt_modules(self) -> dict[str, Any]:
@@ -184,42 +176,45 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return self._inner.retrieve(query_bundle)
 
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        question = query_bundle.query_str
         nodes = self._inner.retrieve(query_bundle)
+        if not nodes:  # LlamaIndex's own empty response; nothing to store
+            return self._with_info(self._inner.synthesize(query_bundle, nodes), {"source": "full"})
         binding = self._binding(nodes)
-        hit = self._percache.lookup(question, binding=binding) if nodes else None
+        question = query_bundle.query_str
+        hit = self._percache.lookup(question, binding=binding)
         if hit is not None:
-            if self._streaming:
-                return StreamingResponse(
-                    response_gen=iter([hit.text]), source_nodes=nodes, metadata={"percache": _metadata(hit)}
-                )
-            return Response(hit.text, source_nodes=nodes, metadata={"percache": _metadata(hit)})
+            return self._stored_response(hit, nodes)
         record_nodes(self._percache, nodes)
-        if self._uses_states and nodes:
-            return self._generate(question, nodes, binding)
         return self._synthesize(query_bundle, nodes, binding)
 
-    def _generate(self, question: str, nodes: list[NodeWithScore], binding: str) -> RESPONSE_TYPE:
-        if not self._streaming:
-            answer = self._percache.generate(question, node_chunks(nodes), binding=binding)
-            return Response(answer.text, source_nodes=nodes, metadata={"percache": _metadata(answer)})
-        stream = self._percache.generate(question, node_chunks(nodes), binding=binding, stream=True)
-        metadata: dict[str, Any] = {}
+    def _stored_response(self, hit: Answer, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
+        metadata: dict[str, Any] = {n.node.node_id: n.node.metadata for n in nodes}
+        metadata["percache"] = _metadata(hit)
+        if self._inner._response_synthesizer._streaming:
+            return StreamingResponse(response_gen=iter([hit.text]), source_nodes=nodes, metadata=metadata)
+        return Response(hit.text, source_nodes=nodes, metadata=metadata)
 
-        def pieces() -> Generator[str, None, None]:
-            yield from stream
-            answer = stream.answer
-            assert answer is not None
-            metadata.update(_metadata(answer))
+    @staticmethod
+    def _with_info(response: RESPONSE_TYPE, info: dict[str, Any]) -> RESPONSE_TYPE:
+        response.metadata = {**(response.metadata or {}), "percache": info}
+        return response
 
-        return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata={"percache": metadata})
-
-    def _synthesize(
-        self, query_bundle: QueryBundle, nodes: list[NodeWithScore], binding: str
-    ) -> RESPONSE_TYPE:
-        response = self._inner.synthesize(query_bundle, nodes)
+    def _synthesize(self, query_bundle: QueryBundle, nodes: list[NodeWithScore], binding: str) -> RESPONSE_TYPE:
+        documents = [c.text for c in node_chunks(nodes)] if self._uses_states else []
+        with cache_scope(self._percache, documents) as scope:
+            response = self._inner.synthesize(query_bundle, nodes)
         question = query_bundle.query_str
-        info = {"source": "full", "similarity": None, "reused_tokens": 0}
+        info: dict[str, Any] = {"source": "full", "llm_calls": 0, "reused_tokens": 0, "prefilled_tokens": 0}
+
+        def account() -> None:  # what the LLM calls restored and prefilled
+            info.update(
+                llm_calls=len(scope.answers),
+                reused_tokens=scope.reused_tokens,
+                prefilled_tokens=scope.prefilled_tokens,
+            )
+            if scope.answers:
+                info["ttft_s"] = scope.answers[-1].ttft_s
+
         if isinstance(response, StreamingResponse):
             original = response.response_gen
 
@@ -228,20 +223,17 @@ class PerCacheQueryEngine(BaseQueryEngine):
                 for piece in original:
                     text += piece
                     yield piece
-                if text.strip() and nodes:
-                    self._remember_text(question, text.strip(), nodes, binding)
+                account()
+                self._remember(question, text, nodes, binding)
 
             response.response_gen = pieces()
-            response.metadata = {**(response.metadata or {}), "percache": info}
-            return response
-        text = str(response)
-        if text.strip() and nodes:
-            self._remember_text(question, text.strip(), nodes, binding)
-        response.metadata = {**(response.metadata or {}), "percache": info}
-        return response
+            return self._with_info(response, info)
+        account()
+        self._remember(question, response.response, nodes, binding)
+        return self._with_info(response, info)
 
-    def _remember_text(self, question: str, text: str, nodes: list[NodeWithScore], binding: str) -> None:
-        if self._percache.config.qa_bank:
+    def _remember(self, question: str, text: str | None, nodes: list[NodeWithScore], binding: str) -> None:
+        if self._percache.config.qa_bank and text and text.strip():
             ids = [n.node.node_id for n in nodes]
             self._percache.remember(question, text, chunk_ids=ids, binding=binding)
 

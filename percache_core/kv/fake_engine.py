@@ -77,7 +77,11 @@ class FakeEngine:
         return None
 
     def chat_prompt(self, user_message: str) -> str:
-        return f"<start_of_turn>user\n{user_message}<end_of_turn>\n<start_of_turn>model\n"
+        return self.format_chat([("user", user_message)])
+
+    def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
+        turns = "".join(f"<start_of_turn>{role}\n{content}<end_of_turn>\n" for role, content in messages)
+        return f"{turns}<start_of_turn>model\n"
 
     # -- tokens ---------------------------------------------------------------------------
 

@@ -174,18 +174,28 @@ class LlamaEngine:
     def chat_prompt(self, user_message: str) -> str:
         """*user_message* as one user turn in the model's chat template, ready for the
         assistant's reply (tokenize it with ``special=True`` and no extra BOS)."""
-        template = self._lc.llama_model_chat_template(self._model, None)
-        if not template:
+        return self.format_chat([("user", user_message)])
+
+    def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
+        """(role, content) messages in the GGUF file's chat template, or in *template* (a
+        llama.cpp built-in name such as ``"gemma"``, or template text it recognises):
+        llama.cpp's own rendering, ending with the assistant's turn opened. Raises
+        EngineError when there is no template or llama.cpp cannot apply it."""
+        chosen = template.encode("utf-8") if template else self._lc.llama_model_chat_template(self._model, None)
+        if not chosen:
             raise EngineError(f"{self.model_name} has no chat template")
-        messages = (self._lc.llama_chat_message * 1)()
-        messages[0].role = b"user"
-        messages[0].content = user_message.encode("utf-8")
-        size = 4 * len(user_message) + 1024
+        if not messages:
+            raise ValueError("no messages to format")
+        encoded = [(role.encode("utf-8"), content.encode("utf-8")) for role, content in messages]
+        array = (self._lc.llama_chat_message * len(encoded))()
+        for slot, (role, content) in zip(array, encoded):
+            slot.role, slot.content = role, content
+        size = 2 * sum(len(content) for _, content in encoded) + 1024
         buffer = ctypes.create_string_buffer(size)
-        count = self._lc.llama_chat_apply_template(template, messages, 1, True, buffer, size)
+        count = self._lc.llama_chat_apply_template(chosen, array, len(encoded), True, buffer, size)
         if count > size:
             buffer = ctypes.create_string_buffer(count)
-            count = self._lc.llama_chat_apply_template(template, messages, 1, True, buffer, count)
+            count = self._lc.llama_chat_apply_template(chosen, array, len(encoded), True, buffer, count)
         if count < 0:
             raise EngineError("llama.cpp could not apply the chat template")
         return buffer.raw[:count].decode("utf-8", "replace")
