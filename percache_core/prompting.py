@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .errors import ContextOverflowError
+from .errors import ContextOverflowError, EngineError
 from .types import Chunk
 
 TEMPLATE_VERSION = "completion-v1"
@@ -40,6 +40,12 @@ class TextTokenizer(Protocol):
     def tokenize_chat(self, prompt: str) -> list[int]: ...
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes: ...
+
+
+class ChatFormatter(Protocol):
+    """What ``chat_text`` needs of an engine."""
+
+    def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,26 @@ def lay_out_text(prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens
         start_char, start_token = cut, cut_token
     segments.append(Segment("text", text[start_char:], tuple(tokens[start_token:]), keep_state=False))
     return PromptLayout(tuple(segments))
+
+
+PLAIN_CHAT_STOPS = ("\nuser:", "\nsystem:", "\nassistant:")  # a new turn in ``role: content`` lines
+
+
+def chat_text(engine: ChatFormatter, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
+    """(role, content) *messages* as one prompt for the assistant's reply: in *template*
+    (a llama.cpp built-in name or template text) or the GGUF file's chat template; for a
+    model without one (and no *template*), as ``role: content`` lines ending with
+    ``assistant:`` (an answer then ends at one of ``PLAIN_CHAT_STOPS``). Roles are ``system``, ``user``, ``assistant`` (others pass through).
+    """
+    if not messages:
+        raise ValueError("no messages to lay out")
+    try:
+        return engine.format_chat(messages, template=template)
+    except EngineError:
+        if template is not None:
+            raise
+    lines = [f"{role}: {content}" for role, content in messages]
+    return "\n".join([*lines, "assistant: "])
 
 
 def rag_prompt(system_prompt: str, chunks: Sequence[Chunk], question: str) -> PromptSpec:

@@ -1,5 +1,5 @@
-"""PerCache for LangChain: a semantic ``BaseCache``, a recording retriever and a llama.cpp
-LLM that reuses chunk states.
+"""PerCache for LangChain: an LLM cache, a recording retriever, and a llama.cpp LLM and chat
+model that reuse chunk states without changing the text.
 
 >>> from langchain_core.globals import set_llm_cache                       # doctest: +SKIP
 >>> set_llm_cache(PerCacheSemanticCache(pc))                                # doctest: +SKIP
@@ -13,7 +13,8 @@ from ._imports import require_langchain
 require_langchain()
 
 from .cache import PerCacheSemanticCache  # noqa: E402
+from .chat_model import PerCacheChatLlamaCPP  # noqa: E402
 from .llm import PerCacheLlamaCPP  # noqa: E402
 from .retriever import PerCacheRetriever  # noqa: E402
 
-__all__ = ["PerCacheLlamaCPP", "PerCacheRetriever", "PerCacheSemanticCache"]
+__all__ = ["PerCacheChatLlamaCPP", "PerCacheLlamaCPP", "PerCacheRetriever", "PerCacheSemanticCache"]

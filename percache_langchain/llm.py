@@ -1,9 +1,10 @@
-"""``PerCacheLlamaCPP``: a LangChain LLM on PerCache's llama.cpp engine that reuses chunk
-states for the documents a ``PerCacheRetriever`` put into the prompt.
+"""``PerCacheLlamaCPP``: a LangChain LLM on PerCache's llama.cpp engine.
 
-The prompt string is laid out as [text before the first document, document 1, ...,
-document k, the rest], so any prompt template works unchanged and stored states of the
-same template text and documents are reused.
+The prompt string, whatever template made it, is continued exactly as the model does
+without a cache (``PerCache.complete_text``): tokenized whole and fed in pieces cut after
+its line breaks, restoring the stored state of its longest known leading part. States are
+kept where a document that a ``PerCacheRetriever`` of the same PerCache returned ends in
+the prompt; that choice never changes the text.
 """
 
 from __future__ import annotations
@@ -14,21 +15,59 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import GenerationChunk
-from pydantic import ConfigDict, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from percache_core import Chunk, PerCache
+from percache_core import AnswerStream, PerCache, Sampling
 
 from .recorder import as_percache, recorder_for
-from .retriever import _document_id
+
+
+def generation_settings(percache: PerCache, max_new_tokens: int | None, temperature: float | None) -> dict[str, Any]:
+    """The settings one call runs with (the PerCache's where not given), for
+    ``_identifying_params`` (so LangChain's cache keys tell them apart) and for the call."""
+    config = percache.config
+    return {
+        "model": percache.model_id(),
+        "max_new_tokens": max_new_tokens or config.max_new_tokens,
+        "temperature": config.temperature if temperature is None else temperature,
+        "top_p": config.top_p,
+        "seed": config.seed,
+    }
+
+
+def complete(
+    percache: PerCache,
+    prompt: str,
+    settings: dict[str, Any],
+    stop: list[str] | None,
+) -> AnswerStream:
+    """*prompt* continued through *percache*'s chunk states with *settings*: the text
+    pieces (joined, they are the text ``invoke`` returns), then ``.answer``."""
+    documents = [d.page_content for d in recorder_for(percache).documents_in(prompt)]
+    return percache.complete_text(
+        prompt,
+        documents=documents,
+        max_new_tokens=settings["max_new_tokens"],
+        sampling=Sampling(settings["temperature"], settings["top_p"], settings["seed"]),
+        stop=stop,
+        stream=True,
+    )  # type: ignore[return-value]
 
 
 class PerCacheLlamaCPP(LLM):
-    """Generates with the PerCache's engine; ``max_new_tokens`` defaults to the PerCache's."""
+    """Generates with the PerCache's engine and settings (``max_new_tokens`` and
+    ``temperature`` override them for this LLM); ``stop`` replaces the configured stop
+    strings for one call.
+
+    >>> llm = PerCacheLlamaCPP(percache=pc, max_new_tokens=48)   # doctest: +SKIP
+    >>> (retriever | prompt | llm).invoke("When is the rehearsal?")   # doctest: +SKIP
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     percache: Any
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
 
     @field_validator("percache")
     @classmethod
@@ -41,40 +80,7 @@ class PerCacheLlamaCPP(LLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        config = self.percache.config
-        return {
-            "model": self.percache.model_id(),
-            "max_new_tokens": self.max_new_tokens or config.max_new_tokens,
-            "temperature": config.temperature,
-            "top_p": config.top_p,
-            "seed": config.seed,
-        }
-
-    def _layout(self, prompt: str) -> tuple[str, list[Chunk], str]:
-        documents = recorder_for(self.percache).documents_in(prompt)
-        if not documents:
-            return prompt, [], ""
-        chunks: list[Chunk] = []
-        starts = []
-        cursor = 0
-        for document in documents:
-            start = prompt.find(document.page_content, cursor)
-            if start < 0:
-                continue
-            starts.append((start, document))
-            cursor = start + len(document.page_content)
-        prefix = prompt[: starts[0][0]]
-        for index, (start, document) in enumerate(starts):
-            end = starts[index + 1][0] if index + 1 < len(starts) else start + len(document.page_content)
-            chunks.append(Chunk(_document_id(document), _document_id(document), prompt[start:end]))
-        last_start, last_document = starts[-1]
-        return prefix, chunks, prompt[last_start + len(last_document.page_content) :]
-
-    def _stream_answer(self, prompt: str, stop: list[str] | None):
-        prefix, chunks, suffix = self._layout(prompt)
-        return self.percache.complete_with_documents(
-            prefix, chunks, suffix, max_new_tokens=self.max_new_tokens, stop=stop, stream=True
-        )
+        return generation_settings(self.percache, self.max_new_tokens, self.temperature)
 
     def _call(
         self,
@@ -83,11 +89,7 @@ class PerCacheLlamaCPP(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> str:
-        prefix, chunks, suffix = self._layout(prompt)
-        answer = self.percache.complete_with_documents(
-            prefix, chunks, suffix, max_new_tokens=self.max_new_tokens, stop=stop
-        )
-        return answer.text
+        return "".join(complete(self.percache, prompt, self._identifying_params, stop))
 
     def _stream(
         self,
@@ -96,7 +98,7 @@ class PerCacheLlamaCPP(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for piece in self._stream_answer(prompt, stop):
+        for piece in complete(self.percache, prompt, self._identifying_params, stop):
             chunk = GenerationChunk(text=piece)
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)

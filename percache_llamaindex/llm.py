@@ -11,33 +11,36 @@ pieces run without stored states. The pieces are the same either way, so the tex
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.generic_utils import (
+    completion_response_to_chat_response,
+    stream_completion_response_to_chat_response,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
     CompletionResponse,
     CompletionResponseGen,
     LLMMetadata,
 )
-from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr, model_validator
 
 from percache_core import Answer, AnswerStream, PerCache, PerCacheConfig, Sampling
-from percache_core.errors import EngineError
 from percache_core.generation import PromptRunner
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prompting import TextPrompt
+from percache_core.prompting import TextPrompt, chat_text
 from percache_core.streaming import BackgroundStream
 
-logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,13 +75,27 @@ def cache_scope(percache: PerCache, documents: Sequence[str]) -> Iterator[CacheS
         _scope.reset(token)
 
 
+def iterate_in_scope(items: Iterator[T], scope: CacheScope) -> Iterator[T]:
+    """*items* with *scope* in force while each is produced: for a streaming response that
+    is consumed after its :func:`cache_scope` block ended (its LLM call starts only then)."""
+    while True:
+        token = _scope.set(scope)
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            _scope.reset(token)
+        yield item
+
+
 class PerCacheLlamaCPP(CustomLLM):
     """A GGUF model (default: the bundled Gemma 3 270M) as a LlamaIndex LLM.
 
     ``complete``/``stream_complete``/``chat``/``stream_chat`` and their async forms. Chat
     messages are laid out with the GGUF file's chat template (llama.cpp's rendering; give
     ``chat_template`` to name one of llama.cpp's built-in templates, e.g. ``"gemma"``, for a
-    file without one; with neither, LlamaIndex's generic ``messages_to_prompt``), unless a
+    file without one; with neither, ``role: content`` lines), unless a
     ``messages_to_prompt`` is given. The defaults suit the bundled small base model:
     greedy decoding and answers that end at a line break (``stop=["\\n"]``).
 
@@ -102,12 +119,13 @@ class PerCacheLlamaCPP(CustomLLM):
     _engine: LlamaEngine | None = PrivateAttr(default=None)
     _runner: PromptRunner | None = PrivateAttr(default=None)
 
+    _own_chat_layout: bool = PrivateAttr(default=False)
+
     def __init__(self, engine: LlamaEngine | None = None, **kwargs: Any) -> None:
-        own_layout = kwargs.get("messages_to_prompt") is not None
+        own_chat_layout = kwargs.get("messages_to_prompt") is not None
         super().__init__(**kwargs)
         self._engine = engine
-        if not own_layout:
-            self.messages_to_prompt = self.chat_prompt
+        self._own_chat_layout = own_chat_layout
 
     @model_validator(mode="after")
     def _check_stop(self) -> PerCacheLlamaCPP:
@@ -136,14 +154,22 @@ class PerCacheLlamaCPP(CustomLLM):
         )
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        """*messages* as the prompt ``chat`` completes (when no ``messages_to_prompt`` was
-        given): the chat template, else LlamaIndex's generic layout."""
+        """*messages* as the prompt ``chat`` completes: the given ``messages_to_prompt``,
+        else the chat template (see ``percache_core.prompting.chat_text``)."""
+        if self._own_chat_layout:
+            return self.messages_to_prompt(messages)
         pairs = [(m.role.value, m.content or "") for m in messages]
-        try:
-            return self.engine.format_chat(pairs, template=self.chat_template)
-        except EngineError:
-            logger.info("%s has no chat template: LlamaIndex's generic layout is used", self.engine.model_name)
-            return generic_messages_to_prompt(messages)
+        return chat_text(self.engine, pairs, template=self.chat_template)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        response = self.complete(self.chat_prompt(messages), formatted=True, **kwargs)
+        return completion_response_to_chat_response(response)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        responses = self.stream_complete(self.chat_prompt(messages), formatted=True, **kwargs)
+        return stream_completion_response_to_chat_response(responses)
 
     def _standalone_runner(self) -> PromptRunner:
         if self._runner is None:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -40,7 +41,7 @@ from percache_core.binding import chunk_sources
 from percache_core.scheduler import WarmReport
 
 from .embedding import PerCacheEmbedding
-from .llm import PerCacheLlamaCPP, cache_scope
+from .llm import PerCacheLlamaCPP, cache_scope, iterate_in_scope
 from .nodes import node_chunks, record_nodes
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ def synthesizer_identity(engine: RetrieverQueryEngine, llm: Any) -> str:
     return "|".join(parts)
 
 
+def _indexed_nodes(index: BaseIndex) -> tuple[str, ...] | None:
+    """The node ids of a vector index's structure (None for indexes without one)."""
+    nodes = getattr(getattr(index, "index_struct", None), "nodes_dict", None)
+    return tuple(nodes) if isinstance(nodes, dict) else None
+
+
 def _default_llm() -> Any:
     """``Settings.llm`` when one was set, else None (LlamaIndex's default needs OpenAI)."""
     return getattr(Settings, "_llm", None)
@@ -95,12 +102,33 @@ class PerCacheQueryEngine(BaseQueryEngine):
     ``index.as_query_engine()``.
     """
 
-    def __init__(self, *, inner: RetrieverQueryEngine, percache: PerCache, llm: Any) -> None:
-        super().__init__(callback_manager=inner.callback_manager)
-        self._inner = inner
-        self._percache = percache
+    def __init__(
+        self,
+        *,
+        index: BaseIndex,
+        percache: PerCache,
+        llm: Any,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self._index = index
         self._llm = llm
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._inner = index.as_query_engine(llm=llm, **self._engine_kwargs)
+        self._indexed = _indexed_nodes(index)
+        super().__init__(callback_manager=self._inner.callback_manager)
+        self._percache = percache
         self._uses_states = isinstance(llm, PerCacheLlamaCPP)
+
+    def _current_engine(self) -> RetrieverQueryEngine:
+        """The app's engine; built again (with any prompts updated since) when nodes were
+        inserted or deleted (an engine's retriever keeps the node ids it was built with)."""
+        indexed = _indexed_nodes(self._index)
+        if indexed != self._indexed:
+            prompts = self._inner.get_prompts()
+            self._inner = self._index.as_query_engine(llm=self._llm, **self._engine_kwargs)
+            self._inner.update_prompts(prompts)
+            self._indexed = indexed
+        return self._inner
 
     @classmethod
     def from_index(
@@ -128,12 +156,11 @@ class PerCacheQueryEngine(BaseQueryEngine):
             config = config.replace(top_k=kwargs["similarity_top_k"])
         embed_model = getattr(index, "_embed_model", None)
         embedder = embed_model.embedder if isinstance(embed_model, PerCacheEmbedding) else None
-        inner = index.as_query_engine(llm=llm, **kwargs)
         if isinstance(llm, PerCacheLlamaCPP):
             percache = PerCache.open(cache_dir, config=config, embedder=embedder, engine=llm.engine)
         else:
             percache = PerCache.open(cache_dir, config=config.replace(chunk_states=False), embedder=embedder)
-        return cls(inner=inner, percache=percache, llm=llm)
+        return cls(index=index, percache=percache, llm=llm, engine_kwargs=kwargs)
 
     @property
     def percache(self) -> PerCache:
@@ -173,19 +200,21 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return {"inner": self._inner}
 
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return self._inner.retrieve(query_bundle)
+        return self._current_engine().retrieve(query_bundle)
 
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        nodes = self._inner.retrieve(query_bundle)
+        started = time.perf_counter()
+        inner = self._current_engine()
+        nodes = inner.retrieve(query_bundle)
         if not nodes:  # LlamaIndex's own empty response; nothing to store
-            return self._with_info(self._inner.synthesize(query_bundle, nodes), {"source": "full"})
+            return self._with_info(inner.synthesize(query_bundle, nodes), {"source": "full"})
         binding = self._binding(nodes)
         question = query_bundle.query_str
         hit = self._percache.lookup(question, binding=binding)
         if hit is not None:
             return self._stored_response(hit, nodes)
         record_nodes(self._percache, nodes)
-        return self._synthesize(query_bundle, nodes, binding)
+        return self._synthesize(query_bundle, nodes, binding, started)
 
     def _stored_response(self, hit: Answer, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
         metadata: dict[str, Any] = {n.node.node_id: n.node.metadata for n in nodes}
@@ -199,7 +228,9 @@ class PerCacheQueryEngine(BaseQueryEngine):
         response.metadata = {**(response.metadata or {}), "percache": info}
         return response
 
-    def _synthesize(self, query_bundle: QueryBundle, nodes: list[NodeWithScore], binding: str) -> RESPONSE_TYPE:
+    def _synthesize(
+        self, query_bundle: QueryBundle, nodes: list[NodeWithScore], binding: str, started: float
+    ) -> RESPONSE_TYPE:
         documents = [c.text for c in node_chunks(nodes)] if self._uses_states else []
         with cache_scope(self._percache, documents) as scope:
             response = self._inner.synthesize(query_bundle, nodes)
@@ -208,19 +239,19 @@ class PerCacheQueryEngine(BaseQueryEngine):
 
         def account() -> None:  # what the LLM calls restored and prefilled
             info.update(
+                source="chunk_states" if scope.reused_tokens else "full",
                 llm_calls=len(scope.answers),
                 reused_tokens=scope.reused_tokens,
                 prefilled_tokens=scope.prefilled_tokens,
+                latency_s=time.perf_counter() - started,
             )
-            if scope.answers:
-                info["ttft_s"] = scope.answers[-1].ttft_s
 
         if isinstance(response, StreamingResponse):
             original = response.response_gen
 
             def pieces() -> Generator[str, None, None]:
                 text = ""
-                for piece in original:
+                for piece in iterate_in_scope(original, scope):
                     text += piece
                     yield piece
                 account()

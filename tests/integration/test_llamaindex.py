@@ -6,10 +6,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from llama_index.core import Document, VectorStoreIndex
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-from llama_index.core.llms import MockLLM
+from llama_index.core import Document, PromptTemplate, VectorStoreIndex
+from llama_index.core.llms import ChatMessage, MockLLM
+from llama_index.core.postprocessor import SimilarityPostprocessor
 from llama_index.core.schema import NodeWithScore, TextNode
 from nbclient import NotebookClient
 
@@ -37,66 +36,108 @@ def llm(engine):
     return PerCacheLlamaCPP(engine=engine, max_new_tokens=24)
 
 
-def open_engine(index, llm, tmp_path, name, **kwargs):
-    config = kwargs.pop("config", PerCacheConfig(max_new_tokens=24))
-    return PerCacheQueryEngine.from_index(
-        index, cache_dir=tmp_path / name, llm=llm, config=config, similarity_top_k=2, **kwargs
+def plain_and_cached(index, llm, tmp_path, name, **kwargs):
+    """The app's own engine and the swapped one, with the same arguments."""
+    plain = index.as_query_engine(llm=llm, similarity_top_k=2, **kwargs)
+    cached = PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / name, llm=llm, similarity_top_k=2, **kwargs)
+    return plain, cached
+
+
+@pytest.mark.parametrize("mode", ["compact", "refine", "tree_summarize"])
+def test_answers_equal_the_apps_own_engine_in_every_response_mode(index, llm, tmp_path, mode):
+    plain, cached = plain_and_cached(index, llm, tmp_path, mode, response_mode=mode)
+    asked = [QUESTION, "When is the presentation rehearsal for the launch talk?", QUESTION]
+    responses = [cached.query(q) for q in asked]
+    assert [r.response for r in responses] == [plain.query(q).response for q in asked]
+    sources = [r.metadata["percache"]["source"] for r in responses]
+    assert sources == ["full", "chunk_states", "qa_bank"]  # exact mode: the same question only
+    assert responses[0].metadata["percache"]["llm_calls"] >= 1
+    assert responses[1].metadata["percache"]["reused_tokens"] > 0  # the shared nodes' states
+    assert [n.node.node_id for n in responses[2].source_nodes] == [n.node.node_id for n in responses[0].source_nodes]
+    cached.close()
+
+
+def test_postprocessors_and_the_empty_response_are_the_apps(index, llm, tmp_path):
+    keep = [SimilarityPostprocessor(similarity_cutoff=0.1)]
+    plain, cached = plain_and_cached(index, llm, tmp_path, "kept", node_postprocessors=keep)
+    assert cached.query(QUESTION).response == plain.query(QUESTION).response
+    nothing = [SimilarityPostprocessor(similarity_cutoff=1.01)]
+    plain, cached = plain_and_cached(index, llm, tmp_path, "none", node_postprocessors=nothing)
+    expected = plain.query(QUESTION).response
+    assert expected == "Empty Response"
+    assert [cached.query(QUESTION).response for _ in range(2)] == [expected, expected]
+    assert len(cached.percache.qa_bank) == 0  # nothing invented, nothing stored
+    cached.close()
+
+
+def test_an_insert_or_delete_takes_effect_at_the_next_question(embedder, corpus, llm, tmp_path):
+    documents = [Document(text=d["text"], doc_id=d["id"]) for d in corpus["documents"]]
+    index = VectorStoreIndex.from_documents(documents, embed_model=PerCacheEmbedding(embedder))
+    plain, cached = plain_and_cached(index, llm, tmp_path, "insert")
+    before = cached.query(QUESTION)
+    assert before.response == plain.query(QUESTION).response
+    index.insert(Document(text="The launch talk rehearsal is in the Maple room.", doc_id="moved"))
+    after = cached.query(QUESTION)  # as an engine built now: LlamaIndex's own keep their node ids
+    assert after.metadata["percache"]["source"] == "full"  # other nodes: the stored answer is not bound to them
+    rebuilt = index.as_query_engine(llm=llm, similarity_top_k=2)
+    assert after.response == rebuilt.query(QUESTION).response
+    assert "moved" in {n.node.ref_doc_id for n in after.source_nodes}
+    index.delete_ref_doc("moved", delete_from_docstore=True)
+    again = cached.query(QUESTION)
+    rebuilt = index.as_query_engine(llm=llm, similarity_top_k=2)
+    assert again.response == rebuilt.query(QUESTION).response == before.response
+    assert "moved" not in {n.node.ref_doc_id for n in again.source_nodes}
+    cached.close()
+
+
+def test_prompt_templates_and_llm_settings_are_the_apps(index, engine, tmp_path):
+    short = PerCacheLlamaCPP(engine=engine, max_new_tokens=3, stop=["."])
+    template = PromptTemplate("Notes:\n{context_str}\nQ: {query_str}\nA (one word):")
+    plain, cached = plain_and_cached(index, short, tmp_path, "shared", text_qa_template=template)
+    answer = cached.query(QUESTION)
+    assert answer.response == plain.query(QUESTION).response
+    assert len(engine.tokenize(answer.response)) <= 3 and "." not in answer.response
+    default = PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / "shared", llm=short, similarity_top_k=2)
+    other = default.query(QUESTION)  # same cache folder, the default template: not served the other's answer
+    assert other.metadata["percache"]["source"] == "full"
+    assert other.response == index.as_query_engine(llm=short, similarity_top_k=2).query(QUESTION).response
+    cached.close()
+    default.close()
+
+
+def test_streaming_and_async_answers_are_the_apps(index, llm, tmp_path):
+    plain = index.as_query_engine(llm=llm, similarity_top_k=2)
+    expected = plain.query(QUESTION).response
+    streaming = PerCacheQueryEngine.from_index(
+        index, cache_dir=tmp_path / "s", llm=llm, similarity_top_k=2, streaming=True
     )
+    first = streaming.query(QUESTION)
+    assert "".join(first.response_gen) == expected
+    assert first.metadata["percache"]["llm_calls"] == 1  # known once the stream is consumed
+    repeat = streaming.query(QUESTION)  # the streamed answer was stored
+    assert repeat.metadata["percache"]["source"] == "qa_bank" and "".join(repeat.response_gen) == expected
+    cached = PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / "a", llm=llm, similarity_top_k=2)
+    assert asyncio.run(cached.aquery(QUESTION)).response == expected
+    streaming.close()
+    cached.close()
 
 
-def test_miss_then_repeat_hit_then_exact_paraphrase_then_chunk_state_reuse(index, llm, tmp_path):
-    engine = open_engine(index, llm, tmp_path, "a")
-    first = engine.query(QUESTION)
-    assert first.metadata["percache"]["source"] == "full" and len(first.source_nodes) == 2
-    hit = engine.query(QUESTION)
-    assert hit.metadata["percache"]["source"] == "qa_bank" and str(hit) == str(first)
-    assert [n.node.get_content() for n in hit.source_nodes] == [
-        n.node.get_content() for n in first.source_nodes
-    ]
-    off = open_engine(index, llm, tmp_path, "off", config=PerCacheConfig(max_new_tokens=24, qa_bank=False, chunk_states=False))
-    paraphrase = engine.query(PARAPHRASE)  # a stored answer is only a draft: the output is exact
-    assert str(paraphrase) == str(off.query(PARAPHRASE))
-    reuse = engine.query("When is the presentation rehearsal for the launch talk?")
-    assert reuse.metadata["percache"]["reused_tokens"] > 0
-    engine.close()
-    off.close()
-
-
-def test_chunk_state_hit_gives_the_same_text_as_the_cache_off(index, llm, tmp_path):
-    off = open_engine(
-        index,
-        llm,
-        tmp_path,
-        "off",
-        config=PerCacheConfig(max_new_tokens=24, qa_bank=False, chunk_states=False),
-    )
-    on = open_engine(index, llm, tmp_path, "on", config=PerCacheConfig(max_new_tokens=24, qa_bank=False))
-    expected = str(off.query(QUESTION))
-    assert str(on.query(QUESTION)) == expected
-    again = on.query(QUESTION)
-    assert again.metadata["percache"]["source"] == "chunk_states" and str(again) == expected
-
-
-def test_streaming_async_and_instrumentation(index, llm, tmp_path):
-    events = []
-
-    class Recorder(BaseEventHandler):
-        def handle(self, event, **kwargs):
-            events.append(type(event).__name__)
-
-    dispatcher = get_dispatcher()
-    handler = Recorder()
-    dispatcher.add_event_handler(handler)
-    try:
-        streaming = open_engine(index, llm, tmp_path, "s", streaming=True)
-        response = streaming.query(QUESTION)
-        text = "".join(response.response_gen)
-        assert text.strip() and response.metadata["percache"]["source"] == "full"
-        answer = asyncio.run(open_engine(index, llm, tmp_path, "async").aquery(QUESTION))
-        assert str(answer) == text.strip()
-    finally:
-        dispatcher.event_handlers.remove(handler)
-    assert "QueryStartEvent" in events and "QueryEndEvent" in events
+def test_the_llm_completes_chats_and_streams_like_llama_index_llms(engine):
+    llm = PerCacheLlamaCPP(engine=engine, max_new_tokens=12)
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Name a colour.")]
+    prompt = llm.chat_prompt(messages)
+    assert prompt.endswith("assistant: ") and "system: Be brief." in prompt  # this GGUF has no chat template
+    reply = llm.chat(messages)
+    assert reply.message.content == llm.complete(prompt, formatted=True).text
+    assert "".join(r.delta for r in llm.stream_chat(messages)) == reply.message.content
+    assert asyncio.run(llm.achat(messages)).message.content == reply.message.content
+    assert asyncio.run(llm.acomplete(prompt, formatted=True)).text == reply.message.content
+    gemma = PerCacheLlamaCPP(engine=engine, chat_template="gemma")
+    assert gemma.chat_prompt(messages).endswith("<start_of_turn>model\n")
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.complete("")
+    with pytest.raises(ValueError, match="stop"):
+        PerCacheLlamaCPP(engine=engine, stop=[""])
 
 
 def test_other_llms_get_the_qa_bank_only(index, tmp_path):

@@ -1,0 +1,148 @@
+"""``PerCacheChatLlamaCPP``: a LangChain chat model on PerCache's llama.cpp engine.
+
+Messages are laid out with the GGUF file's chat template (or ``chat_template``, a llama.cpp
+built-in name such as ``"gemma"``; ``role: content`` lines for a model without one) and the
+prompt is continued like ``PerCacheLlamaCPP``'s: the same text with or without stored
+chunk states, reusing the states of documents a ``PerCacheRetriever`` returned.
+
+``stream()`` goes through LangChain's LLM cache as ``invoke()`` does: a cached answer is
+streamed as one chunk, and a streamed answer is stored under the key ``invoke()`` uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from langchain_core.caches import BaseCache
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.globals import get_llm_cache
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.load import dumps
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, field_validator
+
+from percache_core import Answer, AnswerStream
+from percache_core.prompting import PLAIN_CHAT_STOPS, chat_text
+
+from .llm import complete, generation_settings
+from .recorder import as_percache
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+
+
+def message_pairs(messages: list[BaseMessage]) -> list[tuple[str, str]]:
+    """(role, text) of LangChain messages, in the chat template's role names."""
+    pairs = []
+    for message in messages:
+        role = getattr(message, "role", None) or _ROLES.get(message.type, message.type)
+        pairs.append((str(role), message.text))
+    return pairs
+
+
+def _without_ids(messages: list[BaseMessage]) -> list[BaseMessage]:
+    """The messages as LangChain keys its cache (message ids left out)."""
+    return [m.model_copy(update={"id": None}) if getattr(m, "id", None) is not None else m for m in messages]
+
+
+def _usage(answer: Answer | None) -> UsageMetadata | None:
+    if answer is None:
+        return None
+    prompt_tokens = answer.reused_tokens + answer.prefilled_tokens
+    generated = answer.generated_tokens
+    return UsageMetadata(input_tokens=prompt_tokens, output_tokens=generated, total_tokens=prompt_tokens + generated)
+
+
+class PerCacheChatLlamaCPP(BaseChatModel):
+    """A chat model on the PerCache's engine and settings (``max_new_tokens`` and
+    ``temperature`` override them); a call's ``stop`` strings end the answer (the
+    configured stop strings are for PerCache's own completion prompt, not chats; with a
+    model without a chat template, a new ``role:`` line ends it too).
+
+    >>> chat = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=64)        # doctest: +SKIP
+    >>> (retriever | prompt | chat).invoke({"question": "When is the rehearsal?"})  # doctest: +SKIP
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    percache: Any
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    chat_template: str | None = None
+
+    @field_validator("percache")
+    @classmethod
+    def _check_percache(cls, value: Any) -> Any:
+        return as_percache(value)
+
+    @property
+    def _llm_type(self) -> str:
+        return "percache-chat-llama-cpp"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        settings = generation_settings(self.percache, self.max_new_tokens, self.temperature)
+        return {**settings, "chat_template": self.chat_template}
+
+    def prompt(self, messages: list[BaseMessage]) -> str:
+        """The prompt string the model continues for *messages*."""
+        engine = self.percache.parts.runtime.engine
+        return chat_text(engine, message_pairs(messages), template=self.chat_template)
+
+    def _pieces(self, messages: list[BaseMessage], stop: list[str] | None) -> AnswerStream:
+        stops = list(stop or [])
+        if self.chat_template is None and self.percache.parts.runtime.engine.chat_template is None:
+            stops += PLAIN_CHAT_STOPS  # the model has no chat template: turns are plain lines
+        return complete(self.percache, self.prompt(messages), self._identifying_params, stops)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        stream = self._pieces(messages, stop)
+        text = "".join(stream)
+        message = AIMessage(content=text, usage_metadata=_usage(stream.answer))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        cache = self._llm_cache()
+        key = (dumps(_without_ids(messages)), self._get_llm_string(stop=stop, **kwargs)) if cache is not None else None
+        if cache is not None and key is not None:
+            cached = cache.lookup(*key)
+            if cached:
+                text = cached[0].text
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(text, chunk=chunk)
+                yield chunk
+                return
+        stream = self._pieces(messages, stop)
+        text = ""
+        for piece in stream:
+            text += piece
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=_usage(stream.answer), chunk_position="last")
+        )
+        if cache is not None and key is not None:
+            cache.update(*key, [ChatGeneration(message=AIMessage(content=text))])
+
+    def _llm_cache(self) -> BaseCache | None:
+        """The LLM cache ``invoke`` uses (None when caching is off for this model)."""
+        if self.cache is False:
+            return None
+        return self.cache if isinstance(self.cache, BaseCache) else get_llm_cache()
