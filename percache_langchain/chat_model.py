@@ -17,7 +17,7 @@ from typing import Any
 from langchain_core.caches import BaseCache
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.globals import get_llm_cache
-from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.load import dumps
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
@@ -56,8 +56,9 @@ def _usage(answer: Answer | None) -> UsageMetadata | None:
 
 
 class PerCacheChatLlamaCPP(BaseChatModel):
-    """A chat model on the PerCache's engine and settings (``max_new_tokens`` and
-    ``temperature`` override them); a call's ``stop`` strings end the answer (the
+    """A chat model on the PerCache's engine and settings (``max_new_tokens``, alias
+    ``max_tokens``, and ``temperature`` override them); a call's ``stop`` strings (else
+    ``stop``) end the answer (the
     configured stop strings are for PerCache's own completion prompt, not chats; with a
     model without a chat template, a new ``role:`` line ends it too).
 
@@ -65,11 +66,12 @@ class PerCacheChatLlamaCPP(BaseChatModel):
     >>> (retriever | prompt | chat).invoke({"question": "When is the rehearsal?"})  # doctest: +SKIP
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     percache: Any
-    max_new_tokens: int | None = Field(default=None, gt=0)
+    max_new_tokens: int | None = Field(default=None, gt=0, alias="max_tokens")
     temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    stop: list[str] | None = Field(default=None, description="stop strings of calls that give none")
     chat_template: str | None = None
 
     @field_validator("percache")
@@ -86,13 +88,29 @@ class PerCacheChatLlamaCPP(BaseChatModel):
         settings = generation_settings(self.percache, self.max_new_tokens, self.temperature)
         return {**settings, "chat_template": self.chat_template}
 
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        settings = self._identifying_params
+        params.update(
+            ls_model_name=kwargs.get("model") or self._model_name,
+            ls_temperature=settings["temperature"],
+            ls_max_tokens=settings["max_new_tokens"],
+        )
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop or [])
+        return params
+
+    @property
+    def _model_name(self) -> str:
+        return self.percache.parts.runtime.engine.model_name
+
     def prompt(self, messages: list[BaseMessage]) -> str:
         """The prompt string the model continues for *messages*."""
         engine = self.percache.parts.runtime.engine
         return chat_text(engine, message_pairs(messages), template=self.chat_template)
 
     def _pieces(self, messages: list[BaseMessage], stop: list[str] | None) -> AnswerStream:
-        stops = list(stop or [])
+        stops = list(stop if stop is not None else self.stop or [])
         if self.chat_template is None and self.percache.parts.runtime.engine.chat_template is None:
             stops += PLAIN_CHAT_STOPS  # the model has no chat template: turns are plain lines
         return complete(self.percache, self.prompt(messages), self._identifying_params, stops)
@@ -106,7 +124,9 @@ class PerCacheChatLlamaCPP(BaseChatModel):
     ) -> ChatResult:
         stream = self._pieces(messages, stop)
         text = "".join(stream)
-        message = AIMessage(content=text, usage_metadata=_usage(stream.answer))
+        message = AIMessage(
+            content=text, usage_metadata=_usage(stream.answer), response_metadata={"model_name": self._model_name}
+        )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _stream(
@@ -136,7 +156,12 @@ class PerCacheChatLlamaCPP(BaseChatModel):
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
         yield ChatGenerationChunk(
-            message=AIMessageChunk(content="", usage_metadata=_usage(stream.answer), chunk_position="last")
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=_usage(stream.answer),
+                response_metadata={"model_name": self._model_name},
+                chunk_position="last",
+            )
         )
         if cache is not None and key is not None:
             cache.update(*key, [ChatGeneration(message=AIMessage(content=text))])

@@ -7,12 +7,26 @@ from pathlib import Path
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
+from langchain_core.globals import set_llm_cache
+from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.outputs import Generation
+from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
-from langchain_tests.integration_tests import AsyncCacheTestSuite, SyncCacheTestSuite
+from langchain_core.runnables import RunnableLambda
+from langchain_tests.integration_tests import (
+    AsyncCacheTestSuite,
+    ChatModelIntegrationTests,
+    SyncCacheTestSuite,
+)
+from langchain_tests.unit_tests import ChatModelUnitTests
 
 from percache_core import MissingDependencyError, PerCache, PerCacheConfig
-from percache_langchain import PerCacheLlamaCPP, PerCacheRetriever, PerCacheSemanticCache
+from percache_langchain import (
+    PerCacheChatLlamaCPP,
+    PerCacheLlamaCPP,
+    PerCacheRetriever,
+    PerCacheSemanticCache,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NOTES = [
@@ -37,6 +51,34 @@ class TestAsyncCache(AsyncCacheTestSuite):
     @pytest.fixture
     async def cache(self, tmp_path, engine, embedder):
         return empty_cache(tmp_path, engine, embedder)
+
+
+class _ChatModelOnACache:
+    """The standard suites' ``chat_model_params`` need a PerCache: one on the shared engine."""
+
+    @pytest.fixture(autouse=True)
+    def _percache(self, make_cache):
+        type(self).percache = make_cache("chat", documents=False, max_new_tokens=16)
+
+    @property
+    def chat_model_class(self):
+        return PerCacheChatLlamaCPP
+
+    @property
+    def chat_model_params(self):
+        return {"percache": type(self).percache}
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+
+class TestChatModelUnit(_ChatModelOnACache, ChatModelUnitTests):
+    pass
+
+
+class TestChatModelIntegration(_ChatModelOnACache, ChatModelIntegrationTests):
+    pass
 
 
 class FixedRetriever(BaseRetriever):
@@ -145,3 +187,51 @@ def test_bad_input_gets_clear_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "langchain_core", None)
     with pytest.raises(MissingDependencyError, match=r"pip install \"percache-langchain\""):
         require_langchain()
+
+
+def test_chat_model_keeps_the_text_with_or_without_cache_for_two_chains(make_cache):
+    chains = {
+        "brief": ChatPromptTemplate.from_messages(
+            [("system", "Answer briefly from the notes."), ("human", "{context}\n\nQuestion: {question}")]
+        ),
+        "quote": ChatPromptTemplate.from_messages(
+            [("system", "Quote the note that answers."), ("human", "Notes:\n{context}\n\nAsk: {question}")]
+        ),
+    }
+    questions = ["When is the rehearsal?", "How much did finance approve?"]
+
+    def outputs(pc, cache):
+        retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
+        context = RunnableLambda(lambda q: "\n\n".join(d.page_content for d in retriever.invoke(q)))
+        model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=16, cache=cache)
+        results = {}
+        for name, prompt in chains.items():
+            chain = {"context": context, "question": RunnableLambda(lambda q: q)} | prompt | model
+            results[name] = [chain.invoke(q).content for q in questions + questions[:1]]
+        return results
+
+    off = make_cache("off", documents=False, qa_bank=False, chunk_states=False)
+    expected = outputs(off, False)
+    shared = make_cache("shared", documents=False)
+    first = outputs(shared, PerCacheSemanticCache(shared))
+    assert first == expected
+    entries = len(shared.qa_bank)
+    assert entries == 4  # two chains x two questions; the repeats were served
+    assert outputs(shared, PerCacheSemanticCache(shared)) == expected  # all from the cache now
+    assert len(shared.qa_bank) == entries and shared.stats()["chunk_state_hits"] > 0
+
+
+def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
+    pc = make_cache(documents=False)
+    cache = PerCacheSemanticCache(pc)
+    model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=12, cache=cache)
+    messages = [SystemMessage("Be brief."), HumanMessage("Name a fruit.")]
+    streamed = list(model.stream(messages))
+    text = "".join(c.content for c in streamed)
+    assert text and streamed[-1].usage_metadata["output_tokens"] >= 1
+    assert len(pc.qa_bank) == 1  # the streamed answer was stored under invoke's key
+    assert model.invoke(messages).content == text
+    assert len(pc.qa_bank) == 1 and "".join(c.content for c in model.stream(messages)) == text
+    uncached = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=12, cache=False)
+    assert uncached.invoke(messages).content == text
+    set_llm_cache(None)
