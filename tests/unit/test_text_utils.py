@@ -55,3 +55,25 @@ def test_config_validates_and_copies():
     with pytest.raises(TypeError):
         PerCacheConfig(0.9)  # keyword-only
     assert PerCacheConfig(stop=["x"]).stop == ("x",)
+
+
+def test_text_prompts_are_tokenized_whole_and_cut_after_line_breaks():
+    from percache_core.errors import ContextOverflowError
+    from percache_core.kv.fake_engine import FakeEngine
+    from percache_core.prompting import TextPrompt, lay_out_text
+
+    engine = FakeEngine()
+    prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
+    documents = ("Lunch is at noon.", "Tickets cost 20 euros.", "not in the prompt")
+    layout = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000)
+    assert [t for s in layout.segments for t in s.tokens] == engine.tokenize_chat(prompt)
+    assert "".join(s.text for s in layout.segments) == prompt
+    assert [s.text for s in layout.segments] == [
+        "<bos>Context:\n", "Lunch is at noon.\n\n", "Tickets cost 20 euros.\n", "Q: When?\n", "A:"
+    ]
+    assert [s.keep_state for s in layout.segments] == [False, True, True, False, False]
+    without = lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=1000)
+    assert [s.tokens for s in without.segments] == [s.tokens for s in layout.segments]  # hints never change tokens
+    assert not any(s.keep_state for s in without.segments)
+    with pytest.raises(ContextOverflowError):
+        lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=10)
