@@ -24,13 +24,12 @@ def node_chunks(nodes: list[NodeWithScore]) -> list[Chunk]:
     ]
 
 
-def record_nodes(percache: PerCache, nodes: list[NodeWithScore]) -> None:
-    """Add the nodes to the knowledge bank (known nodes with the same text are skipped)."""
-    chunks = [c for c in node_chunks(nodes) if c.text.strip()]
-    if chunks:
-        percache.add_documents(
-            [{"id": c.id, "text": c.text, "metadata": c.metadata} for c in chunks], split=False
-        )
+def record_chunks(percache: PerCache, chunks: list[Chunk]) -> None:
+    """Add the chunks of retrieved nodes (``node_chunks``) to the knowledge bank (known
+    nodes with the same text are skipped)."""
+    kept = [c for c in chunks if c.text.strip()]
+    if kept:
+        percache.add_documents([{"id": c.id, "text": c.text, "metadata": c.metadata} for c in kept], split=False)
 
 
 def chunk_nodes(percache: PerCache, chunk_ids: tuple[str, ...]) -> list[NodeWithScore]:

@@ -10,7 +10,7 @@ from pydantic import Field, PrivateAttr
 
 from percache_core import PerCache
 
-from .nodes import node_chunks, record_nodes
+from .nodes import node_chunks, record_chunks
 
 
 class PerCacheNodePostprocessor(BaseNodePostprocessor):
@@ -38,9 +38,10 @@ class PerCacheNodePostprocessor(BaseNodePostprocessor):
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        record_nodes(self._percache, nodes)
+        chunks = node_chunks(nodes)
+        record_chunks(self._percache, chunks)
         if not self.reorder or not nodes:
             return nodes
         by_id = {node.node.node_id: node for node in nodes}
-        ordered = self._percache.stored_order(node_chunks(nodes))
+        ordered = self._percache.stored_order(chunks)
         return [by_id[chunk.id] for chunk in ordered]

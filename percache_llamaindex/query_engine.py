@@ -36,13 +36,13 @@ from llama_index.core.indices.base import BaseIndex
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from percache_core import Answer, PerCache, PerCacheConfig
+from percache_core import Answer, Chunk, PerCache, PerCacheConfig
 from percache_core.binding import chunk_sources
 from percache_core.scheduler import WarmReport
 
 from .embedding import PerCacheEmbedding
 from .llm import PerCacheLlamaCPP, cache_scope, iterate_in_scope
-from .nodes import node_chunks, record_nodes
+from .nodes import node_chunks, record_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -189,10 +189,10 @@ class PerCacheQueryEngine(BaseQueryEngine):
             return None
         return self._percache.start_worker(**kwargs)
 
-    def _binding(self, nodes: list[NodeWithScore]) -> str:
+    def _binding(self, chunks: list[Chunk]) -> str:
         """What decides this engine's answer besides the question: the LLM, the response
-        synthesizer and the retrieved nodes' ids and texts, in order."""
-        sources = json.dumps(chunk_sources(node_chunks(nodes)))
+        synthesizer and the retrieved nodes' ids and texts (``node_chunks``), in order."""
+        sources = json.dumps(chunk_sources(chunks))
         payload = "\x1f".join((llm_identity(self._llm), synthesizer_identity(self._inner, self._llm), sources))
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
@@ -208,13 +208,15 @@ class PerCacheQueryEngine(BaseQueryEngine):
         nodes = inner.retrieve(query_bundle)
         if not nodes:  # LlamaIndex's own empty response; nothing to store
             return self._with_info(inner.synthesize(query_bundle, nodes), {"source": "full"})
-        binding = self._binding(nodes)
+        chunks = node_chunks(nodes)
+        binding = self._binding(chunks)
         question = query_bundle.query_str
         hit = self._percache.lookup(question, binding=binding)
         if hit is not None:
             return self._stored_response(hit, nodes)
-        record_nodes(self._percache, nodes)
-        return self._synthesize(query_bundle, nodes, binding, started)
+        record_chunks(self._percache, chunks)
+        documents = [c.text for c in chunks] if self._uses_states else []
+        return self._synthesize(query_bundle, nodes, documents, binding, started)
 
     def _stored_response(self, hit: Answer, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
         metadata: dict[str, Any] = {n.node.node_id: n.node.metadata for n in nodes}
@@ -229,9 +231,13 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return response
 
     def _synthesize(
-        self, query_bundle: QueryBundle, nodes: list[NodeWithScore], binding: str, started: float
+        self,
+        query_bundle: QueryBundle,
+        nodes: list[NodeWithScore],
+        documents: list[str],
+        binding: str,
+        started: float,
     ) -> RESPONSE_TYPE:
-        documents = [c.text for c in node_chunks(nodes)] if self._uses_states else []
         with cache_scope(self._percache, documents) as scope:
             response = self._inner.synthesize(query_bundle, nodes)
         question = query_bundle.query_str
