@@ -23,10 +23,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
+import string
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +71,7 @@ SYSTEMS = (
 )
 PERCACHE = SYSTEMS[-1]
 ABLATIONS = (
+    System("percache-whole-states", {"chunk_state_slices": False}, True),
     System("percache-no-qa_bank", {"qa_bank": False}, True),
     System("percache-no-chunk_states", {"chunk_states": False}, True),
     System("percache-no-prediction", {}, False),
@@ -93,6 +97,25 @@ def rouge_l(candidate: str, reference: str) -> float:
     if lcs == 0:
         return 0.0
     precision, recall = lcs / len(a), lcs / len(b)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_f1(candidate: str, reference: str) -> float:
+    """SQuAD's token F1 (lower case, punctuation and articles removed), in [0, 1].
+
+    >>> squad_f1("The Eiffel tower.", "eiffel tower"), squad_f1("Paris", "London")
+    (1.0, 0.0)
+    """
+
+    def words(text: str) -> list[str]:
+        text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+        return re.sub(r"\b(a|an|the)\b", " ", text).split()
+
+    got, want = words(candidate), words(reference)
+    common = sum((Counter(got) & Counter(want)).values())
+    if not got or not want or not common:
+        return float(got == want)
+    precision, recall = common / len(got), common / len(want)
     return 2 * precision * recall / (precision + recall)
 
 
@@ -152,6 +175,7 @@ class SystemRun:
                 if answer.source != "qa_bank"
                 else None,
                 rouge_reference=rouge_l(answer.text, query.get("answer", "")),
+                f1_reference=squad_f1(answer.text, query.get("answer", "")),
                 stages={stage: answer.timings.get(stage, 0.0) for stage in STAGES},
             )
         except Exception as error:
@@ -224,6 +248,8 @@ def _totals(run: dict[str, Any], naive: dict[str, Any] | None) -> dict[str, Any]
         "rouge_l_naive": statistics.fmean(rouge_l(r["answer"], naive_answers.get(r["qid"], "")) for r in ok)
         if ok
         else 0.0,
+        "f1_reference": statistics.fmean(r["f1_reference"] for r in ok) if ok else 0.0,
+        "identical_to_naive": statistics.fmean(r["answer"] == naive_answers.get(r["qid"]) for r in ok) if ok else 0.0,
         "stage_seconds_mean": {
             s: statistics.fmean(r["stages"][s] for r in ok) if ok else 0.0 for s in STAGES
         },
@@ -432,8 +458,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     per_user = result["per_user"]
     names = list(next(iter(per_user.values())).keys()) if per_user else []
     lines = [
-        "| system | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | ROUGE-L vs naive | idle s/user |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | F1 ref "
+        "| ROUGE-L vs naive | = naive | idle s/user |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         rows = [systems[name] for systems in per_user.values()]
@@ -475,8 +502,9 @@ def markdown_table(result: dict[str, Any]) -> str:
             "",
             f"Sensitivity and ablation (PerCache on {result['sensitivity'][0]['user']}):",
             "",
-            "| run | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | ROUGE-L vs naive | idle s |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| run | mean latency s | p95 s | TTFT s | QA hit | chunk-state overlap | ROUGE-L ref | F1 ref "
+            "| ROUGE-L vs naive | = naive | idle s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in result["sensitivity"]:
             lines.append(f"| {row['sweep']} = {row['value']} | " + _cells([row]) + " |")
@@ -491,7 +519,8 @@ def _cells(rows: list[dict[str, Any]]) -> str:
         f"{mean(lambda r: r['latency_s']['mean']):.3f} | {mean(lambda r: r['latency_s']['p95']):.3f} "
         f"| {mean(lambda r: r['ttft_s']['mean']):.3f} | {mean(lambda r: r['qa_bank_hit_rate']):.2f} "
         f"| {mean(lambda r: r['chunk_state_prefix_overlap']):.2f} | {mean(lambda r: r['rouge_l_reference']):.3f} "
-        f"| {mean(lambda r: r['rouge_l_naive']):.3f} | {mean(lambda r: r['idle']['seconds']):.1f}"
+        f"| {mean(lambda r: r['f1_reference']):.3f} | {mean(lambda r: r['rouge_l_naive']):.3f} "
+        f"| {mean(lambda r: r['identical_to_naive']):.2f} | {mean(lambda r: r['idle']['seconds']):.1f}"
     )
 
 

@@ -27,6 +27,9 @@ class PerCacheConfig:
     Tiers:
         qa_bank: reuse the stored answers of similar questions (see ``qa_mode``).
         chunk_states: restore llama.cpp KV states of [system, chunk, ...] prompt prefixes.
+        chunk_state_slices: store each prefix as only its own segment's positions (a slice)
+            and rebuild a path from its slices; exact, checked by a round trip when the
+            states are opened (whole states where the check fails). Off: whole states.
         prediction: predict questions in idle time (used by the predictor, when present).
         store_answers: keep the answers of user questions in the QA bank (off: the bank
             holds only predicted and follow-up answers, as in sleep-time compute).
@@ -106,6 +109,7 @@ class PerCacheConfig:
 
     qa_bank: bool = True
     chunk_states: bool = True
+    chunk_state_slices: bool = True
     prediction: bool = True
     store_answers: bool = True
 

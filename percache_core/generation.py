@@ -75,6 +75,16 @@ class RunResult:
 
 
 @dataclass(frozen=True)
+class _NewState:
+    """A prefix state saved during a prefill, stored after the answer."""
+
+    index: int  # its last segment
+    parent_key: str  # the nearest stored (or newly saved) shorter prefix, or the root key
+    data: bytes  # whole, or with slices only the positions after the parent's
+    n_tokens: int
+
+
+@dataclass(frozen=True)
 class _Decoding:
     """How one run decodes."""
 
@@ -173,7 +183,8 @@ class PromptRunner:
         timings["restore"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        new_states: list[tuple[int, bytes, int]] = []
+        new_states: list[_NewState] = []
+        parent = (keys[depth - 1], reused) if depth else ("", 0)  # the prefix a new slice follows
         for index in range(depth, len(segments)):
             if should_stop is not None and should_stop():
                 raise Preempted("prefill pre-empted by a user question")
@@ -181,9 +192,13 @@ class PromptRunner:
             engine.eval(segments[index], should_stop)
             if engine.n_past != expected:
                 raise Preempted("prefill pre-empted by a user question")
-            worth_keeping = index < len(keys) and result.layout.segments[index].keep_state
-            if worth_keeping and keys[index] not in self.states:
-                new_states.append((index, engine.save_state(), engine.n_past))
+            if not (index < len(keys) and result.layout.segments[index].keep_state):
+                continue
+            if keys[index] not in self.states:
+                parent_key, start = parent
+                data = engine.save_slice(start) if self.states.slices and start else engine.save_state()
+                new_states.append(_NewState(index, parent_key or self.states.root_key, data, engine.n_past))
+            parent = (keys[index], engine.n_past)
         result.prefilled_tokens = sum(len(s) for s in segments) - reused
         timings["prefill"] = time.perf_counter() - clock
         try:
@@ -348,27 +363,45 @@ class PromptRunner:
         """Restore the deepest usable stored prefix of *keys* (from any tier):
         (segments, tokens) restored."""
         for node in self.states.candidates(keys, budget_bytes=self.config.chunk_state_budget_bytes):
-            data = self.states.get(node)
-            if data is not None and self.engine.load_state(data, node.n_tokens):
-                self.states.record_use(node)
-                return node.depth, node.n_tokens
-            logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
-            self.states.drop(node.key)
-            self.restore_failures += 1
+            chain = self.states.chain(node)
+            if chain is None:
+                continue  # a slice whose ancestor was evicted: a shorter prefix may do
+            restored = self._restore_chain(chain)
+            if restored is not None:
+                return restored.depth, restored.n_tokens
         return 0, 0
 
-    def _keep_states(
-        self, layout: PromptLayout, keys: list[str], new_states: list[tuple[int, bytes, int]]
-    ) -> None:
-        """Store the states of new prefixes (as complete nodes: file, record, tree). A
-        failed write (disk full, read-only) is logged and counted; the answer is kept."""
+    def _restore_chain(self, chain: list[StateNode]) -> StateNode | None:
+        """Load the first state of *chain* and append the others' slices; the deepest node
+        restored (the sequence then holds exactly its prefix), or None. A state that cannot
+        be read or restored is dropped (and counted); the prefix before it stays."""
+        restored: StateNode | None = None
+        for node in chain:
+            data = self.states.get(node)
+            if restored is None:
+                loaded = data is not None and self.engine.load_state(data, node.n_tokens)
+            else:
+                loaded = data is not None and self.engine.append_slice(data, node.n_tokens)
+            if not loaded:
+                logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
+                self.states.drop(node.key)
+                self.restore_failures += 1
+                break
+            self.states.record_use(node)
+            restored = node
+        return restored
+
+    def _keep_states(self, layout: PromptLayout, keys: list[str], new_states: list[_NewState]) -> None:
+        """Store the states of new prefixes, parents first (as complete nodes: file, record,
+        tree). A failed write (disk full, read-only) is logged and counted, and the deeper
+        ones are not stored (their slices would lack a parent); the answer is kept."""
         segments = layout.segments
-        for index, data, n_tokens in new_states:
-            parent_key = keys[index - 1] if index > 0 else self.states.root_key
+        for new in new_states:
+            index = new.index
             label = segments[index].chunk_id or segments[index].kind
-            node = StateNode(keys[index], parent_key, index + 1, n_tokens, label, len(data))
+            node = StateNode(keys[index], new.parent_key, index + 1, new.n_tokens, label, len(new.data))
             try:
-                self.states.put(node, data, budget_bytes=self.config.chunk_state_budget_bytes)
+                self.states.put(node, new.data, budget_bytes=self.config.chunk_state_budget_bytes)
             except StorageWriteError as error:
                 self.storage_failures += 1
                 logger.warning("chunk state not stored (%s); the answer is unaffected", error)

@@ -5,7 +5,9 @@ The engine is a loaded :class:`~percache_core.kv.engine.Engine` passed in (share
 caches, or a :class:`~percache_core.kv.fake_engine.FakeEngine` in tests) or a GGUF file
 loaded at the first question that needs it. Its states live in a
 :class:`~percache_core.kv.tiers.TieredStateStore` under ``folder/states``, one folder per
-engine fingerprint, with the shared tier (when configured) behind the local one.
+engine fingerprint, with the shared tier (when configured) behind the local one. States are
+kept as slices (each node only its own segment's positions) when the engine passes a
+round trip at opening (:mod:`percache_core.kv.slicing`), and whole otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .config import PerCacheConfig
 from .drafting import deviation_bound
 from .generation import PromptRunner
 from .kv.engine import Engine
+from .kv.slicing import slices_round_trip
 from .kv.state_store import StateStore
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
@@ -96,13 +99,15 @@ class ModelRuntime:
     def _open_states(self) -> None:
         if self._states is not None:
             return
-        engine, model_id = self.engine, self.model_id()
+        engine = self.engine
         with self._lock:
             if self._states is None:
+                slices = self.config.chunk_state_slices and slices_round_trip(engine)
+                fingerprint = engine.fingerprint(TEMPLATE_VERSION + ("|slices" if slices else "|whole"))
                 local = StateStore(
-                    self._folder / "states", model_id, min_free_bytes=self.config.min_free_disk_bytes
+                    self._folder / "states", fingerprint, min_free_bytes=self.config.min_free_disk_bytes
                 )
-                states = TieredStateStore(local, self._shared)
+                states = TieredStateStore(local, self._shared, slices=slices)
                 self._runner = PromptRunner(engine, states, self.config)
                 self._states = states
 

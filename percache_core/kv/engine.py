@@ -73,6 +73,15 @@ class Engine(Protocol):
         """Replace the sequence with a saved state of *n_tokens*; False if refused."""
         ...
 
+    def save_slice(self, start: int) -> bytes:
+        """The state of positions *start* .. ``n_past`` only (a slice of the sequence)."""
+        ...
+
+    def append_slice(self, data: bytes, n_tokens: int) -> bool:
+        """Add a slice that starts at ``n_past`` and ends at *n_tokens*; False (sequence
+        unchanged) if refused."""
+        ...
+
     def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
         """Feed *tokens* after the current position (logits kept for the last)."""
         ...

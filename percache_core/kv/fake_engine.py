@@ -33,6 +33,7 @@ _BYTE_OFFSET = 4  # token id of byte b is b + 4
 _VOCAB = 256 + _BYTE_OFFSET
 _ANSWER_BYTES = np.frombuffer(b" abcdefghijklmnopqrstuvwxyz.", dtype=np.uint8)
 _STATE_MAGIC = b"PCFAKE1\0"
+_SLICE_MAGIC = b"PCFAKS1\0"
 _SPECIAL_TEXT = {"<bos>": BOS, "<eos>": EOS, "<start_of_turn>": START_TURN, "<end_of_turn>": END_TURN}
 
 
@@ -130,6 +131,24 @@ class FakeEngine:
         if not data.startswith(_STATE_MAGIC) or len(body) != 8 * n_tokens:
             return False
         self._hashes = [int(h) for h in np.frombuffer(body, dtype=np.uint64)]
+        self.n_past = n_tokens
+        return True
+
+    def save_slice(self, start: int) -> bytes:
+        if not 0 <= start < self.n_past:
+            raise ValueError(f"no positions from {start} in a sequence of {self.n_past}")
+        return _SLICE_MAGIC + struct.pack("<q", start) + np.asarray(self._hashes[start:], dtype=np.uint64).tobytes()
+
+    def append_slice(self, data: bytes, n_tokens: int) -> bool:
+        self.calls["load_state"] += 1
+        header = len(_SLICE_MAGIC) + 8
+        if not data.startswith(_SLICE_MAGIC) or len(data) < header:
+            return False
+        (start,) = struct.unpack("<q", data[len(_SLICE_MAGIC) : header])
+        body = data[header:]
+        if start != self.n_past or len(body) != 8 * (n_tokens - start) or n_tokens > self.n_ctx:
+            return False
+        self._hashes.extend(int(h) for h in np.frombuffer(body, dtype=np.uint64))
         self.n_past = n_tokens
         return True
 

@@ -30,6 +30,7 @@ from .engine import Sampling
 
 logger = logging.getLogger(__name__)
 
+_SCRATCH = 1  # the sequence id state slices pass through
 _backend_lock = threading.Lock()
 _backend_ready = False
 _silent_log_callback = None  # kept alive for the process lifetime once installed
@@ -41,6 +42,11 @@ def _import_llama_cpp():
     except ImportError as error:
         raise missing_dependency("llama_cpp", "percache-core[llama-cpp]") from error
     return llama_cpp
+
+
+def _readonly_pointer(data: bytes):
+    """*data* as the uint8 pointer llama.cpp reads states from (no copy)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
 
 
 def _init_backend(lc, verbose: bool) -> None:
@@ -98,7 +104,8 @@ class LlamaEngine:
         context_params.n_ctx = n_ctx
         context_params.n_batch = n_batch
         context_params.n_ubatch = n_batch
-        context_params.n_seq_max = 1
+        context_params.n_seq_max = 2  # sequence 1 is scratch space for state slices
+        context_params.kv_unified = True  # one cell buffer, so cells can be shared between sequences
         context_params.n_threads = threads
         context_params.n_threads_batch = threads
         context_params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -121,7 +128,7 @@ class LlamaEngine:
             "type_v": int(context_params.type_v),
             "flash_attn_type": int(context_params.flash_attn_type),
             "use_extra_bufts": False,
-            "n_seq_max": 1,
+            "n_seq_max": 2,
             "kv_unified": bool(context_params.kv_unified),
             "swa_full": bool(context_params.swa_full),
             "n_ctx": self.n_ctx,
@@ -246,13 +253,46 @@ class LlamaEngine:
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         """Replace the sequence with *data* saved at *n_tokens*; False if llama.cpp refuses."""
         self.reset()
-        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy; read only
-        read = self._lc.llama_state_seq_set_data(self._ctx, source, len(data), 0)
+        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), 0)
         if read == 0 or self._lc.llama_memory_seq_pos_max(self._memory, 0) != n_tokens - 1:
             self.reset()
             return False
         self.n_past = n_tokens
         return True
+
+    def save_slice(self, start: int) -> bytes:
+        """The state of the sequence's positions from *start* to ``n_past`` only (a slice:
+        the cells are shared with scratch sequence 1 and saved from there, so sequence 0 is
+        untouched). :meth:`append_slice` puts it back after a prefix of *start* tokens."""
+        if not 0 <= start < self.n_past:
+            raise ValueError(f"no positions from {start} in a sequence of {self.n_past}")
+        memory = self._memory
+        self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
+        self._lc.llama_memory_seq_cp(memory, 0, _SCRATCH, start, -1)
+        try:
+            size = self._lc.llama_state_seq_get_size(self._ctx, _SCRATCH)
+            buffer = (ctypes.c_uint8 * size)()
+            written = self._lc.llama_state_seq_get_data(self._ctx, buffer, size, _SCRATCH)
+        finally:
+            self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
+        if written == 0:
+            raise EngineError("llama.cpp returned an empty state slice")
+        return ctypes.string_at(buffer, written)
+
+    def append_slice(self, data: bytes, n_tokens: int) -> bool:
+        """Add a slice saved by :meth:`save_slice` that ends at *n_tokens* after the current
+        sequence (the slice must start at ``n_past``). The slice is read into scratch
+        sequence 1 and its cells then shared with sequence 0; they keep their positions.
+        False (sequence unchanged) if llama.cpp refuses it or its positions do not fit."""
+        memory = self._memory
+        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), _SCRATCH)
+        fits = read != 0 and self._lc.llama_memory_seq_pos_max(memory, _SCRATCH) == n_tokens - 1
+        fits = fits and self._lc.llama_memory_seq_pos_max(memory, 0) == self.n_past - 1
+        if fits:
+            self._lc.llama_memory_seq_cp(memory, _SCRATCH, 0, -1, -1)
+            self.n_past = n_tokens
+        self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
+        return fits
 
     # -- evaluation -----------------------------------------------------------------------
 

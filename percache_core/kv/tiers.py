@@ -38,11 +38,16 @@ class SharedStates(Protocol):
 
 
 class TieredStateStore:
-    """The stored chunk states of one engine fingerprint, local first, shared behind."""
+    """The stored chunk states of one engine fingerprint, local first, shared behind.
 
-    def __init__(self, local: StateStore, shared: SharedStates | None = None) -> None:
+    With *slices*, a node's state holds only the positions after its parent's (see
+    :meth:`chain`); the fingerprint must tell the two kinds apart, as they never mix.
+    """
+
+    def __init__(self, local: StateStore, shared: SharedStates | None = None, *, slices: bool = False) -> None:
         self.local = local
         self.shared = shared
+        self.slices = slices
         self.tree = ChunkStateTree(local.fingerprint)
         self._version = 0
         self.evictions = 0
@@ -81,6 +86,11 @@ class TieredStateStore:
         if self.shared is not None and budget_bytes is not None:
             self._read_through(keys, budget_bytes)
         return self.tree.match(keys)
+
+    def chain(self, node: StateNode) -> list[StateNode] | None:
+        """The nodes whose states rebuild *node*'s prefix, root first: *node* alone for whole
+        states, *node* and its stored ancestors for slices (None when one is missing)."""
+        return self.tree.chain(node) if self.slices else [node]
 
     def get(self, node: StateNode) -> bytes | None:
         """The verified state bytes of *node*, or None (a damaged blob is deleted)."""
@@ -134,10 +144,25 @@ class TieredStateStore:
             key = keys[depth - 1]
             if not self.shared.available or not self.shared.might_have_state(key):
                 continue
-            fetched = self.shared.fetch_state(key, self.root_key)
-            if fetched is not None:
+            fetched = self._fetch_chain(key)
+            if fetched:
                 try:
-                    self._put_local(*fetched, budget_bytes)
+                    for node, data in fetched:
+                        self._put_local(node, data, budget_bytes)
                 except StorageWriteError as error:
                     logger.warning("shared chunk state not kept locally: %s", error)
                 return
+
+    def _fetch_chain(self, key: str) -> list[tuple[StateNode, bytes]]:
+        """The shared state of *key* and, for slices, of its ancestors missing here, root
+        first; empty when the shared tier lacks one of them."""
+        assert self.shared is not None
+        fetched: list[tuple[StateNode, bytes]] = []
+        while True:
+            item = self.shared.fetch_state(key, self.root_key)
+            if item is None or len(fetched) > len(self.tree) + 64:
+                return []
+            fetched.append(item)
+            key = item[0].parent_key
+            if not self.slices or key == self.root_key or key in self.tree:
+                return fetched[::-1]

@@ -6,6 +6,12 @@ that fingerprints everything that changes the state bytes; so the same key alway
 the same tokens at the same positions under the same engine settings, and a key from
 another fingerprint can never match.
 
+A node's state is either whole (every position of its prefix) or, with state slices, only
+the positions after its parent's (``parent_key`` names the nearest stored shorter prefix;
+a depth-1 node, or any node whose parent is the root, is always whole). A sliced node is
+restored from its chain of ancestors (``chain``), so it is usable only while they are all
+stored.
+
 The tree is metadata only (the state bytes live in a
 :class:`~percache_core.kv.state_store.StateStore`, which also enforces the byte budget
 over what every process stored, least frequently used leaves first). Its API is
@@ -53,7 +59,9 @@ class StateNode:
     """One stored prefix.
 
     Attributes:
-        key, parent_key: chained keys (the parent of a depth-1 node is the root key).
+        key: the prefix's key (``path_keys``).
+        parent_key: the key of the nearest stored shorter prefix of the same prompt when
+            the node was stored, or the root key.
         depth: number of segments covered.
         n_tokens: number of tokens covered (the sequence length of the stored state).
         label: what the last segment is (a chunk id, or "system").
@@ -113,6 +121,25 @@ class ChunkStateTree:
         with self._lock:
             return [self._nodes[key] for key in reversed(keys) if key in self._nodes]
 
+    def chain(self, node: StateNode) -> list[StateNode] | None:
+        """*node* and its stored ancestors, root first (what restoring a sliced node needs),
+        or None when one of them is missing.
+
+        >>> tree = ChunkStateTree("root")
+        >>> a = tree.insert("a", "root", depth=1, n_tokens=2, label="system", size=1)
+        >>> b = tree.insert("b", "a", depth=3, n_tokens=9, label="c2", size=1)
+        >>> [n.key for n in tree.chain(b)], tree.remove("a") is a, tree.chain(b)
+        (['a', 'b'], True, None)
+        """
+        with self._lock:
+            nodes = [node]
+            while nodes[-1].parent_key != self.root_key:
+                parent = self._nodes.get(nodes[-1].parent_key)
+                if parent is None or len(nodes) > len(self._nodes):
+                    return None
+                nodes.append(parent)
+            return nodes[::-1]
+
     def insert(
         self, key: str, parent_key: str, *, depth: int, n_tokens: int, label: str, size: int
     ) -> StateNode:
@@ -131,7 +158,8 @@ class ChunkStateTree:
     def remove(self, key: str) -> StateNode | None:
         """Remove one node.
 
-        Its children stay: each stores a whole state of its own and is found by its key.
+        Its children stay in the tree (whole states remain usable; sliced ones are skipped
+        by ``chain`` until they are evicted in turn).
         """
         with self._lock:
             node = self._nodes.pop(key, None)

@@ -13,6 +13,7 @@ def run(latencies, sources, answers):
             "ttft_s": latency / 2,
             "prefix_overlap": None if source == "qa_bank" else 1 / 3,
             "rouge_reference": 0.5,
+            "f1_reference": 0.25,
             "stages": {stage: 0.01 for stage in STAGES},
         }
         for i, (latency, source, answer) in enumerate(zip(latencies, sources, answers))
@@ -28,6 +29,7 @@ def test_a_run_with_only_naive_and_percache_reports_without_a_best_baseline():
     assert totals["qa_bank_hit_rate"] == 0.5 and totals["latency_s"]["mean"] == 0.5
     assert totals["chunk_state_prefix_overlap"] == 1 / 3  # QA hits have no prompt
     assert 0.5 < totals["rouge_l_naive"] < 1.0  # one answer differs from naive's
+    assert totals["identical_to_naive"] == 0.5 and totals["f1_reference"] == 0.25
     reduction = reductions(per_user)
     assert reduction["mean_vs_naive"] == 0.75 and reduction["mean_vs_best_baseline"] is None
     sensitivity = [{"sweep": "tau", "value": 0.6, "user": "qmsum/u", **totals}]

@@ -1,0 +1,49 @@
+"""Adaptive context: how many of the retrieved chunks a question's prompt gets.
+
+With ``context="adaptive"`` (opt-in), the prompt grows one retrieved chunk at a time, in
+retrieval order: after prefilling [system, chunk 1..k, question], the next-token
+distribution's confidence (``confidence_signals``) decides whether to answer from these k
+chunks or to add the next one (the last is always used). Each step restores its prefix
+from the chunk-state tree, so it prefills only the new chunk and the question. The
+decision depends only on the logits, which are the same with or without a cache, so the
+answers equal those of the same policy with caches off.
+
+Calibrated on this project's data (``benchmarks/adaptive_context.py``): with the bundled
+270M base model no signal beat a fixed chunk count on the test split, which is why the
+mode is off by default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CONTEXT_MODES = ("fixed", "adaptive")
+SIGNALS = ("top_probability", "margin", "entropy")
+_HIGHER_IS_CONFIDENT = {"top_probability": True, "margin": True, "entropy": False}
+
+
+def confidence_signals(logits: np.ndarray) -> dict[str, float]:
+    """The next-token distribution's top probability, the margin between its two most
+    likely tokens, and its entropy (nats).
+
+    >>> signals = confidence_signals(np.array([10.0, 0.0, 0.0]))
+    >>> round(signals["top_probability"], 3), signals["entropy"] < 0.01
+    (1.0, True)
+    """
+    shifted = np.asarray(logits, dtype=np.float64)
+    shifted = shifted - shifted.max()
+    probabilities = np.exp(shifted)
+    probabilities /= probabilities.sum()
+    second, first = np.partition(probabilities, -2)[-2:]
+    entropy = float(-(probabilities * np.log(np.clip(probabilities, 1e-300, None))).sum())
+    return {"top_probability": float(first), "margin": float(first - second), "entropy": entropy}
+
+
+def is_confident(signals: dict[str, float], signal: str, threshold: float) -> bool:
+    """Whether *signal* passes *threshold* (at or above it; for entropy, at or below).
+
+    >>> is_confident({"entropy": 0.5}, "entropy", 1.0), is_confident({"margin": 0.1}, "margin", 0.2)
+    (True, False)
+    """
+    value = signals[signal]
+    return value >= threshold if _HIGHER_IS_CONFIDENT[signal] else value <= threshold

@@ -1,0 +1,64 @@
+"""Whether an engine can keep chunk states as slices: a start-up round trip.
+
+With slices, each stored prefix holds only its own segment's positions, and a path is
+rebuilt by restoring its first state and appending its descendants' slices
+(``Engine.save_slice`` / ``Engine.append_slice``). That is exact only if the rebuilt
+sequence gives the same logits, bit for bit, as prefilling live. ``slices_round_trip``
+checks that on this engine before any slice is stored; where it fails (another llama.cpp
+build, another cache layout), PerCache keeps whole states instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_SEGMENTS = ("Answer from the notes below.\n\n", "Note one: the rehearsal moved to Friday.\n\n", "Note two: bring the keys.\n\n")
+_QUESTION = "Question: when is the rehearsal?\nAnswer:"
+
+
+def slices_round_trip(engine: Engine) -> bool:
+    """Prefill three segments and a question live, then again from a whole state and two
+    appended slices; True when the last logits are identical (the sequence is emptied).
+
+    >>> from percache_core.kv.fake_engine import FakeEngine
+    >>> slices_round_trip(FakeEngine())
+    True
+    """
+    try:
+        with engine.lock:
+            try:
+                return _round_trip(engine)
+            finally:
+                engine.reset()
+    except Exception as error:  # any refusal of the engine means: keep whole states
+        logger.info("state slices unavailable (%s: %s): keeping whole states", type(error).__name__, error)
+        return False
+
+
+def _round_trip(engine: Engine) -> bool:
+    segments = [engine.tokenize(_SEGMENTS[0], True)]
+    segments += [engine.tokenize(text) for text in (*_SEGMENTS[1:], _QUESTION)]
+    engine.reset()
+    saved: list[tuple[bytes, int]] = []
+    for tokens in segments[:-1]:
+        start = engine.n_past
+        engine.eval(tokens)
+        saved.append((engine.save_slice(start) if start else engine.save_state(), engine.n_past))
+    engine.eval(segments[-1])
+    live = np.array(engine.last_logits(), copy=True)
+
+    first, *rest = saved
+    if not engine.load_state(*first) or not all(engine.append_slice(*piece) for piece in rest):
+        logger.info("the engine refused a state slice: keeping whole states")
+        return False
+    engine.eval(segments[-1])
+    identical = bool(np.array_equal(live, engine.last_logits()))
+    if not identical:
+        logger.info("a path rebuilt from state slices changed the logits: keeping whole states")
+    return identical
