@@ -33,7 +33,7 @@ from percache_core.generation import drain
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 
-from .data_sets import default_data_folder, load_users, query_scope
+from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .e2e_harness import rouge_l, squad_f1
 
 
@@ -47,8 +47,10 @@ def study_user(user: Any, pc: PerCache, top_k: int, max_new_tokens: int) -> list
         chunks = [r.chunk for r in pc.knowledge.retrieve(query["question"], top_k, where=scope)]
         steps = []
         for k in range(1, len(chunks) + 1):
-            drain(pc.runner.run(query["question"], chunks[:k], max_new_tokens=max_new_tokens, decode=False))
-            measured = confidence_signals(pc.engine.last_logits())
+            events = pc.runner.run(
+                query["question"], chunks[:k], max_new_tokens=max_new_tokens, decode=False, keep_logits=True
+            )
+            measured = confidence_signals(drain(events).next_token_logits)
             answer = pc.generate(query["question"], chunks[:k], max_new_tokens=max_new_tokens)
             steps.append(
                 {**measured, "answer": answer.text, "score": score(answer.text, query.get("answer", ""))}
@@ -120,24 +122,12 @@ def calibrate(rows: list[dict[str, Any]], top_k: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--data", help="folder with <set>/documents.jsonl and queries.jsonl (default ../shared/data)"
-    )
-    parser.add_argument("--squad-users", type=int, default=3)
-    parser.add_argument("--qmsum-users", type=int, default=1)
-    parser.add_argument("--queries-per-user", type=int, default=16)
+    add_user_arguments(parser, qmsum_users=1, squad_users=3, queries=16)
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/adaptive_context.json")
     args = parser.parse_args(argv)
-    data = Path(args.data) if args.data else default_data_folder()
-    users = load_users(
-        data, "squad11-dev", users=args.squad_users, queries_per_user=args.queries_per_user, seed=args.seed
-    )
-    users += load_users(
-        data, "qmsum", users=args.qmsum_users, queries_per_user=args.queries_per_user, seed=args.seed
-    )
+    users = users_from_arguments(args)
     engine = LlamaEngine(resolve_model_path(None))
     embedder = SentenceTransformerEmbedder()
     config = PerCacheConfig(qa_bank=False, prediction=False, max_new_tokens=args.max_new_tokens)

@@ -4,6 +4,7 @@ kept in their original order."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -78,3 +79,32 @@ def query_scope(query: dict) -> dict | None:
     """
     scope = {f: query[f] for f in SCOPE_FIELDS if query.get(f)}
     return scope or None
+
+
+def add_user_arguments(
+    parser: argparse.ArgumentParser, *, qmsum_users: int, squad_users: int, queries: int
+) -> None:
+    """The options that pick the users of a benchmark: --data, --qmsum-users,
+    --squad-users, --queries-per-user and --seed (with these defaults)."""
+    parser.add_argument(
+        "--data",
+        help="folder with <set>/documents.jsonl and queries.jsonl (default ../shared/data)",
+    )
+    parser.add_argument("--qmsum-users", type=int, default=qmsum_users)
+    parser.add_argument("--squad-users", type=int, default=squad_users)
+    parser.add_argument("--queries-per-user", type=int, default=queries)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def users_from_arguments(args: argparse.Namespace) -> list[User]:
+    """The QMSum users, then the SQuAD users, that :func:`add_user_arguments` options pick."""
+    data = Path(args.data) if args.data else default_data_folder()
+    picked = {"qmsum": args.qmsum_users, "squad11-dev": args.squad_users}
+    return [
+        user
+        for dataset, count in picked.items()
+        if count
+        for user in load_users(
+            data, dataset, users=count, queries_per_user=args.queries_per_user, seed=args.seed
+        )
+    ]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .data_sets import default_data_folder
-from .e2e_harness import SYSTEMS, evaluate, markdown_table, write_report
+from .e2e_harness import OPT_INS, SYSTEMS, evaluate, markdown_table, write_report
 
 QUICK = {"qmsum_users": 2, "squad_users": 1, "queries_per_user": 5, "stride": 3, "max_new_tokens": 48}
 FULL = {"qmsum_users": 5, "squad_users": 2, "queries_per_user": 12, "stride": 5, "max_new_tokens": 64}
@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     defaults = QUICK if args.quick else FULL
-    settings = {name: getattr(args, name) or default for name, default in defaults.items()}
+    settings = {
+        name: default if getattr(args, name) is None else getattr(args, name) for name, default in defaults.items()
+    }
     result = evaluate(
         data=Path(args.data) if args.data else default_data_folder(),
         seed=args.seed,
@@ -56,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budgets_mb=_numbers(args.budgets_mb, int),
         ablations=args.ablations,
         systems=_systems(args.systems),
+        partial=Path(args.out).with_suffix(".partial.json"),
         **settings,
     )
     print()
@@ -69,7 +72,7 @@ def _systems(names: str | None) -> Any:
     if not names:
         return SYSTEMS
     wanted = [name.strip() for name in names.split(",") if name.strip()]
-    known = {system.name: system for system in SYSTEMS}
+    known = {system.name: system for system in (*SYSTEMS, *OPT_INS)}
     unknown = [name for name in wanted if name not in known]
     if unknown or "percache" not in wanted:
         raise SystemExit(f"--systems: choose among {', '.join(known)} (percache included); got {names!r}")

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.data_sets import User, default_data_folder, load_users
+from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from percache_core import PerCache, PerCacheConfig
 from percache_core.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
@@ -72,26 +72,13 @@ def run_user(user: User, config: PerCacheConfig, predictive: bool, engine, embed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, default=default_data_folder())
-    parser.add_argument("--qmsum-users", type=int, default=2)
-    parser.add_argument("--squad-users", type=int, default=2)
-    parser.add_argument("--queries-per-user", type=int, default=6)
+    add_user_arguments(parser, qmsum_users=2, squad_users=2, queries=6)
     parser.add_argument("--stride", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prediction.json"))
     args = parser.parse_args()
 
-    users = load_users(
-        args.data, "qmsum", users=args.qmsum_users, queries_per_user=args.queries_per_user, seed=args.seed
-    )
-    users += load_users(
-        args.data,
-        "squad11-dev",
-        users=args.squad_users,
-        queries_per_user=args.queries_per_user,
-        seed=args.seed,
-    )
+    users = users_from_arguments(args)
     engine = LlamaEngine(resolve_model_path(None))
     engine.warm_up()
     embedder = SentenceTransformerEmbedder()

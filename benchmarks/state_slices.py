@@ -29,7 +29,7 @@ from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.scheduler import PREFILL_BUDGET_SHARE
 
-from .data_sets import default_data_folder, load_users, query_scope
+from .data_sets import add_user_arguments, query_scope, users_from_arguments
 
 DEFAULT_BUDGET = PerCacheConfig().chunk_state_budget_bytes
 
@@ -121,23 +121,11 @@ def summarize(users: list[dict[str, Any]], budget: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--data", help="folder with <set>/documents.jsonl and queries.jsonl (default ../shared/data)"
-    )
-    parser.add_argument("--qmsum-users", type=int, default=2)
-    parser.add_argument("--squad-users", type=int, default=1)
-    parser.add_argument("--queries-per-user", type=int, default=10)
+    add_user_arguments(parser, qmsum_users=2, squad_users=1, queries=10)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/state_slices.json")
     args = parser.parse_args(argv)
-    data = Path(args.data) if args.data else default_data_folder()
-    users = load_users(
-        data, "qmsum", users=args.qmsum_users, queries_per_user=args.queries_per_user, seed=args.seed
-    )
-    users += load_users(
-        data, "squad11-dev", users=args.squad_users, queries_per_user=args.queries_per_user, seed=args.seed
-    )
+    users = users_from_arguments(args)
     engine = LlamaEngine(resolve_model_path(None))
     embedder = SentenceTransformerEmbedder()
     rows = []

@@ -22,7 +22,7 @@ from .types import Chunk
 def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_tokens: int) -> str:
     """A key of everything that decides an answer besides the question and the chunks:
     the model (engine fingerprint, or a framework LLM's identity), the prompt template,
-    the retrieval depth and the generation settings.
+    the retrieval depth, the context policy (when adaptive) and the generation settings.
 
     >>> from percache_core.config import PerCacheConfig
     >>> c = PerCacheConfig()
@@ -40,6 +40,8 @@ def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_to
         "seed": config.seed,
         "stop": list(config.stop),
     }
+    if config.context != "fixed":  # the prompt's chunks depend on the policy
+        payload["context"] = [config.context, config.adaptive_signal, config.adaptive_threshold]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
 

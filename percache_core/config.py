@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .context import CONTEXT_MODES, SIGNALS
 from .stopping import stop_strings
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -18,8 +19,6 @@ MAX_TEMPERATURE = 10.0
 MIN_SECRET_CHARS = 16
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class PerCacheConfig:
     """Every option of PerCache, with its default.
@@ -27,6 +26,12 @@ class PerCacheConfig:
     Tiers:
         qa_bank: reuse the stored answers of similar questions (see ``qa_mode``).
         chunk_states: restore llama.cpp KV states of [system, chunk, ...] prompt prefixes.
+        reuse: "exact" (default): only exact prefixes of a prompt are restored. "approximate"
+            (opt-in): where the exact prefix ends, later chunks are taken from their
+            independent [system, chunk] states (moved to their positions), with the
+            first ``recompute_tokens`` of each prefilled live; such answers may differ from
+            the cache-off answer, carry ``approximate=True`` and are never stored.
+        recompute_tokens: approximate reuse: tokens of each composed chunk prefilled live.
         chunk_state_slices: store each prefix as only its own segment's positions (a slice)
             and rebuild a path from its slices; exact, checked by a round trip when the
             states are opened (whole states where the check fails). Off: whole states.
@@ -37,6 +42,13 @@ class PerCacheConfig:
     Retrieval and prompt:
         similarity_threshold: tau in [0, 1] for QA-bank hits.
         top_k: chunks retrieved per question.
+        context: "fixed" (default): the prompt gets every retrieved chunk. "adaptive"
+            (opt-in): chunks are added one at a time in retrieval order until the first
+            answer token's ``adaptive_signal`` passes ``adaptive_threshold`` (see
+            :mod:`percache_core.context`; with the bundled model it did not beat fixed
+            counts in our calibration, so it is off by default).
+        adaptive_signal: "top_probability", "margin" or "entropy".
+        adaptive_threshold: the signal's threshold (entropy: at or below it).
         chunk_words: target chunk length in words when documents are split.
         rrf_k: the constant of reciprocal-rank fusion of BM25 and dense rankings.
         system_prompt: the first prompt segment (shared by every question).
@@ -110,11 +122,16 @@ class PerCacheConfig:
     qa_bank: bool = True
     chunk_states: bool = True
     chunk_state_slices: bool = True
+    reuse: str = "exact"
+    recompute_tokens: int = 16
     prediction: bool = True
     store_answers: bool = True
 
     similarity_threshold: float = 0.85
     top_k: int = 3
+    context: str = "fixed"
+    adaptive_signal: str = "margin"
+    adaptive_threshold: float = 0.12
     chunk_words: int = 100
     rrf_k: int = 60
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -204,6 +221,27 @@ class PerCacheConfig:
             raise ValueError(f"verifier must be 'lexical' or 'none', got {self.verifier!r}")
         if self.verifier_candidates <= 0:
             raise ValueError(f"verifier_candidates must be positive, got {self.verifier_candidates}")
+        if self.reuse not in ("exact", "approximate"):
+            raise ValueError(f"reuse must be 'exact' or 'approximate', got {self.reuse!r}")
+        if (
+            not isinstance(self.recompute_tokens, int)
+            or isinstance(self.recompute_tokens, bool)
+            or self.recompute_tokens < 0
+        ):
+            raise ValueError(f"recompute_tokens must be an integer >= 0, got {self.recompute_tokens!r}")
+        if self.context not in CONTEXT_MODES:
+            raise ValueError(f"context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        if self.adaptive_signal not in SIGNALS:
+            raise ValueError(
+                f"adaptive_signal must be one of {', '.join(SIGNALS)}, got {self.adaptive_signal!r}"
+            )
+        threshold = self.adaptive_threshold
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not math.isfinite(threshold)
+        ):
+            raise ValueError(f"adaptive_threshold must be a finite number, got {threshold!r}")
         if self.qa_mode not in ("exact", "semantic"):
             raise ValueError(f"qa_mode must be 'exact' or 'semantic', got {self.qa_mode!r}")
         for name in ("dedup_similarity", "strategy_cutoff", "draft_similarity"):

@@ -14,10 +14,13 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .config import PerCacheConfig
+from .context import confidence_signals, is_confident
 from .drafting import (
     AnswerDraft,
     DraftSource,
@@ -68,6 +71,9 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)  # decoded ids, end of generation included
     drafts: DraftStats = field(default_factory=DraftStats)
+    next_token_logits: np.ndarray | None = None  # after the prompt, when asked for (keep_logits)
+    moved_tokens: int = 0  # chunk tokens taken from independent states (approximate reuse)
+    approximate: bool = False  # some chunk was reused approximately: may differ from cache-off
 
     @property
     def reused_chunks(self) -> int:
@@ -82,6 +88,15 @@ class _NewState:
     parent_key: str  # the nearest stored (or newly saved) shorter prefix, or the root key
     data: bytes  # whole, or with slices only the positions after the parent's
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """How one run prefills."""
+
+    keep_logits: bool = False
+    approximate: bool = False  # compose chunks from independent states (reuse="approximate")
+    recompute_tokens: int = 0  # of each composed chunk, prefilled live
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,8 @@ class PromptRunner:
         answer_drafts: Sequence[Sequence[int]] = (),
         sampling: Sampling | None = None,
         prompt_lookup: bool | None = None,
+        keep_logits: bool = False,
+        approximate: bool = False,
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
 
@@ -135,7 +152,11 @@ class PromptRunner:
         *prompt_lookup* replace the configured ones.
 
         With ``decode=False`` only the prefill runs (to populate chunk states); with
-        ``prefix_only=True`` the question is not prefilled either. When
+        ``prefix_only=True`` the question is not prefilled either. With ``keep_logits`` a
+        copy of the logits after the prompt is kept in the result. With *approximate*
+        (``reuse="approximate"``), chunks after the restored prefix are taken from their
+        independent [system, chunk] states where stored (their first
+        ``recompute_tokens`` prefilled live); the result is then marked approximate. When
         ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
         not complete, no new state is kept.
         """
@@ -158,8 +179,9 @@ class PromptRunner:
                 segments, decode = segments[:-1], False
             result = RunResult(layout)
             decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts)
+            prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens)
             with states.pinned(keys) if states is not None else nullcontext():
-                yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding)
+                yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding, prefill)
             if states is not None and states.bytes > config.chunk_state_budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
@@ -173,6 +195,7 @@ class PromptRunner:
         should_stop: StopCheck | None,
         started: float,
         decoding: _Decoding,
+        prefill: _Prefill,
     ) -> Generator[str, None, None]:
         engine = self.engine
         timings = result.timings
@@ -184,26 +207,14 @@ class PromptRunner:
 
         clock = time.perf_counter()
         new_states: list[_NewState] = []
-        parent = (keys[depth - 1], reused) if depth else ("", 0)  # the prefix a new slice follows
-        for index in range(depth, len(segments)):
-            if should_stop is not None and should_stop():
-                raise Preempted("prefill pre-empted by a user question")
-            expected = engine.n_past + len(segments[index])
-            engine.eval(segments[index], should_stop)
-            if engine.n_past != expected:
-                raise Preempted("prefill pre-empted by a user question")
-            if not (index < len(keys) and result.layout.segments[index].keep_state):
-                continue
-            if keys[index] not in self.states:
-                parent_key, start = parent
-                data = engine.save_slice(start) if self.states.slices and start else engine.save_state()
-                new_states.append(_NewState(index, parent_key or self.states.root_key, data, engine.n_past))
-            parent = (keys[index], engine.n_past)
-        result.prefilled_tokens = sum(len(s) for s in segments) - reused
+        self._prefill(result, segments, keys, depth, prefill, should_stop, new_states)
+        result.prefilled_tokens = sum(len(s) for s in segments) - reused - result.moved_tokens
+        if prefill.keep_logits:
+            result.next_token_logits = np.array(engine.last_logits(), copy=True)
         timings["prefill"] = time.perf_counter() - clock
         try:
             if decode:
-                rebuild = self._rebuilder(segments, keys)
+                rebuild = self._rebuilder(result, segments, keys, prefill)
                 yield from self._decode(result, decoding, should_stop, started, bound, rebuild)
         finally:
             # The prefill is complete, so its states are whole whatever happened while
@@ -212,14 +223,83 @@ class PromptRunner:
             self._keep_states(result.layout, keys, new_states)
             timings["store_states"] = time.perf_counter() - clock
 
-    def _rebuilder(self, segments: list[list[int]], keys: list[str]) -> Callable[[], None]:
+    def _prefill(
+        self,
+        result: RunResult,
+        segments: list[list[int]],
+        keys: list[str],
+        depth: int,
+        prefill: _Prefill,
+        should_stop: StopCheck | None,
+        new_states: list[_NewState] | None,
+    ) -> None:
+        """Prefill *segments* from *depth* on (after a restore of *depth* segments), one
+        call per segment; collect the states of new prefixes into *new_states* (states
+        after an approximately reused chunk are never kept)."""
+        engine = self.engine
+        parent = (keys[depth - 1], engine.n_past) if depth else ("", 0)  # the prefix a new slice follows
+        for index in range(depth, len(segments)):
+            if should_stop is not None and should_stop():
+                raise Preempted("prefill pre-empted by a user question")
+            expected = engine.n_past + len(segments[index])
+            independent = self._independent_state(result.layout, segments, index) if prefill.approximate else None
+            if independent is not None:
+                moved = self._prefill_approximately(independent, segments[index], prefill.recompute_tokens)
+                result.moved_tokens += moved
+                result.approximate = result.approximate or moved > 0
+            else:
+                engine.eval(segments[index], should_stop)
+            if engine.n_past != expected:
+                raise Preempted("prefill pre-empted by a user question")
+            keep = index < len(keys) and result.layout.segments[index].keep_state
+            if new_states is None or result.approximate or not keep:
+                continue
+            if keys[index] not in self.states:
+                parent_key, start = parent
+                data = engine.save_slice(start) if self.states.slices and start else engine.save_state()
+                new_states.append(_NewState(index, parent_key or self.states.root_key, data, engine.n_past))
+            parent = (keys[index], engine.n_past)
+
+    def _independent_state(self, layout: PromptLayout, segments: list[list[int]], index: int) -> StateNode | None:
+        """The stored [system, chunk] state of chunk segment *index* (index >= 2: the first
+        chunk's is an exact prefix, restored as such), or None."""
+        if self.states is None or index < 2 or layout.segments[index].kind != "chunk":
+            return None
+        if layout.segments[0].kind != "system":
+            return None
+        key = path_keys(self.states.root_key, [segments[0], segments[index]])[1]
+        return self.states.tree.get(key)
+
+    def _prefill_approximately(self, node: StateNode, tokens: list[int], recompute: int) -> int:
+        """Prefill a chunk segment of *tokens* from its independent [system, chunk] state
+        *node*: its first *recompute* tokens live (they see the real context before them),
+        the rest moved in from the state. Falls back to a live prefill of the rest when the
+        state cannot be used. Returns the tokens moved in."""
+        engine = self.engine
+        head = min(recompute, len(tokens))
+        if head:
+            engine.eval(tokens[:head])
+        if head == len(tokens):
+            return 0
+        data = self.states.get(node)
+        start = node.n_tokens - len(tokens) + head  # where the rest begins in the stored state
+        if data is None or not engine.append_moved(data, node.n_tokens, start):
+            engine.eval(tokens[head:])
+            return 0
+        self.states.record_use(node)
+        return len(tokens) - head
+
+    def _rebuilder(
+        self, result: RunResult, segments: list[list[int]], keys: list[str], prefill: _Prefill
+    ) -> Callable[[], None]:
         """A function that brings the sequence back to the end of the prompt (restore the
-        deepest stored prefix, prefill the rest), for when it cannot be cut back exactly."""
+        deepest stored prefix, prefill the rest as the first time), for when it cannot be
+        cut back exactly."""
 
         def rebuild() -> None:
             depth, _ = self._restore_or_reset(keys)
-            for tokens in segments[depth:]:
-                self.engine.eval(tokens)
+            again = RunResult(result.layout)
+            self._prefill(again, segments, keys, depth, replace(prefill, keep_logits=False), None, None)
 
         return rebuild
 
@@ -315,6 +395,38 @@ class PromptRunner:
         counts = pieces[-1]
         assert isinstance(counts, tuple)
         return text, counts[0], counts[1]
+
+    def context_chunks(
+        self,
+        question: str,
+        chunks: Sequence[Chunk],
+        *,
+        max_new_tokens: int,
+        should_stop: StopCheck | None = None,
+    ) -> list[Chunk]:
+        """The retrieved *chunks* the prompt uses: all of them with ``context="fixed"``;
+        with ``context="adaptive"`` the shortest leading run whose prompt makes the first
+        answer token confident (see :mod:`percache_core.context`), else all. Each tried
+        prompt restores its prefix from the tree and keeps its new states, so each step
+        prefills one chunk and the question; the choice depends on the logits only, so it
+        is the same with or without a cache."""
+        config = self.config
+        if config.context != "adaptive":
+            return list(chunks)
+        for count in range(1, len(chunks)):
+            events = self.run(
+                question,
+                chunks[:count],
+                max_new_tokens=max_new_tokens,
+                decode=False,
+                should_stop=should_stop,
+                keep_logits=True,
+            )
+            logits = drain(events).next_token_logits
+            assert logits is not None
+            if is_confident(confidence_signals(logits), config.adaptive_signal, config.adaptive_threshold):
+                return list(chunks[:count])
+        return list(chunks)
 
     def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
         """Prefill [system, *chunks] and keep its states, with no question and no decode

@@ -49,7 +49,7 @@ SETTINGS_FIXED_AT_OPEN = frozenset(
         "shared_sync_interval_s",
     }
 )
-SETTINGS_OF_THE_LOADED_MODEL = frozenset({"model_path", "n_ctx", "n_batch", "n_threads"})
+SETTINGS_OF_THE_LOADED_MODEL = frozenset({"model_path", "n_ctx", "n_batch", "n_threads", "chunk_state_slices"})
 
 
 class PerCache:
@@ -304,7 +304,8 @@ class PerCache:
         and *scope* are drafts the model verifies (exact mode), and the answer is stored
         there, so a repeat or a paraphrase with the same answer is served as
         ``source="qa_bank"``; the output is always the cache-off output. Strings are
-        wrapped as chunks with a content-derived id.
+        wrapped as chunks with a content-derived id. With ``context="adaptive"`` the
+        prompt gets the shortest leading run of *chunks* that makes the model confident.
         """
         self._ensure_open()
         question = validated_question(question)

@@ -199,8 +199,17 @@ class RequestPath:
         if candidates is None:
             candidates = self.candidates(embedding, binding=binding, scope=scope)
         drafts = [self.draft_tokens(c.entry) for c in candidates]
+        if config.context != "fixed":
+            clock = time.perf_counter()
+            chunks = parts.runtime.runner.context_chunks(question, chunks, max_new_tokens=max_new_tokens)
+            timings["adaptive_context"] = time.perf_counter() - clock
         result = yield from parts.runtime.runner.run(
-            question, chunks, max_new_tokens=max_new_tokens, started=started, answer_drafts=drafts
+            question,
+            chunks,
+            max_new_tokens=max_new_tokens,
+            started=started,
+            answer_drafts=drafts,
+            approximate=config.reuse == "approximate",
         )
         clock = time.perf_counter()
         timings.update(result.timings)
@@ -212,7 +221,7 @@ class RequestPath:
             answer.similarity = served.similarity
             answer.matched_question = served.entry.question
             answer.entry_id = served.entry.id
-        elif config.qa_bank and config.store_answers and answer.text:
+        elif config.qa_bank and config.store_answers and answer.text and not answer.approximate:
             metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
             try:
                 parts.qa_bank.remember(
@@ -309,14 +318,15 @@ def generated_answer(question: str, result: RunResult, started: float, timings: 
     """An answer the model produced (through the chunk-state tree)."""
     return Answer(
         text=result.text,
-        source="chunk_states" if result.reused_chunks > 0 else "full",
+        source="chunk_states" if result.reused_chunks > 0 or result.moved_tokens else "full",
         question=question,
         chunk_ids=result.layout.chunk_ids,
-        reused_tokens=result.reused_tokens,
+        reused_tokens=result.reused_tokens + result.moved_tokens,
         prefilled_tokens=result.prefilled_tokens,
         generated_tokens=result.generated_tokens,
         reused_chunks=result.reused_chunks,
         ttft_s=result.ttft_s if result.ttft_s is not None else time.perf_counter() - started,
         timings=timings,
         draft_tokens_accepted=result.drafts.accepted,
+        approximate=result.approximate,
     )

@@ -331,7 +331,12 @@ class Scheduler:
         retrieved = parts.knowledge.retrieve(
             question, parts.config.top_k, question_embedding=embedding, where=scope
         )
-        chunks = [r.chunk for r in retrieved]
+        chunks = parts.runtime.runner.context_chunks(
+            question,
+            [r.chunk for r in retrieved],
+            max_new_tokens=parts.config.max_new_tokens,
+            should_stop=should_stop,
+        )
         result = drain(
             parts.runtime.runner.run(
                 question,

@@ -70,7 +70,8 @@ class Answer:
         similarity: cosine similarity of the matched QA entry (QA-bank hits), else the best
             similarity seen in the QA bank (``None`` when the bank was not consulted).
         chunk_ids: the chunks the answer was generated from.
-        reused_tokens: prompt tokens restored from stored states.
+        reused_tokens: prompt tokens restored from stored states (with approximate reuse,
+            the chunk tokens moved in from independent states too).
         prefilled_tokens: prompt tokens computed for this answer.
         generated_tokens: tokens decoded.
         ttft_s: seconds from the call to the first answer token.
@@ -78,7 +79,8 @@ class Answer:
         matched_question: the stored question, for QA-bank hits.
         entry_id: the QA entry served, for QA-bank hits.
         approximate: True when the answer may differ from the cache-off answer (semantic
-            mode's hits); exact mode's answers, ``qa_bank`` ones included, never do.
+            mode's hits, and answers with chunks composed by ``reuse="approximate"``);
+            exact answers, ``qa_bank`` ones included, never do.
         draft_tokens_accepted: answer tokens verified from drafts instead of decoded one
             at a time (stored answers and prompt lookup).
     """

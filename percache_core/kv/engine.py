@@ -82,6 +82,11 @@ class Engine(Protocol):
         unchanged) if refused."""
         ...
 
+    def append_moved(self, data: bytes, n_tokens: int, start: int) -> bool:
+        """Approximate reuse: add positions *start* .. *n_tokens* of a saved state, moved to
+        begin at ``n_past``; False (sequence unchanged) if refused."""
+        ...
+
     def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
         """Feed *tokens* after the current position (logits kept for the last)."""
         ...

@@ -152,6 +152,27 @@ class FakeEngine:
         self.n_past = n_tokens
         return True
 
+    def append_moved(self, data: bytes, n_tokens: int, start: int) -> bool:
+        """Add positions *start* .. *n_tokens* of a saved state, moved to ``n_past``; the
+        fake continues from their hashes, so what follows differs from a live prefill
+        (as approximate reuse may)."""
+        self.calls["load_state"] += 1
+        if data.startswith(_SLICE_MAGIC):
+            (first,) = struct.unpack("<q", data[len(_SLICE_MAGIC) : len(_SLICE_MAGIC) + 8])
+            body = data[len(_SLICE_MAGIC) + 8 :]
+        elif data.startswith(_STATE_MAGIC):
+            first, body = 0, data[len(_STATE_MAGIC) :]
+        else:
+            return False
+        hashes = np.frombuffer(body, dtype=np.uint64)
+        if len(hashes) != n_tokens - first or not first <= start < n_tokens:
+            return False
+        if self.n_past + n_tokens - start > self.n_ctx:
+            return False
+        self._hashes.extend(int(h) for h in hashes[start - first :])
+        self.n_past = len(self._hashes)
+        return True
+
     # -- evaluation -----------------------------------------------------------------------
 
     def _push(self, tokens: Sequence[int]) -> None:

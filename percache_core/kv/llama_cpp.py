@@ -294,6 +294,24 @@ class LlamaEngine:
         self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
         return fits
 
+    def append_moved(self, data: bytes, n_tokens: int, start: int) -> bool:
+        """Approximate reuse: add positions *start* .. *n_tokens* of a saved state (whole or
+        a slice) after the current sequence, moved to begin at ``n_past``. Their keys are
+        re-rotated to the new positions at the next decode, but their values still
+        reflect the context they were computed in, so what follows is no longer exactly
+        what a live prefill gives. False (sequence unchanged) if refused."""
+        memory = self._memory
+        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), _SCRATCH)
+        fits = read != 0 and self._lc.llama_memory_seq_pos_max(memory, _SCRATCH) == n_tokens - 1
+        fits = fits and 0 <= start < n_tokens and self.n_past + n_tokens - start <= self.n_ctx
+        if fits:
+            self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, start)
+            self._lc.llama_memory_seq_add(memory, _SCRATCH, start, n_tokens, self.n_past - start)
+            self._lc.llama_memory_seq_cp(memory, _SCRATCH, 0, -1, -1)
+            self.n_past += n_tokens - start
+        self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
+        return fits
+
     # -- evaluation -----------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:

@@ -98,3 +98,78 @@ def test_bad_questions_fail_before_any_work(fake_cache, bad):
     with pytest.raises((TypeError, ValueError)):
         pc.answer(bad)
     assert engine.calls == before
+
+
+def test_fake_engine_slices_rebuild_the_sequence_and_refuse_a_gap():
+    engine = FakeEngine()
+    prompt = engine.tokenize("System.\n\nNote one.\n\nNote two.\n\nQuestion?", True)
+    engine.reset()
+    engine.eval(prompt)
+    live = list(engine.generate(max_new_tokens=8))
+    engine.reset()
+    engine.eval(prompt[:8])
+    first = engine.save_state()
+    engine.eval(prompt[8:20])
+    second = engine.save_slice(8)
+    engine.reset()
+    assert not engine.append_slice(second, 20)  # it must follow its 8-token parent
+    assert engine.load_state(first, 8) and engine.append_slice(second, 20)
+    engine.eval(prompt[20:])
+    assert list(engine.generate(max_new_tokens=8)) == live
+
+
+def test_adaptive_context_uses_a_leading_run_of_the_retrieved_chunks(fake_cache):
+    always = fake_cache("always", qa_bank=False, context="adaptive", adaptive_threshold=0.0)
+    never = fake_cache("never", qa_bank=False, context="adaptive", adaptive_threshold=1.01)
+    fixed = fake_cache("fixed", qa_bank=False)
+    retrieved = [r.chunk.id for r in fixed.retrieve(QUESTION)]
+    assert len(retrieved) == 3
+    assert list(always.answer(QUESTION).chunk_ids) == retrieved[:1]  # confident at once
+    assert list(never.answer(QUESTION).chunk_ids) == retrieved  # never confident: all
+    assert never.answer(QUESTION, top_k=3).text == fixed.answer(QUESTION).text
+    assert always.binding() != fixed.binding()  # answers of another policy are never served
+
+
+def test_adaptive_context_settings_are_checked():
+    from percache_core import PerCacheConfig
+
+    with pytest.raises(ValueError, match="context must be one of"):
+        PerCacheConfig(context="dynamic")
+    with pytest.raises(ValueError, match="adaptive_signal"):
+        PerCacheConfig(adaptive_signal="kl")
+    with pytest.raises(ValueError, match="adaptive_threshold"):
+        PerCacheConfig(adaptive_threshold=float("nan"))
+
+
+def test_approximate_reuse_composes_independent_states_and_never_stores_its_answers(fake_cache):
+    exact = fake_cache("exact", qa_bank=False)
+    composed = fake_cache("composed", reuse="approximate", recompute_tokens=4)
+    chunks = [r.chunk for r in composed.retrieve(QUESTION)]
+    for cache in (exact, composed):
+        for chunk in chunks:  # what the knowledge prefill does: [system, chunk] of each chunk
+            cache.runner.prefill_prefix([chunk])
+    reference = exact.answer(QUESTION)
+    assert not reference.approximate and reference.reused_chunks == 1
+
+    answer = composed.answer(QUESTION)
+    assert answer.approximate and answer.source == "chunk_states"
+    assert answer.reused_tokens > reference.reused_tokens  # chunks 2 and 3 moved in
+    assert answer.prefilled_tokens < reference.prefilled_tokens
+    assert len(composed.qa_bank) == 0  # never stored as an exact entry
+    assert max(n.depth for n in composed.tree.nodes) == 2  # no state after a composed chunk
+    assert composed.answer(QUESTION).source != "qa_bank"
+
+    whole_chunks = fake_cache("recompute-all", reuse="approximate", recompute_tokens=10_000)
+    for chunk in chunks:
+        whole_chunks.runner.prefill_prefix([chunk])
+    same = whole_chunks.answer(QUESTION)  # every token recomputed: nothing moved, exact
+    assert not same.approximate and same.text == reference.text
+
+
+def test_reuse_settings_are_checked():
+    from percache_core import PerCacheConfig
+
+    with pytest.raises(ValueError, match="reuse must be"):
+        PerCacheConfig(reuse="fuzzy")
+    with pytest.raises(ValueError, match="recompute_tokens"):
+        PerCacheConfig(recompute_tokens=-1)
