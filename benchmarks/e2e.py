@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stride", type=int, help="prediction stride (default 5; quick 3)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-users", type=int, default=0, help="leave out the first N users (already run)")
     parser.add_argument("--taus", help="comma-separated tau values for PerCache's sweep on the first user")
     parser.add_argument("--systems", help="comma-separated systems to compare (default: all seven)")
     parser.add_argument("--strides", help="comma-separated prediction strides to sweep on the first user")
@@ -59,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ablations=args.ablations,
         systems=_systems(args.systems),
         partial=Path(args.out).with_suffix(".partial.json"),
+        skip_users=args.skip_users,
         **settings,
     )
     print()

@@ -302,6 +302,7 @@ def evaluate(
     ablations: bool = False,
     progress: Callable[[str], None] = print,
     partial: Path | None = None,
+    skip_users: int = 0,
 ) -> dict[str, Any]:
     """Run every system on every user, then the sensitivity and ablation runs (see
     :func:`sensitivity_runs`) of PerCache on the first user. After each user, what is
@@ -310,6 +311,7 @@ def evaluate(
     for dataset, count in (("qmsum", qmsum_users), ("squad11-dev", squad_users)):
         if count > 0:
             users += load_users(data, dataset, users=count, queries_per_user=queries_per_user, seed=seed)
+    users = users[skip_users:]  # to go on with the users a stopped run did not reach
     model_path = resolve_model_path(None)
     engine = LlamaEngine(model_path)
     engine.warm_up()
