@@ -200,7 +200,7 @@ class PerCacheConfig:
             raise ValueError(f"n_threads must be a positive integer or None, got {self.n_threads!r}")
         if not isinstance(self.min_free_disk_bytes, int) or self.min_free_disk_bytes < 0:
             raise ValueError(f"min_free_disk_bytes must be an integer >= 0, got {self.min_free_disk_bytes!r}")
-        for name in ("temperature", "top_p", "similarity_threshold", "idle_after_s"):
+        for name in ("temperature", "top_p", "similarity_threshold", "idle_after_s", "adaptive_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -235,13 +235,6 @@ class PerCacheConfig:
             raise ValueError(
                 f"adaptive_signal must be one of {', '.join(SIGNALS)}, got {self.adaptive_signal!r}"
             )
-        threshold = self.adaptive_threshold
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, (int, float))
-            or not math.isfinite(threshold)
-        ):
-            raise ValueError(f"adaptive_threshold must be a finite number, got {threshold!r}")
         if self.qa_mode not in ("exact", "semantic"):
             raise ValueError(f"qa_mode must be 'exact' or 'semantic', got {self.qa_mode!r}")
         for name in ("dedup_similarity", "strategy_cutoff", "draft_similarity"):

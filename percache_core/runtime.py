@@ -20,7 +20,7 @@ from .config import PerCacheConfig
 from .drafting import deviation_bound
 from .generation import PromptRunner
 from .kv.engine import Engine
-from .kv.slicing import slices_round_trip
+from .kv.slicing import slices_work
 from .kv.state_store import StateStore
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
@@ -102,7 +102,7 @@ class ModelRuntime:
         engine = self.engine
         with self._lock:
             if self._states is None:
-                slices = self.config.chunk_state_slices and slices_round_trip(engine)
+                slices = self.config.chunk_state_slices and slices_work(engine)
                 fingerprint = engine.fingerprint(TEMPLATE_VERSION + ("|slices" if slices else "|whole"))
                 local = StateStore(
                     self._folder / "states", fingerprint, min_free_bytes=self.config.min_free_disk_bytes

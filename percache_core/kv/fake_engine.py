@@ -41,6 +41,20 @@ def _roll(previous: int, token: int) -> int:
     return int.from_bytes(hashlib.blake2b(struct.pack("<qi", previous, token), digest_size=8).digest(), "little") >> 1
 
 
+def _saved_positions(data: bytes) -> tuple[int, np.ndarray] | None:
+    """The first position and the rolling hashes a saved state or slice holds, or None."""
+    if data.startswith(_SLICE_MAGIC) and len(data) >= len(_SLICE_MAGIC) + 8:
+        (first,) = struct.unpack("<q", data[len(_SLICE_MAGIC) : len(_SLICE_MAGIC) + 8])
+        body = data[len(_SLICE_MAGIC) + 8 :]
+    elif data.startswith(_STATE_MAGIC):
+        first, body = 0, data[len(_STATE_MAGIC) :]
+    else:
+        return None
+    if len(body) % 8:
+        return None
+    return first, np.frombuffer(body, dtype=np.uint64)
+
+
 class FakeEngine:
     """A byte-level, deterministic engine with one sequence.
 
@@ -127,10 +141,10 @@ class FakeEngine:
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         self.calls["load_state"] += 1
         self.reset()
-        body = data[len(_STATE_MAGIC) :]
-        if not data.startswith(_STATE_MAGIC) or len(body) != 8 * n_tokens:
+        saved = _saved_positions(data)
+        if saved is None or saved[0] != 0 or len(saved[1]) != n_tokens:
             return False
-        self._hashes = [int(h) for h in np.frombuffer(body, dtype=np.uint64)]
+        self._hashes = [int(h) for h in saved[1]]
         self.n_past = n_tokens
         return True
 
@@ -141,14 +155,12 @@ class FakeEngine:
 
     def append_slice(self, data: bytes, n_tokens: int) -> bool:
         self.calls["load_state"] += 1
-        header = len(_SLICE_MAGIC) + 8
-        if not data.startswith(_SLICE_MAGIC) or len(data) < header:
+        saved = _saved_positions(data)
+        if saved is None or saved[0] != self.n_past or len(saved[1]) != n_tokens - self.n_past:
             return False
-        (start,) = struct.unpack("<q", data[len(_SLICE_MAGIC) : header])
-        body = data[header:]
-        if start != self.n_past or len(body) != 8 * (n_tokens - start) or n_tokens > self.n_ctx:
+        if n_tokens > self.n_ctx:
             return False
-        self._hashes.extend(int(h) for h in np.frombuffer(body, dtype=np.uint64))
+        self._hashes.extend(int(h) for h in saved[1])
         self.n_past = n_tokens
         return True
 
@@ -157,19 +169,12 @@ class FakeEngine:
         fake continues from their hashes, so what follows differs from a live prefill
         (as approximate reuse may)."""
         self.calls["load_state"] += 1
-        if data.startswith(_SLICE_MAGIC):
-            (first,) = struct.unpack("<q", data[len(_SLICE_MAGIC) : len(_SLICE_MAGIC) + 8])
-            body = data[len(_SLICE_MAGIC) + 8 :]
-        elif data.startswith(_STATE_MAGIC):
-            first, body = 0, data[len(_STATE_MAGIC) :]
-        else:
-            return False
-        hashes = np.frombuffer(body, dtype=np.uint64)
-        if len(hashes) != n_tokens - first or not first <= start < n_tokens:
+        saved = _saved_positions(data)
+        if saved is None or len(saved[1]) != n_tokens - saved[0] or not saved[0] <= start < n_tokens:
             return False
         if self.n_past + n_tokens - start > self.n_ctx:
             return False
-        self._hashes.extend(int(h) for h in hashes[start - first :])
+        self._hashes.extend(int(h) for h in saved[1][start - saved[0] :])
         self.n_past = len(self._hashes)
         return True
 

@@ -285,14 +285,19 @@ class LlamaEngine:
         sequence 1 and its cells then shared with sequence 0; they keep their positions.
         False (sequence unchanged) if llama.cpp refuses it or its positions do not fit."""
         memory = self._memory
-        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), _SCRATCH)
-        fits = read != 0 and self._lc.llama_memory_seq_pos_max(memory, _SCRATCH) == n_tokens - 1
+        fits = self._read_into_scratch(data, n_tokens)
         fits = fits and self._lc.llama_memory_seq_pos_max(memory, 0) == self.n_past - 1
         if fits:
             self._lc.llama_memory_seq_cp(memory, _SCRATCH, 0, -1, -1)
             self.n_past = n_tokens
         self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
         return fits
+
+    def _read_into_scratch(self, data: bytes, n_tokens: int) -> bool:
+        """Replace scratch sequence 1 with a saved state; whether it ends at *n_tokens*
+        (the caller empties the scratch sequence afterwards)."""
+        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), _SCRATCH)
+        return read != 0 and self._lc.llama_memory_seq_pos_max(self._memory, _SCRATCH) == n_tokens - 1
 
     def append_moved(self, data: bytes, n_tokens: int, start: int) -> bool:
         """Approximate reuse: add positions *start* .. *n_tokens* of a saved state (whole or
@@ -301,8 +306,7 @@ class LlamaEngine:
         reflect the context they were computed in, so what follows is no longer exactly
         what a live prefill gives. False (sequence unchanged) if refused."""
         memory = self._memory
-        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), _SCRATCH)
-        fits = read != 0 and self._lc.llama_memory_seq_pos_max(memory, _SCRATCH) == n_tokens - 1
+        fits = self._read_into_scratch(data, n_tokens)
         fits = fits and 0 <= start < n_tokens and self.n_past + n_tokens - start <= self.n_ctx
         if fits:
             self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, start)

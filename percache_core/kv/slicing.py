@@ -5,12 +5,14 @@ rebuilt by restoring its first state and appending its descendants' slices
 (``Engine.save_slice`` / ``Engine.append_slice``). That is exact only if the rebuilt
 sequence gives the same logits, bit for bit, as prefilling live. ``slices_round_trip``
 checks that on this engine before any slice is stored; where it fails (another llama.cpp
-build, another cache layout), PerCache keeps whole states instead.
+build, another cache layout), PerCache keeps whole states instead. ``slices_work`` runs it
+once per engine (caches that share an engine do not repeat it).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numpy as np
 
@@ -20,6 +22,27 @@ logger = logging.getLogger(__name__)
 
 _SEGMENTS = ("Answer from the notes below.\n\n", "Note one: the rehearsal moved to Friday.\n\n", "Note two: bring the keys.\n\n")
 _QUESTION = "Question: when is the rehearsal?\nAnswer:"
+_verdicts: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
+
+
+def slices_work(engine: Engine) -> bool:
+    """:func:`slices_round_trip` of *engine*, run once per engine and remembered.
+
+    >>> from percache_core.kv.fake_engine import FakeEngine
+    >>> engine = FakeEngine()
+    >>> slices_work(engine), engine in _verdicts
+    (True, True)
+    """
+    try:
+        return _verdicts[engine]
+    except (KeyError, TypeError):  # not checked yet, or an engine that takes no weak reference
+        pass
+    verdict = slices_round_trip(engine)
+    try:
+        _verdicts[engine] = verdict
+    except TypeError:
+        pass
+    return verdict
 
 
 def slices_round_trip(engine: Engine) -> bool:
