@@ -35,6 +35,7 @@ from percache_core.models import resolve_model_path
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .e2e_harness import rouge_l, squad_f1
+from .output import write_json
 
 
 def study_user(user: Any, pc: PerCache, top_k: int, max_new_tokens: int) -> list[dict[str, Any]]:
@@ -146,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration": {name: calibrate(part, args.top_k) for name, part in by_dataset.items()},
         "questions": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(json.dumps(result["calibration"], indent=2))
     return 0
 

@@ -29,6 +29,7 @@ from percache_core.models import resolve_model_path
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .e2e_harness import rouge_l, squad_f1
+from .output import write_json
 
 
 def measure_user(
@@ -131,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {name: summarize(rows, settings) for name, rows in by_dataset.items()},
         "questions": by_dataset,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(json.dumps(result["summary"], indent=2))
     return 0
 

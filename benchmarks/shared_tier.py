@@ -8,7 +8,6 @@ answers per second with several client processes. Writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import statistics
 import tempfile
@@ -17,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.data_sets import default_data_folder, read_jsonl
+from benchmarks.output import write_json
 from percache_core import Chunk, PerCache, PerCacheConfig
 from percache_core.shared.bloom import BloomFilter
 from tests.local_redis import RedisServer
@@ -164,8 +164,7 @@ def main() -> None:
     print(
         f"{args.clients} clients: {result['throughput']['answers']} answers in {wall:.1f} s = {result['throughput']['answers_per_s']:.2f} answers/s"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(f"wrote {args.out}")
 
 

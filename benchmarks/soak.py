@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.data_sets import default_data_folder, load_users
+from benchmarks.output import write_json
 from percache_core import PerCache, PerCacheConfig
 from percache_core.storage import Store
 
@@ -189,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["shared_folder"]["p50_vs_alone"] = report["shared_folder"]["p50_s"] / report["alone"]["p50_s"]
     report["shared_folder"]["p95_vs_alone"] = report["shared_folder"]["p95_s"] / report["alone"]["p95_s"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_json(report, args.out, indent=1)
     print(json.dumps({k: v for k, v in report.items() if k != "setting"}, indent=1))
     return 0
 

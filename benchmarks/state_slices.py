@@ -30,6 +30,7 @@ from percache_core.models import resolve_model_path
 from percache_core.scheduler import PREFILL_BUDGET_SHARE
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
+from .output import write_json
 
 DEFAULT_BUDGET = PerCacheConfig().chunk_state_budget_bytes
 
@@ -145,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "users": rows,
         "summary": summarize(rows, DEFAULT_BUDGET),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(json.dumps(result["summary"], indent=2))
     return 0
 

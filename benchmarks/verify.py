@@ -7,13 +7,13 @@ hit verifier, on labelled question pairs (``--pairs``, default the project's own
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from percache_core.embedding import SentenceTransformerEmbedder
 
+from .output import write_json
 from .verify_harness import evaluate, print_table, read_pairs
 
 
@@ -31,8 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = evaluate(read_pairs(args.pairs), SentenceTransformerEmbedder())
     result["pairs_file"] = str(args.pairs)
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(f"wrote {args.out}")
     return 0
 
