@@ -22,6 +22,9 @@ from .types import QAHit
 FOLLOWUPS_KEPT = 256
 
 
+MAX_HISTORY_CHARS = 600  # longer than any question a person types into an assistant
+
+
 class UserActivity:
     """Waiting users, the time of the last activity, and recent questions.
 
@@ -75,9 +78,12 @@ class UserActivity:
         scope: dict[str, Any] | None = None,
     ) -> None:
         """Remember a user question (for history prediction) and its scope; a question that
-        was served another question's answer becomes a follow-up (answered in idle time)."""
-        self.history.append(question)
-        self.new_history += 1
-        self.history_scope = scope
+        was served another question's answer becomes a follow-up (answered in idle time).
+        A text longer than ``MAX_HISTORY_CHARS`` is a whole prompt used as a key, not a
+        question: it joins no history (the prediction prompt would not fit)."""
+        if len(question) <= MAX_HISTORY_CHARS:
+            self.history.append(question)
+            self.new_history += 1
+            self.history_scope = scope
         if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
             self.followups.append((question, embedding, scope))

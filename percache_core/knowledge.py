@@ -93,6 +93,27 @@ def _as_document(item: DocumentInput) -> _Document:
     return _Document(doc_id, text, metadata)
 
 
+def validated_document_ids(doc_ids: Iterable[str]) -> set[str]:
+    """The document ids of a deletion, checked before any work.
+
+    >>> sorted(validated_document_ids(["b", "a"]))
+    ['a', 'b']
+    >>> validated_document_ids("a")
+    Traceback (most recent call last):
+    ...
+    TypeError: give a list of document ids, not a single string
+    """
+    if isinstance(doc_ids, (str, bytes)):
+        raise TypeError("give a list of document ids, not a single string")
+    if not isinstance(doc_ids, Iterable):
+        raise TypeError(f"document ids must be a list of strings, got {type(doc_ids).__name__}")
+    ids = list(doc_ids)
+    for doc_id in ids:
+        if not isinstance(doc_id, str) or not doc_id:
+            raise InvalidDocumentError(f"a document id must be a non-empty string, got {doc_id!r}")
+    return set(ids)
+
+
 class KnowledgeBank:
     """Chunks of the user's documents with BM25 and dense retrieval.
 
@@ -228,6 +249,21 @@ class KnowledgeBank:
             self.last_replaced = replaced
             self.sync()
         return new_chunks
+
+    def delete_documents(self, doc_ids: Iterable[str]) -> list[Chunk]:
+        """Remove these documents' chunks (ids this bank does not hold are skipped); return
+        the removed chunks. One transaction: all of them go, or none."""
+        wanted = validated_document_ids(doc_ids)
+        with self._lock:
+            self.sync()
+            removed = [chunk for chunk in self._chunks if chunk.doc_id in wanted]
+            known = [doc_id for doc_id in wanted if doc_id in self._documents]
+            if not removed and not known:
+                return []
+            keys = [f"chunk:{chunk.id}" for chunk in removed] + [f"doc:{doc_id}" for doc_id in known]
+            self._store.put_many([], remove=keys)
+            self.sync()
+        return removed
 
     def _embed_with_progress(self, texts: list[str], progress: bool) -> np.ndarray:
         batch = 64

@@ -21,7 +21,7 @@ from .embedding import Embedder, SentenceTransformerEmbedder, check_embedder, em
 from .errors import CacheClosedError, CacheFolderError
 from .generation import PromptRunner, drain
 from .inputs import as_chunks, positive_override, validated_question, validated_scope
-from .knowledge import DocumentInput, KnowledgeBank
+from .knowledge import DocumentInput, KnowledgeBank, validated_document_ids
 from .kv.engine import Engine, Sampling
 from .kv.tiers import TieredStateStore
 from .kv.tree import ChunkStateTree
@@ -239,6 +239,26 @@ class PerCache:
             self.scheduler.mark_stale(chunks, self.knowledge.last_replaced)
         return chunks
 
+    def delete_documents(self, doc_ids: Iterable[str]) -> int:
+        """Delete documents by id (ids this cache does not hold are skipped); returns the
+        number of chunks removed.
+
+        Nothing made from their text stays: their chunks, the QA entries answered from
+        them, the chunk states that may hold them (only the system prompt's and the
+        [system, chunk] states of other chunks are kept; the idle round prefills the rest
+        again) and the knowledge abstract (summarised again from the remaining chunks).
+        States and entries of a shared tier are not touched.
+
+        >>> pc.delete_documents(["mail-2024-03-02"])   # doctest: +SKIP
+        3
+        """
+        self._ensure_open()
+        ids = validated_document_ids(doc_ids)
+        with self.parts.activity.user_turn():  # an idle round stops first
+            removed = self.knowledge.delete_documents(ids)
+            self.scheduler.forget_documents(removed, ids)
+        return len(removed)
+
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
         """The chunks hybrid retrieval gives for *question* (best first)."""
         self._ensure_open()
@@ -385,11 +405,14 @@ class PerCache:
         similarity_threshold: float | None = None,
         scope: Mapping[str, Any] | None = None,
         binding: str | None = None,
+        asked: str | None = None,
     ) -> Answer | None:
         """The QA bank's answer for *question* under *binding* (default: this cache's own)
         and *scope*, or None: for callers that generate on their own and then call
         :meth:`remember` with the same binding (a key of whatever decides their answers:
-        model, prompt, settings, the retrieved context).
+        model, prompt, settings, the retrieved context). When *question* is such a key
+        (a whole prompt), give the user's question as *asked*: it is what idle prediction
+        learns from.
 
         Exact mode (the default) only returns the answer stored for the same question
         text: the same inputs give the same output. Semantic mode returns the best entry
@@ -403,7 +426,7 @@ class PerCache:
         binding = binding or self.binding()
         with self.parts.activity.user_turn():
             embedding = self.embedder.embed([question])[0]
-            hit = self.request_path.lookup(question, embedding, threshold, scope_dict, binding)
+            hit = self.request_path.lookup(question, embedding, threshold, scope_dict, binding, asked)
         if hit is None:
             return None
         answer = stored_answer(question, hit, started, {})
@@ -460,11 +483,14 @@ class PerCache:
         knowledge_prediction: bool = True,
         progress: bool = True,
         should_stop: Callable[[], bool] | None = None,
+        answer: Callable[[str], bool] | None = None,
     ) -> WarmReport:
         """Run one idle round now: abstract, refresh, follow-ups, prediction and population
         (``max_predictions`` per view, default ``prediction_stride``), conversions.
 
-        A user question pre-empts it (``report.preempted``).
+        A user question pre-empts it (``report.preempted``). With *answer* (question ->
+        whether an answer was stored), predicted questions are answered by the caller's own
+        pipeline and the round only summarises and predicts (see ``Scheduler.warm``).
 
         >>> report = pc.warm(max_seconds=60)   # doctest: +SKIP
         >>> report.predicted                   # doctest: +SKIP
@@ -477,6 +503,7 @@ class PerCache:
             knowledge_prediction=knowledge_prediction,
             progress=progress,
             should_stop=should_stop,
+            answer=answer,
         )
 
     def start_worker(
@@ -485,9 +512,11 @@ class PerCache:
         idle_after_s: float | None = None,
         should_run: Callable[[], bool] | None = None,
         round_seconds: float | None = 60.0,
+        answer: Callable[[str], bool] | None = None,
     ) -> IdleWorker:
         """Start the background worker (idle rounds after ``idle_after_s`` without a query,
-        while ``should_run()`` allows); returns it. One worker per cache."""
+        while ``should_run()`` allows; *answer* as in :meth:`warm`); returns it. One worker
+        per cache."""
         self._ensure_open()
         if self._worker is not None and self._worker.running:
             return self._worker
@@ -497,6 +526,7 @@ class PerCache:
             idle_after_s=self.config.idle_after_s if idle_after_s is None else idle_after_s,
             should_run=should_run,
             round_seconds=round_seconds,
+            answer=answer,
         ).start()
         return self._worker
 

@@ -123,10 +123,12 @@ class RequestPath:
         similarity_threshold: float,
         scope: dict[str, Any] | None,
         binding: str,
+        asked: str | None = None,
     ) -> QAHit | None:
         """The stored answer a caller that generates on its own may serve, counted as a
         hit: in exact mode the one stored for this very question text, in semantic mode
-        the best verified one at or above *similarity_threshold*."""
+        the best verified one at or above *similarity_threshold*. *asked* (default
+        *question*) is what the user asked, for history prediction."""
         if self.config.qa_mode == "exact":
             entry = self.parts.qa_bank.find(question, scope=scope, binding=binding)
             hit = None
@@ -135,7 +137,7 @@ class RequestPath:
                 hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
         else:
             hit, _ = self.semantic_hit(question, embedding, similarity_threshold, scope, binding)
-        self.parts.activity.record_question(question, embedding, hit, scope)
+        self.parts.activity.record_question(asked or question, embedding, hit, scope)
         return hit
 
     def complete(

@@ -21,7 +21,7 @@ from .drafting import deviation_bound
 from .generation import PromptRunner
 from .kv.engine import Engine
 from .kv.slicing import slices_work
-from .kv.state_store import StateStore
+from .kv.state_store import StateStore, drop_document_states
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
 from .prompting import TEMPLATE_VERSION
@@ -118,6 +118,14 @@ class ModelRuntime:
             self._runner.config = config
         if self._states is not None:
             self._states.local.min_free_bytes = config.min_free_disk_bytes
+
+    def forget_chunks(self, chunk_ids: set[str]) -> int:
+        """Delete the stored states that may hold these chunks' text, of every fingerprint
+        (see :func:`~percache_core.kv.state_store.drop_document_states`); the count."""
+        dropped = drop_document_states(self._folder / "states", chunk_ids)
+        if self._states is not None:
+            self._states.sync()
+        return dropped
 
     def preload(self) -> None:
         """Load the engine and the states now, and measure the draft-verification bound."""

@@ -102,7 +102,7 @@ class Scheduler:
         self.preemptions = 0
         self._knowledge_rounds: dict[int, int] = {}  # abstract version -> rounds predicted
         self._predictor: QueryPredictor | None = None
-        self._lock = threading.Lock()  # one round at a time
+        self._lock = threading.RLock()  # one round at a time (a round may delete documents it finds gone)
         self._report: WarmReport | None = None
         self._should_stop: Callable[[], bool] = parts.activity.waiting
 
@@ -148,6 +148,24 @@ class Scheduler:
                     break
         return marked
 
+    def forget_documents(self, removed: Sequence[Chunk], doc_ids: set[str]) -> tuple[int, int]:
+        """After documents were deleted: drop the QA entries answered from them, the chunk
+        states that may hold their text, and the knowledge abstract (its facts are not
+        traced to chunks, so it is summarised again from the chunks that stay). Returns
+        (entries dropped, states dropped). Waits for a running idle round to finish."""
+        parts = self.parts
+        gone = {c.id for c in removed} | doc_ids
+        with self._lock:
+            entries = 0
+            for entry in parts.qa_bank.entries:
+                if gone.intersection(entry.chunk_ids):
+                    entries += parts.qa_bank.drop(entry.id)
+            states = 0
+            if removed:
+                states = parts.runtime.forget_chunks({c.id for c in removed})
+                self.abstract.clear()
+        return entries, states
+
     # -- planning -------------------------------------------------------------------------
 
     def strategy(self, threshold: float | None = None) -> str:
@@ -162,21 +180,24 @@ class Scheduler:
         tau = config.similarity_threshold if threshold is None else threshold
         return PREFILL_ONLY if tau > config.strategy_cutoff else PREFILL_DECODE
 
-    def has_work(self) -> bool:
+    def has_work(self, own_pipeline: bool = True) -> bool:
         """Whether an idle round would do anything useful now (with ``prediction=False``
-        only refreshing stale answers and prefilling chunk states remain)."""
+        only refreshing stale answers and prefilling chunk states remain; without
+        *own_pipeline*, as for ``warm(answer=...)``, only summarising and predicting)."""
         parts, config = self.parts, self.parts.config
-        entries = parts.qa_bank.entries if config.qa_bank else []
+        entries = parts.qa_bank.entries if config.qa_bank and own_pipeline else []
         if any(e.metadata.get("stale") and not e.metadata.get("remembered") for e in entries):
             return True
         if config.prediction and len(parts.knowledge):
-            if self.abstract.pending(parts.knowledge.chunks) or self.activity.new_history or self.activity.followups:
+            if self.abstract.pending(parts.knowledge.chunks) or self.activity.new_history:
+                return True
+            if own_pipeline and self.activity.followups:
                 return True
             if self._knowledge_rounds.get(self.abstract.version, 0) < config.knowledge_prediction_rounds:
                 return True
             if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
                 return True
-        return next(self._chunks_to_prefill(), None) is not None
+        return own_pipeline and next(self._chunks_to_prefill(), None) is not None
 
     # -- the round ------------------------------------------------------------------------
 
@@ -188,14 +209,22 @@ class Scheduler:
         knowledge_prediction: bool = True,
         progress: bool = True,
         should_stop: Callable[[], bool] | None = None,
+        answer: Callable[[str], bool] | None = None,
     ) -> WarmReport:
         """Run one idle round (see the module docstring); stops early when a user question
         waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
-        With ``knowledge_prediction=False`` only history-based prediction runs."""
+        With ``knowledge_prediction=False`` only history-based prediction runs.
+
+        *answer* populates a predicted question through the caller's own pipeline (a
+        framework's query engine) instead of this cache's prompt, and returns whether it
+        stored an answer; then the round only summarises and predicts, and the steps that
+        run this cache's own prompt (refresh, follow-ups, knowledge prefill, conversions)
+        are left out: their answers and states would not be the caller's."""
         parts = self.parts
         waiting = should_stop or parts.activity.waiting
+        own_pipeline = answer is None
         with self._lock:
-            strategy = self.strategy()
+            strategy = self.strategy() if own_pipeline else PREFILL_DECODE
             report = WarmReport(strategy)
             self._report = report
             started = time.perf_counter()
@@ -206,22 +235,24 @@ class Scheduler:
 
             self._should_stop = should_stop
             stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
-            bar = _progress_bar(progress)
+            bar = _progress_bar(progress, steps=6 if own_pipeline else 2)
             try:
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
-                self._step("refresh", bar, deadline, should_stop, self._refresh_stale)
-                self._step("follow-ups", bar, deadline, should_stop, self._answer_followups)
+                if own_pipeline:
+                    self._step("refresh", bar, deadline, should_stop, self._refresh_stale)
+                    self._step("follow-ups", bar, deadline, should_stop, self._answer_followups)
                 self._step(
                     "predict",
                     bar,
                     deadline,
                     should_stop,
                     lambda stop: self._predict_and_populate(
-                        stop, stride, deadline, bar, knowledge_prediction
+                        stop, stride, deadline, bar, knowledge_prediction, answer
                     ),
                 )
-                self._step("prefill chunks", bar, deadline, should_stop, self._prefill_chunks)
-                self._step("convert", bar, deadline, should_stop, self._convert)
+                if own_pipeline:
+                    self._step("prefill chunks", bar, deadline, should_stop, self._prefill_chunks)
+                    self._step("convert", bar, deadline, should_stop, self._convert)
             except Preempted:
                 if deadline is not None and time.perf_counter() > deadline and not waiting():
                     report.out_of_time = True
@@ -401,6 +432,7 @@ class Scheduler:
         deadline: float | None,
         bar: Any,
         use_knowledge: bool = True,
+        answer: Callable[[str], bool] | None = None,
     ) -> None:
         parts = self.parts
         report = self._report
@@ -422,6 +454,15 @@ class Scheduler:
             report.knowledge.add(tally)
             predicted += [(p, None) for p in knowledge]
         report.predicted = [p.text for p, _ in predicted]
+        if answer is not None:
+            for prediction, _ in predicted:
+                self._tick(deadline)
+                if should_stop():
+                    raise Preempted("idle round pre-empted between predicted questions")
+                report.answers_stored += bool(answer(prediction.text))
+                report.populated += 1
+                bar.set_postfix(populated=report.populated)
+            return
         decode = self.strategy() == PREFILL_DECODE
         for prediction, scope in predicted:
             self._tick(deadline)
@@ -532,7 +573,7 @@ def _scope(entry: Any) -> dict[str, Any] | None:
     return entry.metadata.get("scope") or None
 
 
-def _progress_bar(enabled: bool) -> Any:
+def _progress_bar(enabled: bool, steps: int) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=6, desc="idle", unit="step", disable=not enabled, leave=False)
+    return tqdm(total=steps, desc="idle", unit="step", disable=not enabled, leave=False)

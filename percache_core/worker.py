@@ -34,8 +34,10 @@ class IdleWorker:
         should_run: Callable[[], bool] | None = None,
         poll_s: float = 0.2,
         round_seconds: float | None = 60.0,
+        answer: Callable[[str], bool] | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self._answer = answer  # predicted questions go to the caller's pipeline (Scheduler.warm)
         self._activity = activity
         self.idle_after_s = idle_after_s
         self._should_run = should_run or (lambda: True)
@@ -70,7 +72,7 @@ class IdleWorker:
             try:
                 if self._idle_since == self._activity.last_activity:
                     continue  # the last round found nothing to do and nothing happened since
-                if not (self._quiet() and self._should_run() and self._scheduler.has_work()):
+                if not (self._quiet() and self._should_run() and self._scheduler.has_work(self._answer is None)):
                     continue
                 self.busy.set()
                 try:
@@ -80,6 +82,7 @@ class IdleWorker:
                         should_stop=lambda: (
                             self._stop.is_set() or self._activity.waiting() or not self._should_run()
                         ),
+                        answer=self._answer,
                     )
                 finally:
                     self.busy.clear()

@@ -42,16 +42,17 @@ class PerCacheSemanticCache(BaseCache):
         self._percache = as_percache(percache)
         self._threshold = similarity_threshold
 
-    def _key(self, prompt: str, llm_string: str) -> tuple[str, str]:
-        """(the text stored as the question, its binding)."""
+    def _key(self, prompt: str, llm_string: str) -> tuple[str, str, str | None]:
+        """(the text stored as the question, its binding, the user's question as the
+        retriever recorded it or None)."""
         question = recorder_for(self._percache).question_in(prompt)
         if self._percache.config.qa_mode == "exact" or not question:
-            return prompt, _digest("prompt", llm_string)
-        return question, _digest("question", llm_string, prompt.replace(question, "\x00"))
+            return prompt, _digest("prompt", llm_string), question
+        return question, _digest("question", llm_string, prompt.replace(question, "\x00")), question
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
-        key, binding = self._key(prompt, llm_string)
-        answer = self._percache.lookup(key, similarity_threshold=self._threshold, binding=binding)
+        key, binding, question = self._key(prompt, llm_string)
+        answer = self._percache.lookup(key, similarity_threshold=self._threshold, binding=binding, asked=question)
         if answer is None or answer.entry_id is None:
             return None
         entry = self._percache.qa_bank.get(answer.entry_id)
@@ -64,7 +65,7 @@ class PerCacheSemanticCache(BaseCache):
     def update(self, prompt: str, llm_string: str, return_val: RETURN_VAL_TYPE) -> None:
         if not return_val:
             return
-        key, binding = self._key(prompt, llm_string)
+        key, binding, _ = self._key(prompt, llm_string)
         self._percache.remember(
             key,
             return_val[0].text,

@@ -121,9 +121,15 @@ class PerCacheQueryEngine(BaseQueryEngine):
 
     def _current_engine(self) -> RetrieverQueryEngine:
         """The app's engine; built again (with any prompts updated since) when nodes were
-        inserted or deleted (an engine's retriever keeps the node ids it was built with)."""
+        inserted or deleted (an engine's retriever keeps the node ids it was built with).
+        Deleted nodes leave PerCache too (``PerCache.delete_documents``): their text, the
+        answers made from them and the states that may hold them."""
         indexed = _indexed_nodes(self._index)
         if indexed != self._indexed:
+            if indexed is not None and self._indexed is not None:
+                deleted = set(self._indexed) - set(indexed)
+                if deleted:
+                    self._percache.delete_documents(deleted)
             prompts = self._inner.get_prompts()
             self._inner = self._index.as_query_engine(llm=self._llm, **self._engine_kwargs)
             self._inner.update_prompts(prompts)
@@ -168,26 +174,55 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return self._percache
 
     def warm(self, **kwargs: Any) -> WarmReport:
-        """One idle round of prediction and population (see ``PerCache.warm``); nothing
-        with an LLM that is not llama.cpp (its answers would come from another model)."""
+        """One idle round: PerCache predicts questions (from the nodes retrieved so far and
+        from recent questions) and this engine answers each as the app's engine does, so
+        the stored answers and states are the ones its queries use (see
+        ``PerCache.warm``). Nothing with an LLM that is not llama.cpp (the predictions
+        would come from another model).
+
+        >>> report = engine.warm(max_seconds=60)   # doctest: +SKIP
+        >>> engine.query(report.predicted[0]).metadata["percache"]["source"]  # doctest: +SKIP
+        'qa_bank'
+        """
         if not self._uses_states:
             logger.warning(
                 "idle prediction needs the llama.cpp model that answers: %s is not one",
                 type(self._llm).__name__,
             )
             return WarmReport(strategy="none")
-        return self._percache.warm(**kwargs)
+        self._current_engine()  # nodes deleted since the last question leave PerCache first
+        return self._percache.warm(answer=self._answer_predicted, **kwargs)
 
     def start_worker(self, **kwargs: Any):
-        """Start PerCache's background idle worker (see ``PerCache.start_worker``); None
-        with an LLM that is not llama.cpp."""
+        """Start PerCache's background idle worker, answering its predicted questions
+        through this engine (see :meth:`warm` and ``PerCache.start_worker``); None with an
+        LLM that is not llama.cpp."""
         if not self._uses_states:
             logger.warning(
                 "idle prediction needs the llama.cpp model that answers: %s is not one",
                 type(self._llm).__name__,
             )
             return None
-        return self._percache.start_worker(**kwargs)
+        return self._percache.start_worker(answer=self._answer_predicted, **kwargs)
+
+    def _answer_predicted(self, question: str) -> bool:
+        """Answer a predicted question as :meth:`query` would and store the answer (not a
+        user question: it joins no history); whether a new answer was stored."""
+        inner = self._current_engine()
+        bundle = QueryBundle(question)
+        nodes = inner.retrieve(bundle)
+        if not nodes or not self._percache.config.qa_bank:
+            return False
+        chunks = node_chunks(nodes)
+        binding = self._binding(chunks)
+        if self._percache.qa_bank.find(question, binding=binding) is not None:
+            return False
+        record_chunks(self._percache, chunks)
+        response = self._synthesize(bundle, nodes, [c.text for c in chunks], binding, time.perf_counter())
+        if isinstance(response, StreamingResponse):
+            for _ in response.response_gen:  # the answer is stored when the stream ends
+                pass
+        return self._percache.qa_bank.find(question, binding=binding) is not None
 
     def _binding(self, chunks: list[Chunk]) -> str:
         """What decides this engine's answer besides the question: the LLM, the response

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StorageWriteError
-from ..storage import Changes, Store
+from ..storage import DATABASE_NAME, Changes, Store
 from .tree import ChunkStateTree, StateNode
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,42 @@ class StateStore:
         except StorageWriteError as error:
             logger.warning("chunk-state counters not written: %s", error)
         self._store.close()
+
+
+def drop_document_states(folder: str | Path, removed_chunk_ids: set[str]) -> int:
+    """Delete, in every fingerprint's store under *folder*, the nodes that may hold the text
+    of removed chunks; the count. A node's record names only its last segment, so only
+    states known to hold none of them are kept: the system prompt alone, and [system, chunk]
+    of a chunk that stays. Records go before files (as :meth:`StateStore.delete`); other
+    processes see the removals at their next sync."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    dropped = 0
+    for sub in sorted(p for p in folder.iterdir() if (p / DATABASE_NAME).is_file()):
+        store = Store(sub)
+        try:
+            nodes = {r.key: r.value if isinstance(r.value, dict) else {} for r in store.records(_NODE)}
+            labels = {value.get("key"): value.get("label") for value in nodes.values()}
+            for key in [k for k, value in nodes.items() if not _free_of(value, labels, removed_chunk_ids)]:
+                store.delete(key)
+                store.delete_file(key.removeprefix(_NODE))
+                dropped += 1
+        finally:
+            store.close()
+    return dropped
+
+
+def _free_of(value: dict[str, Any], labels: dict[Any, Any], removed_chunk_ids: set[str]) -> bool:
+    """Whether a node record is known to hold none of the removed chunks: the system prompt
+    alone, or [system, chunk] of a chunk that stays (*labels*: node key -> label)."""
+    if value.get("depth") == 1:
+        return value.get("label") == "system"
+    return (
+        value.get("depth") == 2
+        and labels.get(value.get("parent_key")) == "system"
+        and value.get("label") not in removed_chunk_ids | {"text"}
+    )
 
 
 def _depth(value: Any) -> int:

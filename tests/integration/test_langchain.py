@@ -115,6 +115,13 @@ def test_exact_mode_serves_only_the_same_prompt_and_llm_string(make_cache):
     ]
     retriever.invoke("When is the rehearsal for the launch talk?")
     assert cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model A") is None
+    # idle prediction learns from the user's questions, not from the prompts used as keys
+    assert list(pc.parts.activity.history)[-2:] == [
+        "When is the launch talk rehearsal?",
+        "When is the rehearsal for the launch talk?",
+    ]
+    cache.lookup("x" * 5000, "model A")  # a long prompt of an unknown question joins no history
+    assert all(len(question) < 600 for question in pc.parts.activity.history)
     cache.clear()
     assert cache.lookup("prompt one", "model A") is None
 

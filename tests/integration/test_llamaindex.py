@@ -9,7 +9,7 @@ import pytest
 from llama_index.core import Document, PromptTemplate, VectorStoreIndex
 from llama_index.core.llms import ChatMessage, MockLLM
 from llama_index.core.postprocessor import SimilarityPostprocessor
-from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from nbclient import NotebookClient
 
 from percache_core import MissingDependencyError, PerCacheConfig
@@ -82,11 +82,33 @@ def test_an_insert_or_delete_takes_effect_at_the_next_question(embedder, corpus,
     rebuilt = index.as_query_engine(llm=llm, similarity_top_k=2)
     assert after.response == rebuilt.query(QUESTION).response
     assert "moved" in {n.node.ref_doc_id for n in after.source_nodes}
+    moved = [n.node.node_id for n in after.source_nodes if n.node.ref_doc_id == "moved"]
+    states_with_moved = {node.key for node in cached.percache.tree.nodes if node.label == "text"}
+    assert states_with_moved and any(set(moved) & set(e.chunk_ids) for e in cached.percache.qa_bank.entries)
     index.delete_ref_doc("moved", delete_from_docstore=True)
+    cached.retrieve(QueryBundle(QUESTION))  # the engine sees the deletion: PerCache forgets the node
+    assert not set(moved) & {c.doc_id for c in cached.percache.knowledge.chunks}
+    assert not any(set(moved) & set(e.chunk_ids) for e in cached.percache.qa_bank.entries)
+    assert not states_with_moved & {node.key for node in cached.percache.tree.nodes}
     again = cached.query(QUESTION)
     rebuilt = index.as_query_engine(llm=llm, similarity_top_k=2)
     assert again.response == rebuilt.query(QUESTION).response == before.response
     assert "moved" not in {n.node.ref_doc_id for n in again.source_nodes}
+    cached.close()
+
+
+def test_idle_prediction_stores_the_apps_own_answers_for_predicted_questions(index, llm, tmp_path):
+    plain, cached = plain_and_cached(index, llm, tmp_path, "warm")
+    cached.query(QUESTION)
+    report = cached.warm(max_predictions=2, progress=False)
+    assert report.predicted and report.answers_stored >= 1
+    assert list(cached.percache.parts.activity.history) == [QUESTION]  # predictions are no user questions
+    served = 0
+    for question in report.predicted:
+        response = cached.query(question)
+        assert response.response == plain.query(question).response
+        served += response.metadata["percache"]["source"] == "qa_bank"
+    assert served >= report.answers_stored  # each stored answer is the engine's own for its question
     cached.close()
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from percache_core.kv.engine import Engine
 from percache_core.kv.fake_engine import FakeEngine
+from percache_core.predictor import PredictedQuestion, PredictionTally
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"
 
@@ -87,6 +88,39 @@ def test_the_worker_runs_rounds_when_quiet_and_stops(fake_cache):
     assert pc.start_worker() is worker  # one worker per cache
     pc.stop_worker()
     assert not worker.running
+
+
+class _Predictor:
+    """Predicts fixed questions (the fake engine writes no questions)."""
+
+    def __init__(self, embed):
+        self.embed = embed
+
+    def predicted(self, texts, origin):
+        embeddings = self.embed(texts)
+        return [PredictedQuestion(t, e, origin) for t, e in zip(texts, embeddings)], PredictionTally(llm_calls=1)
+
+    def predict_from_history(self, history, stride):
+        return self.predicted(["Who repairs the boiler?"], "history")
+
+    def predict_from_knowledge(self, lines, stride):
+        return self.predicted(["What is the booking reference?"], "knowledge")
+
+
+def test_a_round_with_the_callers_answer_only_predicts_and_hands_questions_over(fake_cache, monkeypatch):
+    pc = fake_cache()
+    pc.answer(QUESTION)
+    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    entries, nodes = len(pc.qa_bank), len(pc.tree)
+    asked: list[str] = []
+    report = pc.warm(progress=False, max_predictions=2, answer=lambda q: asked.append(q) or True)
+    assert asked == report.predicted == ["Who repairs the boiler?", "What is the booking reference?"]
+    assert report.answers_stored == 2
+    assert report.chunks_prefilled == report.refreshed == report.pending_decoded == 0
+    assert (len(pc.qa_bank), len(pc.tree)) == (entries, nodes)  # nothing of this cache's own prompt
+    no_prediction = fake_cache("no-prediction", prediction=False)
+    assert no_prediction.scheduler.has_work()  # its own knowledge prefill, which a caller's pipeline cannot use
+    assert not no_prediction.scheduler.has_work(own_pipeline=False)
 
 
 @pytest.mark.parametrize("bad", ["", "   ", None, 3])
