@@ -255,9 +255,11 @@ class PerCache:
         self._ensure_open()
         ids = validated_document_ids(doc_ids)
         with self.parts.activity.user_turn():  # an idle round stops first
-            removed = self.knowledge.delete_documents(ids)
-            self.scheduler.forget_documents(removed, ids)
-        return len(removed)
+            removing = [chunk for chunk in self.knowledge.chunks if chunk.doc_id in ids]
+            self.scheduler.forget_documents(removing, ids)
+            # the chunks go last: a failure (or kill) before leaves the documents, so a
+            # retry does the whole work again
+            return len(self.knowledge.delete_documents(ids))
 
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
         """The chunks hybrid retrieval gives for *question* (best first)."""

@@ -149,10 +149,11 @@ class Scheduler:
         return marked
 
     def forget_documents(self, removed: Sequence[Chunk], doc_ids: set[str]) -> tuple[int, int]:
-        """After documents were deleted: drop the QA entries answered from them, the chunk
-        states that may hold their text, and the knowledge abstract (its facts are not
-        traced to chunks, so it is summarised again from the chunks that stay). Returns
-        (entries dropped, states dropped). Waits for a running idle round to finish."""
+        """Before documents are deleted (their chunks *removed*): drop the QA entries
+        answered from them, the chunk states that may hold their text, and the knowledge
+        abstract (its facts are not traced to chunks, so it is summarised again from the
+        chunks that stay). Returns (entries dropped, states dropped). Waits for a running
+        idle round to finish."""
         parts = self.parts
         gone = {c.id for c in removed} | doc_ids
         with self._lock:

@@ -38,6 +38,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from percache_core import Answer, Chunk, PerCache, PerCacheConfig
 from percache_core.binding import chunk_sources
+from percache_core.errors import StorageWriteError
 from percache_core.scheduler import WarmReport
 
 from .embedding import PerCacheEmbedding
@@ -118,6 +119,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         super().__init__(callback_manager=self._inner.callback_manager)
         self._percache = percache
         self._uses_states = isinstance(llm, PerCacheLlamaCPP)
+        self._unforgotten: set[str] = set()  # deleted nodes whose removal from PerCache failed
 
     def _current_engine(self) -> RetrieverQueryEngine:
         """The app's engine; built again (with any prompts updated since) when nodes were
@@ -125,16 +127,28 @@ class PerCacheQueryEngine(BaseQueryEngine):
         Deleted nodes leave PerCache too (``PerCache.delete_documents``): their text, the
         answers made from them and the states that may hold them."""
         indexed = _indexed_nodes(self._index)
+        deleted = set(self._unforgotten)
         if indexed != self._indexed:
             if indexed is not None and self._indexed is not None:
-                deleted = set(self._indexed) - set(indexed)
-                if deleted:
-                    self._percache.delete_documents(deleted)
+                deleted |= set(self._indexed) - set(indexed)
             prompts = self._inner.get_prompts()
             self._inner = self._index.as_query_engine(llm=self._llm, **self._engine_kwargs)
             self._inner.update_prompts(prompts)
             self._indexed = indexed
+        self._forget(deleted)
         return self._inner
+
+    def _forget(self, deleted: set[str]) -> None:
+        """Delete these nodes from PerCache; after a storage failure (logged: answers stay
+        exact, as bindings name the nodes) they are tried again at the next question."""
+        self._unforgotten = set()
+        if not deleted:
+            return
+        try:
+            self._percache.delete_documents(deleted)
+        except StorageWriteError as error:
+            self._unforgotten = deleted
+            logger.warning("deleted nodes not yet removed from the cache (%s); tried again later", error)
 
     @classmethod
     def from_index(

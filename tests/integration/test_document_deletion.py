@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from percache_core import InvalidDocumentError
+from percache_core.errors import StorageWriteError
 
 REFERENCE = {"qa_bank": False, "chunk_states": False, "prompt_lookup": False}
 QUESTION = "When is the presentation rehearsal for the launch talk?"
@@ -71,3 +72,20 @@ def test_deletion_forgets_the_abstract_and_only_the_answers_made_from_the_docume
     assert abstract.lines == [] and abstract.pending(pc.knowledge.chunks) == pc.knowledge.chunks
     kept = [e.question for e in entries if not any(i.startswith("mail-rehearsal#") for i in e.chunk_ids)]
     assert kept and sorted(entry.question for entry in pc.qa_bank.entries) == sorted(kept)
+
+
+def test_a_deletion_that_fails_half_way_is_done_whole_by_a_retry(fake_cache, monkeypatch):
+    pc = fake_cache(top_k=1)
+    pc.answer(QUESTION)
+    delete_chunks = pc.knowledge.delete_documents
+
+    def disk_full(doc_ids):
+        raise StorageWriteError("disk full")
+
+    monkeypatch.setattr(pc.knowledge, "delete_documents", disk_full)
+    with pytest.raises(StorageWriteError):
+        pc.delete_documents(["mail-rehearsal"])
+    assert any(c.doc_id == "mail-rehearsal" for c in pc.knowledge.chunks)  # still there: retry works
+    monkeypatch.setattr(pc.knowledge, "delete_documents", delete_chunks)
+    assert pc.delete_documents(["mail-rehearsal"]) == 1
+    assert len(pc.qa_bank) == 0 and all(c.doc_id != "mail-rehearsal" for c in pc.knowledge.chunks)
