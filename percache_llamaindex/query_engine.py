@@ -231,8 +231,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         binding = self._binding(chunks)
         if self._percache.qa_bank.find(question, binding=binding) is not None:
             return False
-        record_chunks(self._percache, chunks)
-        response = self._synthesize(bundle, nodes, [c.text for c in chunks], binding, time.perf_counter())
+        response = self._synthesize(bundle, nodes, chunks, binding, time.perf_counter())
         if isinstance(response, StreamingResponse):
             for _ in response.response_gen:  # the answer is stored when the stream ends
                 pass
@@ -263,9 +262,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         hit = self._percache.lookup(question, binding=binding)
         if hit is not None:
             return self._stored_response(hit, nodes)
-        record_chunks(self._percache, chunks)
-        documents = [c.text for c in chunks] if self._uses_states else []
-        return self._synthesize(query_bundle, nodes, documents, binding, started)
+        return self._synthesize(query_bundle, nodes, chunks, binding, started)
 
     def _stored_response(self, hit: Answer, nodes: list[NodeWithScore]) -> RESPONSE_TYPE:
         metadata: dict[str, Any] = {n.node.node_id: n.node.metadata for n in nodes}
@@ -283,10 +280,14 @@ class PerCacheQueryEngine(BaseQueryEngine):
         self,
         query_bundle: QueryBundle,
         nodes: list[NodeWithScore],
-        documents: list[str],
+        chunks: list[Chunk],
         binding: str,
         started: float,
     ) -> RESPONSE_TYPE:
+        """The app's engine's answer from *nodes* (their *chunks* recorded as knowledge),
+        with the LLM's calls through the chunk states; stored under *binding*."""
+        record_chunks(self._percache, chunks)
+        documents = [c.text for c in chunks] if self._uses_states else []
         with cache_scope(self._percache, documents) as scope:
             response = self._inner.synthesize(query_bundle, nodes)
         question = query_bundle.query_str

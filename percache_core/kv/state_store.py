@@ -177,10 +177,7 @@ class StateStore:
 
     def delete(self, key: str) -> None:
         """Remove node *key* (record first, so no record ever points to a missing file)."""
-        try:
-            self._store.delete(_NODE + key)
-        finally:
-            self._store.delete_file(key)
+        _delete_node(self._store, key)
 
     def blob_path(self, key: str) -> Path | None:
         """Where the state file of *key* is (for tests and tools), or None."""
@@ -206,31 +203,43 @@ def drop_document_states(folder: str | Path, removed_chunk_ids: set[str]) -> int
     folder = Path(folder)
     if not folder.is_dir():
         return 0
+    excluded = removed_chunk_ids | {"text"}  # "text": a segment of a caller's prompt, its chunks unknown
     dropped = 0
     for sub in sorted(p for p in folder.iterdir() if (p / DATABASE_NAME).is_file()):
         store = Store(sub)
         try:
-            nodes = {r.key: r.value if isinstance(r.value, dict) else {} for r in store.records(_NODE)}
+            nodes = {
+                r.key.removeprefix(_NODE): r.value if isinstance(r.value, dict) else {} for r in store.records(_NODE)
+            }
             labels = {value.get("key"): value.get("label") for value in nodes.values()}
-            for key in [k for k, value in nodes.items() if not _free_of(value, labels, removed_chunk_ids)]:
-                store.delete(key)
-                store.delete_file(key.removeprefix(_NODE))
+            for key in [k for k, value in nodes.items() if not _free_of(value, labels, excluded)]:
+                _delete_node(store, key)
                 dropped += 1
         finally:
             store.close()
     return dropped
 
 
-def _free_of(value: dict[str, Any], labels: dict[Any, Any], removed_chunk_ids: set[str]) -> bool:
+def _free_of(value: dict[str, Any], labels: dict[Any, Any], excluded: set[str]) -> bool:
     """Whether a node record is known to hold none of the removed chunks: the system prompt
-    alone, or [system, chunk] of a chunk that stays (*labels*: node key -> label)."""
+    alone, or [system, chunk] of a chunk whose label is not *excluded* (*labels*: node key
+    -> label)."""
     if value.get("depth") == 1:
         return value.get("label") == "system"
     return (
         value.get("depth") == 2
         and labels.get(value.get("parent_key")) == "system"
-        and value.get("label") not in removed_chunk_ids | {"text"}
+        and value.get("label") not in excluded
     )
+
+
+def _delete_node(store: Store, key: str) -> None:
+    """Remove node *key* from *store*: its record first, so no record ever points to a
+    missing file."""
+    try:
+        store.delete(_NODE + key)
+    finally:
+        store.delete_file(key)
 
 
 def _depth(value: Any) -> int:
