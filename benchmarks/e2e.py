@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .data_sets import default_data_folder
-from .e2e_harness import OPT_INS, SYSTEMS, evaluate, markdown_table, write_report
+from .e2e_harness import ABLATIONS, OPT_INS, SYSTEMS, evaluate, markdown_table, write_report
 
 QUICK = {"qmsum_users": 2, "squad_users": 1, "queries_per_user": 5, "stride": 3, "max_new_tokens": 48}
 FULL = {"qmsum_users": 5, "squad_users": 2, "queries_per_user": 12, "stride": 5, "max_new_tokens": 64}
@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-users", type=int, default=0, help="leave out the first N users (already run)")
     parser.add_argument("--taus", help="comma-separated tau values for PerCache's sweep on the first user")
-    parser.add_argument("--systems", help="comma-separated systems to compare (default: all seven)")
+    parser.add_argument(
+        "--systems", help="comma-separated systems to compare (default: all seven; opt-ins and ablations by name)"
+    )
     parser.add_argument("--strides", help="comma-separated prediction strides to sweep on the first user")
     parser.add_argument("--budgets-mb", help="comma-separated chunk-state budgets (MB) to sweep on the first user")
     parser.add_argument(
@@ -74,7 +76,7 @@ def _systems(names: str | None) -> Any:
     if not names:
         return SYSTEMS
     wanted = [name.strip() for name in names.split(",") if name.strip()]
-    known = {system.name: system for system in (*SYSTEMS, *OPT_INS)}
+    known = {system.name: system for system in (*SYSTEMS, *OPT_INS, *ABLATIONS)}
     unknown = [name for name in wanted if name not in known]
     if unknown or "percache" not in wanted:
         raise SystemExit(f"--systems: choose among {', '.join(known)} (percache included); got {names!r}")

@@ -75,6 +75,7 @@ OPT_INS = (  # PerCache with an opt-in that may change answers or the chunks use
     System("percache-adaptive", {"context": "adaptive"}, True),
 )
 ABLATIONS = (
+    System("percache-no-pairs", {"knowledge_prefill_neighbours": 0}, True),
     System("percache-whole-states", {"chunk_state_slices": False}, True),
     System("percache-no-qa_bank", {"qa_bank": False}, True),
     System("percache-no-chunk_states", {"chunk_states": False}, True),
@@ -146,6 +147,7 @@ class SystemRun:
         self.idle = {
             "seconds": 0.0,
             "chunks_prefilled": 0,
+            "pairs_prefilled": 0,
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "distinct_predicted_per_round": [],
@@ -159,6 +161,7 @@ class SystemRun:
         report = self.pc.warm(progress=False, knowledge_prediction=knowledge)
         self.idle["seconds"] += report.seconds
         self.idle["chunks_prefilled"] += report.chunks_prefilled
+        self.idle["pairs_prefilled"] += report.pairs_prefilled
         self.idle["prefill_tokens"] += report.prefill_tokens
         self.idle["decode_tokens"] += report.decode_tokens
         self.idle["distinct_predicted_per_round"].append(len(set(report.predicted)))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -45,10 +46,41 @@ class UserActivity:
         self.history_scope: dict[str, Any] | None = None  # scope of the latest question
         # questions that were served another question's answer: (question, embedding, scope)
         self.followups: deque[tuple[str, np.ndarray, dict[str, Any] | None]] = deque(maxlen=FOLLOWUPS_KEPT)
+        # the idle round's stop check while it runs a caller's pipeline (see background())
+        self._background: ContextVar[Callable[[], bool] | None] = ContextVar(
+            f"percache_background_{id(self)}", default=None
+        )
+
+    @contextmanager
+    def background(self, should_stop: Callable[[], bool]) -> Iterator[None]:
+        """Calls into this cache within this block (and streams started in it) are idle
+        work, not a user's: they mark no activity, count as no answer, and their model runs
+        raise ``Preempted`` when *should_stop()* turns true (a user's question waits).
+        Idle rounds hand predicted questions to a caller's pipeline inside it.
+
+        >>> activity = UserActivity(history_size=8)
+        >>> with activity.background(lambda: False):
+        ...     with activity.user_turn():
+        ...         activity.waiting()
+        False
+        """
+        token = self._background.set(should_stop)
+        try:
+            yield
+        finally:
+            self._background.reset(token)
+
+    def background_stop(self) -> Callable[[], bool] | None:
+        """Inside :meth:`background`, the idle round's stop check; None in a user's call."""
+        return self._background.get()
 
     @contextmanager
     def user_turn(self) -> Iterator[None]:
-        """Mark a user's question as waiting (idle work yields the model to it)."""
+        """Mark a user's question as waiting (idle work yields the model to it); nothing
+        inside :meth:`background`."""
+        if self.background_stop() is not None:
+            yield
+            return
         with self._lock:
             self._waiting += 1
         try:
@@ -63,8 +95,10 @@ class UserActivity:
         return self._waiting > 0
 
     def touch(self) -> None:
-        """Note user activity now (idle work waits for a quiet period after it)."""
-        self.last_activity = time.monotonic()
+        """Note user activity now (idle work waits for a quiet period after it); nothing
+        inside :meth:`background`."""
+        if self.background_stop() is None:
+            self.last_activity = time.monotonic()
 
     def quiet_for(self) -> float:
         """Seconds since the last user activity."""
@@ -80,7 +114,10 @@ class UserActivity:
         """Remember a user question (for history prediction) and its scope; a question that
         was served another question's answer becomes a follow-up (answered in idle time).
         A text longer than ``MAX_HISTORY_CHARS`` is a whole prompt used as a key, not a
-        question: it joins no history (the prediction prompt would not fit)."""
+        question: it joins no history (the prediction prompt would not fit); neither does
+        a predicted question inside :meth:`background`."""
+        if self.background_stop() is not None:
+            return
         if len(question) <= MAX_HISTORY_CHARS:
             self.history.append(question)
             self.new_history += 1

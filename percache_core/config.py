@@ -108,6 +108,10 @@ class PerCacheConfig:
         knowledge_prefill: in idle rounds, also prefill and keep the [system, chunk] state
             of each chunk (recently retrieved first) up to 80% of the chunk-state budget,
             so that every prompt restores at least its first chunk.
+        knowledge_prefill_neighbours: after those, also the [system, chunk, neighbour]
+            states of each chunk for this many neighbours, the chunks retrieval ranks next
+            when the chunk's own text is the question: a prompt whose first two chunks are
+            such a pair restores both (the output is unchanged either way). 0: none.
         abstract_batches_per_round: LLM summary calls per idle round at most.
         idle_after_s: the background worker starts a round after this long without a query.
 
@@ -172,6 +176,7 @@ class PerCacheConfig:
     strategy_cutoff: float = 0.875
     knowledge_prediction_rounds: int = 2
     knowledge_prefill: bool = True
+    knowledge_prefill_neighbours: int = 2
     abstract_batches_per_round: int = 8
     idle_after_s: float = 30.0
 
@@ -198,8 +203,10 @@ class PerCacheConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads <= 0):
             raise ValueError(f"n_threads must be a positive integer or None, got {self.n_threads!r}")
-        if not isinstance(self.min_free_disk_bytes, int) or self.min_free_disk_bytes < 0:
-            raise ValueError(f"min_free_disk_bytes must be an integer >= 0, got {self.min_free_disk_bytes!r}")
+        for name in ("min_free_disk_bytes", "knowledge_prefill_neighbours"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("temperature", "top_p", "similarity_threshold", "idle_after_s", "adaptive_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

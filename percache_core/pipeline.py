@@ -433,7 +433,7 @@ class PerCache:
             return None
         answer = stored_answer(question, hit, started, {})
         answer.approximate = self.config.qa_mode != "exact"
-        self.usage.record(answer)
+        self.request_path.count(answer)
         return answer
 
     def remember(

@@ -162,6 +162,7 @@ class RequestPath:
             started=started,
             sampling=sampling,
             prompt_lookup=prompt_lookup,
+            should_stop=self.parts.activity.background_stop(),  # idle work yields to users
         )
         answer = generated_answer(question, result, started, dict(result.timings))
         answer.latency_s = time.perf_counter() - started
@@ -212,6 +213,7 @@ class RequestPath:
             started=started,
             answer_drafts=drafts,
             approximate=config.reuse == "approximate",
+            should_stop=parts.activity.background_stop(),  # idle work yields to users
         )
         clock = time.perf_counter()
         timings.update(result.timings)
@@ -294,8 +296,14 @@ class RequestPath:
         return chunk_sources([r.chunk for r in retrieved]) == [list(s) for s in sources]
 
     def _finish(self, answer: Answer) -> Answer:
-        self.parts.usage.record(answer)
+        self.count(answer)
         return answer
+
+    def count(self, answer: Answer) -> None:
+        """Count *answer* in the usage counters, unless it is idle work (a caller's
+        pipeline answering a predicted question: see ``UserActivity.background``)."""
+        if self.parts.activity.background_stop() is None:
+            self.parts.usage.record(answer)
 
 
 def stored_answer(question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:

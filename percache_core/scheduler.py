@@ -12,6 +12,8 @@ One ``warm()`` round (PerCache, sections 4.1-4.3):
 5. knowledge prefill (``knowledge_prefill``): the [system, chunk] state of every chunk,
    recently retrieved chunks first, then the latest question's scope, then the rest, while
    the chunk-state budget has room, so that any prompt restores at least its first chunk;
+   then [system, chunk, neighbour] for the ``knowledge_prefill_neighbours`` chunks that
+   rank next when the chunk's own text is the question;
 6. conversions: with the decode strategy, decode pending entries; with room in the
    chunk-state budget, re-prefill the paths of answered entries whose states were evicted.
 
@@ -67,7 +69,8 @@ class WarmReport:
     strategy: str
     seconds: float = 0.0
     chunks_summarised: int = 0
-    chunks_prefilled: int = 0
+    chunks_prefilled: int = 0  # [system, chunk] states of the knowledge prefill
+    pairs_prefilled: int = 0  # [system, chunk, neighbour] states (knowledge_prefill_neighbours)
     abstract_facts_added: int = 0
     predicted: list[str] = field(default_factory=list)
     knowledge: PredictionTally = field(default_factory=PredictionTally)
@@ -105,6 +108,8 @@ class Scheduler:
         self._lock = threading.RLock()  # one round at a time (a round may delete documents it finds gone)
         self._report: WarmReport | None = None
         self._should_stop: Callable[[], bool] = parts.activity.waiting
+        self._neighbours: dict[tuple[str, str, int], list[str]] = {}  # see _neighbours_of_chunk
+        self._neighbours_for = -1  # the knowledge size they were found for
 
     # -- what the facade tells the scheduler ------------------------------------------------
 
@@ -198,7 +203,7 @@ class Scheduler:
                 return True
             if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
                 return True
-        return own_pipeline and next(self._chunks_to_prefill(), None) is not None
+        return own_pipeline and next(self._paths_to_prefill(), None) is not None
 
     # -- the round ------------------------------------------------------------------------
 
@@ -220,7 +225,9 @@ class Scheduler:
         framework's query engine) instead of this cache's prompt, and returns whether it
         stored an answer; then the round only summarises and predicts, and the steps that
         run this cache's own prompt (refresh, follow-ups, knowledge prefill, conversions)
-        are left out: their answers and states would not be the caller's."""
+        are left out: their answers and states would not be the caller's. The caller's
+        calls into this cache are idle work (``UserActivity.background``): no activity,
+        history or usage counts, and a user's question pre-empts their model runs."""
         parts = self.parts
         waiting = should_stop or parts.activity.waiting
         own_pipeline = answer is None
@@ -460,7 +467,8 @@ class Scheduler:
                 self._tick(deadline)
                 if should_stop():
                     raise Preempted("idle round pre-empted between predicted questions")
-                report.answers_stored += bool(answer(prediction.text))
+                with self.activity.background(should_stop):  # not a user's call; pre-emptible
+                    report.answers_stored += bool(answer(prediction.text))
                 report.populated += 1
                 bar.set_postfix(populated=report.populated)
             return
@@ -524,11 +532,14 @@ class Scheduler:
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 
-    def _chunks_to_prefill(self) -> Iterator[Chunk]:
-        """Chunks whose [system, chunk] state is not stored, lazily, in the order to prefill
-        them, while the tree is under its prefill share of the budget: chunks of recent QA
-        entries (user questions and predictions, newest first), then chunks in the latest
-        question's scope, then the rest in knowledge order."""
+    def _paths_to_prefill(self) -> Iterator[list[Chunk]]:
+        """Knowledge prefill paths whose state is not stored, lazily, in the order to
+        prefill them, while the tree is under its prefill share of the budget: first
+        [chunk] for every chunk (chunks of recent QA entries, user questions and predictions,
+        newest first; then chunks in the latest question's scope; then the rest in
+        knowledge order), then [chunk, neighbour] for each chunk's nearest neighbour in the
+        same order, then for the second nearest, up to ``knowledge_prefill_neighbours``
+        (see :meth:`_neighbours_of_chunk`)."""
         parts = self.parts
         config = parts.config
         if not (config.chunk_states and config.knowledge_prefill) or not len(parts.knowledge):
@@ -548,14 +559,42 @@ class Scheduler:
             if runner.states.bytes >= limit:
                 return
             if not runner.path_is_stored("", [chunk], 1):
-                yield chunk
+                yield [chunk]
+        for rank in range(config.knowledge_prefill_neighbours):
+            for chunk in ordered.values():
+                if runner.states.bytes >= limit:
+                    return
+                neighbours = self._neighbours_of_chunk(chunk, config.knowledge_prefill_neighbours)
+                neighbour = by_id.get(neighbours[rank]) if rank < len(neighbours) else None
+                if neighbour is not None and not runner.path_is_stored("", [chunk, neighbour], 1):
+                    yield [chunk, neighbour]
+
+    def _neighbours_of_chunk(self, chunk: Chunk, count: int) -> list[str]:
+        """The ids of the *count* chunks that retrieval ranks first after *chunk* itself
+        when *chunk*'s text is the question (within the latest question's scope fields):
+        the likeliest second chunks of a prompt that starts with *chunk*. Remembered until
+        the knowledge changes."""
+        knowledge = self.parts.knowledge
+        scope = self.activity.history_scope or {}
+        where = {name: chunk.metadata[name] for name in scope if name in chunk.metadata} or None
+        key = (chunk.id, repr(sorted(where.items())) if where else "", count)
+        if self._neighbours_for != len(knowledge):
+            self._neighbours.clear()
+            self._neighbours_for = len(knowledge)
+        if key not in self._neighbours:
+            ranked = knowledge.retrieve(chunk.text, count + 1, where=where)
+            self._neighbours[key] = [r.chunk.id for r in ranked if r.chunk.id != chunk.id][:count]
+        return self._neighbours[key]
 
     def _prefill_chunks(self, should_stop: Callable[[], bool]) -> None:
         report = self._report
         assert report is not None
-        for chunk in self._chunks_to_prefill():
-            report.prefill_tokens += self.parts.runtime.runner.prefill_prefix([chunk], should_stop=should_stop)
-            report.chunks_prefilled += 1
+        for path in self._paths_to_prefill():
+            report.prefill_tokens += self.parts.runtime.runner.prefill_prefix(path, should_stop=should_stop)
+            if len(path) == 1:
+                report.chunks_prefilled += 1
+            else:
+                report.pairs_prefilled += 1
 
     # -- reporting ------------------------------------------------------------------------
 

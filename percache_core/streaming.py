@@ -11,6 +11,7 @@ production at the next piece.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Generator, Iterator
@@ -46,7 +47,8 @@ class BackgroundStream(Generic[T, R]):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._finished: _Finished[R] | None = None
-        self._thread = threading.Thread(target=self._produce, args=(events,), name=name, daemon=True)
+        context = contextvars.copy_context()  # the caller's context variables hold in the thread
+        self._thread = threading.Thread(target=context.run, args=(self._produce, events), name=name, daemon=True)
         self._thread.start()
 
     def _produce(self, events: Generator[T, None, R]) -> None:

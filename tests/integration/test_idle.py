@@ -171,6 +171,17 @@ def test_knowledge_prefill_gives_every_prompt_its_first_chunk_exactly(make_cache
     assert all_nodes_restorable(pc)
 
 
+def test_knowledge_prefill_pairs_give_a_prompt_its_first_two_chunks_exactly(make_cache):
+    pc = make_cache("pairs", similarity_threshold=0.95, **IDLE)
+    report = pc.warm(progress=False, max_predictions=0)
+    assert report.pairs_prefilled >= 1 and all_nodes_restorable(pc)
+    plain = make_cache("plain", chunk_states=False, qa_bank=False, prediction=False, max_new_tokens=24)
+    question = pc.knowledge.chunks[0].text  # ranks the chunk first and its neighbour second
+    answer = pc.answer(question)
+    assert answer.source == "chunk_states" and answer.reused_chunks >= 2
+    assert answer.text == plain.answer(question).text
+
+
 def test_knowledge_prefill_stays_within_the_chunk_state_budget(make_cache):
     budget = 12 * 1024 * 1024
     pc = make_cache(chunk_state_budget_bytes=budget, **IDLE)

@@ -242,3 +242,29 @@ def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
     uncached = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=12, cache=False)
     assert uncached.invoke(messages).content == text
     set_llm_cache(None)
+
+
+def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer briefly from the notes."), ("human", "{context}\n\nQuestion: {question}")]
+    )
+
+    def chain_on(pc, cache):
+        retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
+        context = RunnableLambda(lambda q: "\n\n".join(d.page_content for d in retriever.invoke(q)))
+        model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=16, cache=cache)
+        return {"context": context, "question": RunnableLambda(lambda q: q)} | prompt | model
+
+    plain = chain_on(make_cache("off", documents=False, qa_bank=False, chunk_states=False), False)
+    pc = make_cache("warm", documents=False)
+    chain = chain_on(pc, PerCacheSemanticCache(pc))
+    question = "When is the rehearsal?"
+    chain.invoke(question)
+    entries, counted = len(pc.qa_bank), pc.stats()["queries"]
+    report = pc.warm(max_predictions=2, progress=False, answer=lambda q: bool(chain.invoke(q).content))
+    assert report.predicted and len(pc.qa_bank) > entries  # the chain's answers, in its LLM cache
+    assert list(pc.parts.activity.history) == [question] and pc.stats()["queries"] == counted
+    hits = pc.stats()["qa_bank_hits"]
+    for predicted in report.predicted:
+        assert chain.invoke(predicted).content == plain.invoke(predicted).content
+    assert pc.stats()["qa_bank_hits"] - hits == len(report.predicted)  # each served by the cache

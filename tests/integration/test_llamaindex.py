@@ -100,15 +100,42 @@ def test_an_insert_or_delete_takes_effect_at_the_next_question(embedder, corpus,
 def test_idle_prediction_stores_the_apps_own_answers_for_predicted_questions(index, llm, tmp_path):
     plain, cached = plain_and_cached(index, llm, tmp_path, "warm")
     cached.query(QUESTION)
+    counted, last_activity = cached.percache.stats()["queries"], cached.percache.last_activity
     report = cached.warm(max_predictions=2, progress=False)
     assert report.predicted and report.answers_stored >= 1
-    assert list(cached.percache.parts.activity.history) == [QUESTION]  # predictions are no user questions
+    # idle work is no user's: no history, no usage counts, no activity that delays the next round
+    assert list(cached.percache.parts.activity.history) == [QUESTION]
+    assert cached.percache.stats()["queries"] == counted
+    assert cached.percache.last_activity == last_activity
     served = 0
     for question in report.predicted:
         response = cached.query(question)
         assert response.response == plain.query(question).response
         served += response.metadata["percache"]["source"] == "qa_bank"
     assert served >= report.answers_stored  # each stored answer is the engine's own for its question
+    cached.close()
+
+
+def test_a_user_question_pre_empts_a_predicted_answer_half_way(index, llm, tmp_path):
+    plain, cached = plain_and_cached(index, llm, tmp_path, "pre-empted")
+    cached.query(QUESTION)
+    activity = cached.percache.parts.activity
+    checks = []
+
+    def user_arrives() -> bool:  # true from the first check inside the engine's LLM call
+        inside = activity.background_stop() is not None
+        checks.append(inside)
+        return inside
+
+    entries = len(cached.percache.qa_bank)
+    report = cached.warm(max_predictions=2, progress=False, should_stop=user_arrives)
+    assert report.predicted and report.preempted and not report.out_of_time
+    assert True in checks and report.answers_stored == 0
+    assert len(cached.percache.qa_bank) == entries  # nothing half-answered was stored
+    question = report.predicted[0]
+    response = cached.query(question)
+    assert response.metadata["percache"]["source"] != "qa_bank"
+    assert response.response == plain.query(question).response
     cached.close()
 
 

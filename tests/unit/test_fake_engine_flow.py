@@ -74,6 +74,9 @@ def test_knowledge_prefill_stores_every_first_chunk_within_budget(fake_cache):
     report = pc.warm(progress=False)
     first_chunks = {node.label for node in pc.tree.nodes if node.depth == 2}
     assert report.chunks_prefilled == len(pc.knowledge) == len(first_chunks)
+    pairs = [node for node in pc.tree.nodes if node.depth == 3]  # [system, chunk, its neighbour]
+    assert report.pairs_prefilled == len(pairs) >= 1
+    assert all(pc.tree.get(node.parent_key).depth == 2 and node.label in first_chunks for node in pairs)
     answer = pc.answer(QUESTION)
     assert answer.reused_chunks >= 1
 
@@ -121,6 +124,32 @@ def test_a_round_with_the_callers_answer_only_predicts_and_hands_questions_over(
     no_prediction = fake_cache("no-prediction", prediction=False)
     assert no_prediction.scheduler.has_work()  # its own knowledge prefill, which a caller's pipeline cannot use
     assert not no_prediction.scheduler.has_work(own_pipeline=False)
+
+
+def test_the_callers_calls_in_a_round_are_idle_work_not_a_users(fake_cache, monkeypatch):
+    pc = fake_cache()
+    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    pc.answer(QUESTION)
+    counted, last, history = pc.stats()["queries"], pc.last_activity, list(pc.parts.activity.history)
+    texts: list[str] = []
+
+    def answer(question: str) -> bool:  # a framework's pipeline: a lookup, then its own prompt streamed
+        assert pc.lookup(question, binding="app", asked=question) is None
+        texts.append("".join(pc.complete_text(f"Notes: none.\nQ: {question}\nA:", stream=True)))
+        return False
+
+    report = pc.warm(progress=False, max_predictions=2, answer=answer)
+    assert len(texts) == 2 and all(texts) and not report.preempted
+    assert (pc.stats()["queries"], pc.last_activity, list(pc.parts.activity.history)) == (counted, last, history)
+    inside: list[bool] = []
+
+    def stop() -> bool:  # a user arrives once the caller's model run has started
+        inside.append(pc.parts.activity.background_stop() is not None)
+        return inside[-1]
+
+    report = pc.warm(progress=False, max_predictions=2, answer=answer, should_stop=stop)
+    assert report.preempted and True in inside and len(texts) == 2  # the third answer never finished
+    assert not pc.parts.activity.waiting() and pc.stats()["queries"] == counted
 
 
 @pytest.mark.parametrize("bad", ["", "   ", None, 3])
