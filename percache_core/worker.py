@@ -72,7 +72,11 @@ class IdleWorker:
             try:
                 if self._idle_since == self._activity.last_activity:
                     continue  # the last round found nothing to do and nothing happened since
-                if not (self._quiet() and self._should_run() and self._scheduler.has_work(self._answer is None)):
+                if not (self._quiet() and self._should_run()):
+                    continue
+                if not self._scheduler.has_work(self._answer is None):
+                    # nothing to do until something happens: has_work is not polled meanwhile
+                    self._idle_since = self._activity.last_activity
                     continue
                 self.busy.set()
                 try:

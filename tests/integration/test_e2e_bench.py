@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from benchmarks import neighbour_pairs
 from benchmarks.e2e_harness import SYSTEMS, evaluate, write_report
 
 DOCUMENTS = [
@@ -56,12 +57,29 @@ QUERIES = [
 ]
 
 
-@pytest.mark.model  # runs the real model in this process or a subprocess
-def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
+def write_data(tmp_path):
     data = tmp_path / "data" / "qmsum"
     data.mkdir(parents=True)
     (data / "documents.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCUMENTS))
     (data / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+
+
+@pytest.mark.model  # the real embedder
+def test_neighbour_pairs_count_second_chunks_within_the_meeting(tmp_path):
+    write_data(tmp_path)
+    out = tmp_path / "pairs.json"
+    argv = ["--data", str(tmp_path / "data"), "--qmsum-users", "1", "--squad-users", "0", "--out", str(out)]
+    assert neighbour_pairs.main(argv) == 0
+    result = json.loads(out.read_text())
+    # meeting m1 has two chunks: each one's only neighbour there is the other, which every
+    # m1 question retrieves second
+    assert result["questions"] == 3 and result["share_second_chunk_is_a_neighbour"]["1"] == 1.0
+    assert result["users"][0]["chunks"] == 3
+
+
+@pytest.mark.model  # runs the real model in this process or a subprocess
+def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
+    write_data(tmp_path)
     systems = [s for s in SYSTEMS if s.name in ("naive", "ragcache+meancache", "percache")]
     settings = dict(
         data=tmp_path / "data",

@@ -29,6 +29,19 @@ def test_a_round_that_finds_nothing_is_not_repeated_until_something_happens(fake
     assert rounds <= 2 and worker.rounds == rounds and worker.errors == 0
 
 
+def test_the_worker_asks_for_work_once_per_quiet_period(fake_cache, monkeypatch):
+    pc = fake_cache()
+    asked: list[bool] = []
+    monkeypatch.setattr(pc.scheduler, "has_work", lambda own_pipeline=True: asked.append(own_pipeline) or False)
+    pc.start_worker(idle_after_s=0.0)  # polls every 0.2 s
+    time.sleep(1.0)
+    once = len(asked)
+    pc.parts.activity.touch()  # something happened: ask again
+    time.sleep(1.0)
+    pc.stop_worker()
+    assert once == 1 and len(asked) == 2
+
+
 def test_warm_ends_near_its_time_limit(make_cache):
     pc = make_cache()
     started = time.perf_counter()

@@ -1,0 +1,83 @@
+"""Knowledge prefill of neighbour pairs: how often would a [system, chunk, neighbour] state
+give a real question's prompt its second chunk too?
+
+The knowledge prefill stores [system, chunk] for every chunk, and then [system, chunk,
+neighbour] for each chunk's ``knowledge_prefill_neighbours`` nearest chunks (those
+retrieval ranks next when the chunk's own text is the question, within the question's
+scope fields). For each question of ``--data``, this counts whether its second retrieved
+chunk is among the first n neighbours of its first. Retrieval only (the embedder and
+BM25, as the cache retrieves); no LLM, no timing. Writes JSON (``--out``).
+
+    .venv/bin/python -m benchmarks.neighbour_pairs --data ../shared/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from typing import Any
+
+from percache_core import PerCache, PerCacheConfig
+from percache_core.embedding import SentenceTransformerEmbedder
+
+from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
+from .output import write_json
+
+NEIGHBOURS = (1, 2, 3)
+
+
+def study_user(user: Any, pc: PerCache, top_k: int) -> dict[str, Any]:
+    """For one user: questions with two chunks or more, and how many of them have their
+    second chunk among the first n neighbours of the first, for each n in NEIGHBOURS."""
+    pc.add_documents(user.documents, split=False)
+    neighbours: dict[str, list[str]] = {}
+    for chunk in pc.knowledge.chunks:
+        where = {name: chunk.metadata[name] for name in SCOPE_FIELDS if name in chunk.metadata} or None
+        ranked = pc.knowledge.retrieve(chunk.text, max(NEIGHBOURS) + 1, where=where)
+        neighbours[chunk.id] = [r.chunk.id for r in ranked if r.chunk.id != chunk.id]
+    questions = 0
+    covered = dict.fromkeys(NEIGHBOURS, 0)
+    for query in user.queries:
+        ranked = [r.chunk.id for r in pc.knowledge.retrieve(query["question"], top_k, where=query_scope(query))]
+        if len(ranked) < 2:
+            continue
+        questions += 1
+        for n in NEIGHBOURS:
+            covered[n] += ranked[1] in neighbours[ranked[0]][:n]
+    return {
+        "user": f"{user.dataset}/{user.name}",
+        "chunks": len(pc.knowledge),
+        "questions": questions,
+        "second_chunk_is_a_neighbour": {str(n): covered[n] for n in NEIGHBOURS},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_user_arguments(parser, qmsum_users=5, squad_users=2, queries=12)
+    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/neighbour_pairs.json")
+    args = parser.parse_args(argv)
+    embedder = SentenceTransformerEmbedder()
+    config = PerCacheConfig(chunk_states=False, qa_bank=False, prediction=False, top_k=args.top_k)
+    rows = []
+    for user in users_from_arguments(args):
+        with tempfile.TemporaryDirectory() as folder:
+            pc = PerCache.open(folder, config=config, embedder=embedder)
+            try:
+                rows.append(study_user(user, pc, args.top_k))
+            finally:
+                pc.close()
+        print(rows[-1], flush=True)
+    questions = sum(r["questions"] for r in rows)
+    share = {
+        str(n): sum(r["second_chunk_is_a_neighbour"][str(n)] for r in rows) / max(1, questions) for n in NEIGHBOURS
+    }
+    result = {"users": rows, "questions": questions, "share_second_chunk_is_a_neighbour": share}
+    print(f"second chunk among the first n neighbours of the first, over {questions} questions: {share}")
+    print(f"written to {write_json(result, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
