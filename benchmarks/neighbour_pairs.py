@@ -2,11 +2,12 @@
 give a real question's prompt its second chunk too?
 
 The knowledge prefill stores [system, chunk] for every chunk, and then [system, chunk,
-neighbour] for each chunk's ``knowledge_prefill_neighbours`` nearest chunks (those
-retrieval ranks next when the chunk's own text is the question, within the question's
-scope fields). For each question of ``--data``, this counts whether its second retrieved
-chunk is among the first n neighbours of its first. Retrieval only (the embedder and
-BM25, as the cache retrieves); no LLM, no timing. Writes JSON (``--out``).
+neighbour] for each chunk's ``knowledge_prefill_neighbours`` nearest chunks
+(``KnowledgeBank.neighbours``: those retrieval ranks next when the chunk's own text is the
+question, within the question's scope fields). For each question of ``--data``, this
+counts whether its second retrieved chunk is among the first n neighbours of its first.
+Retrieval only (the embedder and BM25, as the cache retrieves); no LLM, no timing. Writes
+JSON (``--out``).
 
     .venv/bin/python -m benchmarks.neighbour_pairs --data ../shared/data
 """
@@ -30,11 +31,10 @@ def study_user(user: Any, pc: PerCache, top_k: int) -> dict[str, Any]:
     """For one user: questions with two chunks or more, and how many of them have their
     second chunk among the first n neighbours of the first, for each n in NEIGHBOURS."""
     pc.add_documents(user.documents, split=False)
-    neighbours: dict[str, list[str]] = {}
-    for chunk in pc.knowledge.chunks:
-        where = {name: chunk.metadata[name] for name in SCOPE_FIELDS if name in chunk.metadata} or None
-        ranked = pc.knowledge.retrieve(chunk.text, max(NEIGHBOURS) + 1, where=where)
-        neighbours[chunk.id] = [r.chunk.id for r in ranked if r.chunk.id != chunk.id]
+    neighbours = {  # as the knowledge prefill picks them (KnowledgeBank.neighbours)
+        chunk.id: [n.id for n in pc.knowledge.neighbours(chunk, max(NEIGHBOURS), scope_fields=SCOPE_FIELDS)]
+        for chunk in pc.knowledge.chunks
+    }
     questions = 0
     covered = dict.fromkeys(NEIGHBOURS, 0)
     for query in user.queries:

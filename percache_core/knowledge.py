@@ -134,6 +134,7 @@ class KnowledgeBank:
         self._embeddings = np.zeros((0, 0), dtype=np.float32)
         self._documents: dict[str, dict[str, Any]] = {}  # doc id -> {"digest", "chunks"}
         self._bm25 = None
+        self._neighbours: dict[tuple[str, tuple[str, ...], int], list[Chunk]] = {}  # see neighbours()
         self._version = -1
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
         self.sync()
@@ -165,6 +166,7 @@ class KnowledgeBank:
             self._embeddings = np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32)
             self._documents = {k: v for k, v in documents.items() if isinstance(v, dict)}
             self._bm25 = None
+            self._neighbours = {}
             self._version = version
 
     def __len__(self) -> int:
@@ -324,6 +326,24 @@ class KnowledgeBank:
             fused = reciprocal_rank_fusion(rankings, k=self._rrf_k)
             best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
             return [RetrievedChunk(self._chunks[i], fused[i]) for i in best]
+
+    def neighbours(self, chunk: Chunk, count: int, *, scope_fields: Iterable[str] = ()) -> list[Chunk]:
+        """The *count* chunks that retrieval ranks first after *chunk* itself when its text
+        is the question (its stored embedding; only chunks with its values of
+        *scope_fields*): the likeliest second chunks of a prompt that starts with *chunk*.
+        Remembered until the knowledge changes; [] for a chunk that is not here."""
+        fields = tuple(sorted(scope_fields))
+        key = (chunk.id, fields, count)
+        with self._lock:
+            self.sync()
+            if key not in self._neighbours:
+                index = next((i for i, c in enumerate(self._chunks) if c.id == chunk.id), None)
+                if index is None:
+                    return []
+                where = {name: chunk.metadata[name] for name in fields if name in chunk.metadata} or None
+                ranked = self.retrieve(chunk.text, count + 1, question_embedding=self._embeddings[index], where=where)
+                self._neighbours[key] = [r.chunk for r in ranked if r.chunk.id != chunk.id][:count]
+            return self._neighbours[key]
 
     def embedding_matrix(self) -> tuple[list[Chunk], np.ndarray]:
         """Every chunk and its embedding row (a snapshot)."""

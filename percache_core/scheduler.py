@@ -108,8 +108,6 @@ class Scheduler:
         self._lock = threading.RLock()  # one round at a time (a round may delete documents it finds gone)
         self._report: WarmReport | None = None
         self._should_stop: Callable[[], bool] = parts.activity.waiting
-        self._neighbours: dict[tuple[str, str, int], list[str]] = {}  # see _neighbours_of_chunk
-        self._neighbours_for = -1  # the knowledge size they were found for
 
     # -- what the facade tells the scheduler ------------------------------------------------
 
@@ -539,7 +537,7 @@ class Scheduler:
         newest first; then chunks in the latest question's scope; then the rest in
         knowledge order), then [chunk, neighbour] for each chunk's nearest neighbour in the
         same order, then for the second nearest, up to ``knowledge_prefill_neighbours``
-        (see :meth:`_neighbours_of_chunk`)."""
+        (``KnowledgeBank.neighbours``, within the latest question's scope fields)."""
         parts = self.parts
         config = parts.config
         if not (config.chunk_states and config.knowledge_prefill) or not len(parts.knowledge):
@@ -560,31 +558,15 @@ class Scheduler:
                 return
             if not runner.path_is_stored("", [chunk], 1):
                 yield [chunk]
-        for rank in range(config.knowledge_prefill_neighbours):
+        count = config.knowledge_prefill_neighbours
+        scope_fields = list(scope or {})
+        for rank in range(count):
             for chunk in ordered.values():
                 if runner.states.bytes >= limit:
                     return
-                neighbours = self._neighbours_of_chunk(chunk, config.knowledge_prefill_neighbours)
-                neighbour = by_id.get(neighbours[rank]) if rank < len(neighbours) else None
-                if neighbour is not None and not runner.path_is_stored("", [chunk, neighbour], 1):
-                    yield [chunk, neighbour]
-
-    def _neighbours_of_chunk(self, chunk: Chunk, count: int) -> list[str]:
-        """The ids of the *count* chunks that retrieval ranks first after *chunk* itself
-        when *chunk*'s text is the question (within the latest question's scope fields):
-        the likeliest second chunks of a prompt that starts with *chunk*. Remembered until
-        the knowledge changes."""
-        knowledge = self.parts.knowledge
-        scope = self.activity.history_scope or {}
-        where = {name: chunk.metadata[name] for name in scope if name in chunk.metadata} or None
-        key = (chunk.id, repr(sorted(where.items())) if where else "", count)
-        if self._neighbours_for != len(knowledge):
-            self._neighbours.clear()
-            self._neighbours_for = len(knowledge)
-        if key not in self._neighbours:
-            ranked = knowledge.retrieve(chunk.text, count + 1, where=where)
-            self._neighbours[key] = [r.chunk.id for r in ranked if r.chunk.id != chunk.id][:count]
-        return self._neighbours[key]
+                neighbours = parts.knowledge.neighbours(chunk, count, scope_fields=scope_fields)
+                if rank < len(neighbours) and not runner.path_is_stored("", [chunk, neighbours[rank]], 1):
+                    yield [chunk, neighbours[rank]]
 
     def _prefill_chunks(self, should_stop: Callable[[], bool]) -> None:
         report = self._report

@@ -152,6 +152,29 @@ def test_the_callers_calls_in_a_round_are_idle_work_not_a_users(fake_cache, monk
     assert not pc.parts.activity.waiting() and pc.stats()["queries"] == counted
 
 
+def test_neighbours_are_retrievals_ranks_within_the_scope_and_follow_the_knowledge(fake_cache):
+    pc = fake_cache(documents=False)
+    pc.add_documents(
+        [
+            {"id": "a", "text": "The kiln firing is on Wednesday evening.", "metadata": {"room": "1"}},
+            {"id": "b", "text": "Glaze samples for the kiln firing arrive Wednesday.", "metadata": {"room": "1"}},
+            {"id": "c", "text": "The kiln firing schedule for Wednesday is posted.", "metadata": {"room": "2"}},
+            {"id": "d", "text": "Studio rent rises in October.", "metadata": {"room": "1"}},
+        ],
+        split=False,
+    )
+    knowledge = pc.knowledge
+    first = knowledge.get_chunk("a#c000")
+    ranked = [r.chunk.id for r in knowledge.retrieve(first.text, 4) if r.chunk.id != first.id]
+    assert [n.id for n in knowledge.neighbours(first, 3)] == ranked[:3]
+    assert {n.id for n in knowledge.neighbours(first, 3, scope_fields=["room"])} == {"b#c000", "d#c000"}
+    pc.add_documents([{"id": "b", "text": "Nothing here.", "metadata": {"room": "1"}}], split=False)
+    again = [r.chunk.id for r in knowledge.retrieve(first.text, 4) if r.chunk.id != first.id]
+    assert [n.id for n in knowledge.neighbours(first, 3)] == again[:3]  # not remembered across changes
+    pc.delete_documents(["a"])
+    assert knowledge.neighbours(first, 2) == []
+
+
 @pytest.mark.parametrize("bad", ["", "   ", None, 3])
 def test_bad_questions_fail_before_any_work(fake_cache, bad):
     pc = fake_cache()
