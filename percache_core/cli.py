@@ -117,8 +117,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _summarise_sources(answers: list[Answer]) -> None:
-    """Mean TTFT and total time per source against full runs (exact-mode QA-bank answers
-    are verified by the model, so their total is more than their TTFT)."""
+    """Mean TTFT and total time per source against full runs (a QA-bank answer is an
+    identical prompt's stored answer, or a stored answer the model verified as a draft)."""
     full = [a for a in answers if a.source == "full"]
     if not full:
         return

@@ -20,7 +20,8 @@ minimum bound and drafts would be accepted on argmax alone.)
 Where the lead is smaller (a near tie), the tokens since the last exact position are fed
 again one at a time, as the reference does, and the choice is made on exact logits; the
 rest of that answer is then decoded one token at a time, which bounds what a draft can
-cost to one batched pass and one replay.
+cost to one batched pass and one replay. After a batch with a rejected token, the rest of
+the answer is decoded one token at a time as well: a wrong draft costs at most one batch.
 
 >>> lookup = PromptLookup([5, 6, 7, 8, 9, 6, 7], ngram=2, max_tokens=3)
 >>> lookup.propose([], 3)        # the prompt ends with 6 7, seen before followed by 8 9 6
@@ -31,7 +32,9 @@ cost to one batched pass and one replay.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +42,8 @@ from typing import Protocol
 import numpy as np
 
 from .kv.engine import Engine
+
+logger = logging.getLogger(__name__)
 
 # A batched argmax can only differ from the one-at-a-time argmax if two logits move by
 # half the lead each; the bound is twice the largest deviation the self-check saw, times
@@ -54,6 +59,9 @@ _SELF_CHECK_PROMPT = (
 )
 _bounds: dict[int, float] = {}
 _bounds_lock = threading.Lock()
+PAYING_BATCH = 16  # draft tokens verified per batch at most (what a wrong draft can cost)
+PAYING_SHARE = 0.7  # drafts pay when a perfect draft decodes in at most this share of the time
+_gains: dict[int, bool] = {}
 
 
 class DraftSource(Protocol):
@@ -172,6 +180,51 @@ def deviation_bound(engine: Engine) -> float:
     return bound
 
 
+def known_bound(engine: Engine) -> float | None:
+    """The bound :func:`deviation_bound` measured for *engine*, or None (no work)."""
+    with _bounds_lock:
+        return _bounds.get(id(engine))
+
+
+def drafts_pay(engine: Engine) -> bool:
+    """Whether draft verification makes decoding faster on *engine*, in the best case: the
+    self-check prompt's greedy answer is decoded one token at a time, then again with that
+    very answer as the draft (every token right); drafts pay when the drafted decode takes
+    at most ``PAYING_SHARE`` of the plain one. Where even a perfect draft does not save
+    that much (batch rows cost nearly a decode step, or the batched-logit bound of
+    :func:`deviation_bound` rejects most tokens), a wrong draft's batch is never won back.
+    Measured once per engine (about two seconds) and remembered; callers hold
+    ``engine.lock``; the sequence is left empty.
+    """
+    with _bounds_lock:
+        if id(engine) in _gains:
+            return _gains[id(engine)]
+    bound = deviation_bound(engine)
+    prompt = engine.tokenize(_SELF_CHECK_PROMPT, True)
+    timings = []
+    answer: list[int] = []
+    for drafts in ((), (AnswerDraft([answer]),)):
+        engine.reset()
+        engine.eval(prompt)
+        started = time.perf_counter()
+        tokens = list(greedy_tokens(engine, max_new_tokens=_SELF_CHECK_TOKENS, drafts=drafts, bound=bound))
+        timings.append(time.perf_counter() - started)
+        answer[:] = answer or tokens
+    engine.reset()
+    plain, drafted = timings
+    pays = drafted <= PAYING_SHARE * plain
+    logger.info("draft decoding: %.3f s with a perfect draft, %.3f s without: %s", drafted, plain, pays)
+    with _bounds_lock:
+        _gains[id(engine)] = pays
+    return pays
+
+
+def known_drafts_pay(engine: Engine) -> bool | None:
+    """What :func:`drafts_pay` measured for *engine*, or None (no work)."""
+    with _bounds_lock:
+        return _gains.get(id(engine))
+
+
 class SequenceLost(Exception):
     """The sequence could not be cut back to an exact position (sliding-window cells were
     reused); the caller rebuilds the prompt's state and calls again with the tokens so far."""
@@ -232,7 +285,7 @@ def greedy_tokens(
             continue
         if engine.n_past >= engine.n_ctx or (should_stop is not None and should_stop()):
             return
-        room = min(max_new_tokens - len(produced), engine.n_ctx - engine.n_past - 1)
+        room = min(max_new_tokens - len(produced), engine.n_ctx - engine.n_past - 1, PAYING_BATCH)
         draft = next((d for d in (s.propose(produced, room) for s in drafts) if d), [])
         if not draft:
             all_exact = exact_upto == len(produced) - 1
@@ -253,6 +306,8 @@ def greedy_tokens(
             if engine.is_end_of_generation(guess):
                 break
         stats.accepted += accepted
+        if accepted < len(draft):
+            drafts = ()  # a wrong guess: the rest decodes one at a time (at most one batch lost)
         pending = list(draft[:accepted])
         keep = start + len(produced) + accepted
         if not engine.truncate(keep):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -17,6 +18,8 @@ import numpy as np
 
 from .errors import ModelNotFoundError, PerCacheError, missing_dependency
 from .storage import Store
+
+_RECENT_TEXTS = 64  # single texts whose embeddings are kept
 
 
 @runtime_checkable
@@ -51,6 +54,9 @@ class SentenceTransformerEmbedder:
         self._batch_size = batch_size
         self._model = None
         self._load_lock = threading.Lock()
+        # the last questions embedded: a framework's retriever, PerCache's lookup and its
+        # remember embed the same question of one request; it is computed once
+        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
         self.name = f"sentence-transformers:{os.path.basename(model_path or 'all-MiniLM-L6-v2')}"
         self.dimension = 384 if model_path is None else -1
 
@@ -90,10 +96,26 @@ class SentenceTransformerEmbedder:
         return self._model
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed *texts* into unit-length float32 rows."""
+        """Embed *texts* into unit-length float32 rows (a single text embedded lately is
+        not computed again)."""
         model = self._load()
         if len(texts) == 0:
             return np.zeros((0, self.dimension), dtype=np.float32)
+        if len(texts) == 1:
+            with self._load_lock:
+                known = self._recent.get(texts[0])
+                if known is not None:
+                    self._recent.move_to_end(texts[0])
+                    return known[None, :].copy()
+        vectors = self._encode(model, texts)
+        if len(texts) == 1:
+            with self._load_lock:
+                self._recent[texts[0]] = vectors[0].copy()
+                while len(self._recent) > _RECENT_TEXTS:
+                    self._recent.popitem(last=False)
+        return vectors
+
+    def _encode(self, model, texts: Sequence[str]) -> np.ndarray:
         vectors = model.encode(
             list(texts),
             batch_size=self._batch_size,

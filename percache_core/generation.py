@@ -29,9 +29,12 @@ from .drafting import (
     SequenceLost,
     deviation_bound,
     greedy_tokens,
+    known_bound,
+    known_drafts_pay,
 )
 from .errors import PerCacheError, StorageWriteError
 from .kv.engine import Engine, Sampling
+from .kv.pieces import exact_pieces
 from .kv.tiers import TieredStateStore
 from .kv.tree import StateNode, path_keys
 from .prompting import (
@@ -108,6 +111,7 @@ class _Decoding:
     prompt_lookup: bool
     stop: Sequence[str] | None
     answer_drafts: Sequence[Sequence[int]]
+    trim: bool  # drop white space around the answer (else llama.cpp's text as decoded)
 
     @property
     def drafting(self) -> bool:
@@ -131,6 +135,7 @@ class PromptRunner:
         chunks: Sequence[Chunk],
         *,
         spec: PromptSpec | TextPrompt | None = None,
+        layout: PromptLayout | None = None,
         stop: Sequence[str] | None = None,
         max_new_tokens: int,
         decode: bool = True,
@@ -142,11 +147,13 @@ class PromptRunner:
         prompt_lookup: bool | None = None,
         keep_logits: bool = False,
         approximate: bool = False,
+        trim: bool = True,
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
 
         *spec* replaces PerCache's own prompt: segments of a caller's template
-        (:class:`PromptSpec`) or a finished prompt string (:class:`TextPrompt`).
+        (:class:`PromptSpec`) or a finished prompt string (:class:`TextPrompt`); *layout*
+        is the prompt already laid out by :meth:`lay_out`.
         *answer_drafts* (token ids of stored answers) are verified as drafts with greedy
         decoding; the output is the same with or without them. *sampling* and
         *prompt_lookup* replace the configured ones.
@@ -158,7 +165,8 @@ class PromptRunner:
         independent [system, chunk] states where stored (their first
         ``recompute_tokens`` prefilled live); the result is then marked approximate. When
         ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
-        not complete, no new state is kept.
+        not complete, no new state is kept. With *trim* the white space around the answer
+        is dropped; without, the text is llama.cpp's as decoded, up to the first stop string.
         """
         started = time.perf_counter() if started is None else started
         states = self.states if self.config.chunk_states else None
@@ -166,25 +174,53 @@ class PromptRunner:
         config = self.config
         sampling = sampling or Sampling(config.temperature, config.top_p, config.seed)
         lookup = config.prompt_lookup if prompt_lookup is None else prompt_lookup
+        if layout is None:
+            layout = self.lay_out(question, chunks, spec=spec, max_new_tokens=max_new_tokens)
         with engine.lock:
-            spec = spec or rag_prompt(config.system_prompt, chunks, question)
-            max_prompt_tokens = engine.n_ctx - max_new_tokens
-            if isinstance(spec, TextPrompt):
-                layout = lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens)
-            else:
-                layout = lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
             segments = [list(s.tokens) for s in layout.segments]
             keys = path_keys(states.root_key, segments[:-1]) if states is not None else []
             if prefix_only:
                 segments, decode = segments[:-1], False
             result = RunResult(layout)
-            decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts)
+            decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts, trim)
             prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens)
             with states.pinned(keys) if states is not None else nullcontext():
                 yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding, prefill)
             if states is not None and states.bytes > config.chunk_state_budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
+
+    def lay_out(
+        self,
+        question: str,
+        chunks: Sequence[Chunk],
+        *,
+        spec: PromptSpec | TextPrompt | None = None,
+        max_new_tokens: int,
+    ) -> PromptLayout:
+        """The pieces *run* feeds for this prompt: PerCache's own [system, *chunks,
+        question] or *spec*. A finished prompt string is cut only where a state is worth
+        keeping, within the cuts that leave the engine's prefill unchanged (measured once,
+        see :func:`~percache_core.kv.pieces.exact_pieces`)."""
+        engine = self.engine
+        spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
+        max_prompt_tokens = engine.n_ctx - max_new_tokens
+        if isinstance(spec, TextPrompt):
+            rule = exact_pieces(engine) if spec.documents else None  # no documents: one piece
+            return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
+        return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
+
+    def _draft_bound(self, decoding: _Decoding) -> float | None:
+        """The lead a batched logit needs for drafts to be verified (None: decode one token
+        at a time). ``draft_decoding="auto"`` drafts only where the engine's self-check
+        (run by ``preload()`` and idle rounds, never inside an answer) measured the bound
+        and found that batches pay; "on" measures the bound on first use; "off" never."""
+        mode = self.config.draft_decoding
+        if not decoding.drafting or mode == "off":
+            return None
+        if mode == "on":
+            return deviation_bound(self.engine)
+        return known_bound(self.engine) if known_drafts_pay(self.engine) else None
 
     def _run_segments(
         self,
@@ -199,7 +235,7 @@ class PromptRunner:
     ) -> Generator[str, None, None]:
         engine = self.engine
         timings = result.timings
-        bound = deviation_bound(engine) if decode and decoding.drafting else None
+        bound = self._draft_bound(decoding) if decode else None
         clock = time.perf_counter()
         depth, reused = self._restore_or_reset(keys)
         result.depth, result.reused_tokens = depth, reused
@@ -313,7 +349,7 @@ class PromptRunner:
         rebuild: Callable[[], None],
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
-        stop = StopStringFilter(self.config.stop if decoding.stop is None else decoding.stop)
+        stop = StopStringFilter(self.config.stop if decoding.stop is None else decoding.stop, strip=decoding.trim)
         max_new_tokens = decoding.max_new_tokens
 
         def count_token(token: int) -> None:
@@ -333,7 +369,7 @@ class PromptRunner:
                 sources.append(PromptLookup(prompt))
             tokens = self._greedy_with_drafts(result, max_new_tokens, sources, bound, should_stop, rebuild)
         yield from decode_text(self.engine, tokens, stop, should_stop, count_token)
-        result.text = stop.text.strip()
+        result.text = stop.text.strip() if decoding.trim else stop.text
         result.timings["decode"] = time.perf_counter() - clock
 
     def _greedy_with_drafts(
@@ -436,11 +472,7 @@ class PromptRunner:
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
-        layout = lay_out(
-            rag_prompt(self.config.system_prompt, chunks, question),
-            tokenize=self.engine.tokenize,
-            max_prompt_tokens=self.engine.n_ctx - max_new_tokens,
-        )
+        layout = self.lay_out(question, chunks, max_new_tokens=max_new_tokens)
         keys = path_keys(self.states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
         return keys[-1] in self.states
 

@@ -14,6 +14,7 @@ from .binding import answer_binding
 from .config import PerCacheConfig
 from .embedding import Embedder
 from .knowledge import KnowledgeBank
+from .prompt_answers import PromptAnswers
 from .qa_bank import QABank
 from .runtime import ModelRuntime
 from .storage import Store
@@ -28,6 +29,7 @@ class CacheParts:
     embedder: Embedder
     knowledge: KnowledgeBank
     qa_bank: QABank
+    prompt_answers: PromptAnswers  # whole prompts answered before (beside the QA bank)
     runtime: ModelRuntime
     activity: UserActivity
     usage: UsageCounters

@@ -9,6 +9,7 @@ them, run by the idle worker. None of these sees this class.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -27,6 +28,7 @@ from .kv.tiers import TieredStateStore
 from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
 from .parts import CacheParts
+from .prompt_answers import PromptAnswers
 from .prompting import TextPrompt
 from .qa_bank import QABank
 from .request_path import RequestPath, stored_answer
@@ -39,6 +41,8 @@ from .types import Answer, Chunk, QAEntry, RetrievedChunk
 from .usage import UsageCounters
 from .worker import IdleWorker
 
+logger = logging.getLogger(__name__)
+
 SETTINGS_FIXED_AT_OPEN = frozenset(
     {
         "shared_url",
@@ -49,7 +53,9 @@ SETTINGS_FIXED_AT_OPEN = frozenset(
         "shared_sync_interval_s",
     }
 )
-SETTINGS_OF_THE_LOADED_MODEL = frozenset({"model_path", "n_ctx", "n_batch", "n_threads", "chunk_state_slices"})
+SETTINGS_OF_THE_LOADED_MODEL = frozenset(
+    {"model_path", "n_ctx", "n_batch", "n_threads", "repack_weights", "chunk_state_slices"}
+)
 
 
 class PerCache:
@@ -81,11 +87,8 @@ class PerCache:
             raise CacheFolderError(f"cannot create cache folder {folder}: {error}") from error
         meta = Store(folder / "meta")
         check_embedder(meta, embedder, folder)
-        qa_bank = QABank(
-            Store(folder / "qa_bank"),
-            dimension=embedding_dimension(embedder),
-            budget_bytes=config.qa_bank_budget_bytes,
-        )
+        qa_store = Store(folder / "qa_bank")
+        qa_bank = QABank(qa_store, dimension=embedding_dimension(embedder), budget_bytes=config.qa_bank_budget_bytes)
         self.shared = open_shared_tier(config, qa_bank, embedder.name)
         self.parts = CacheParts(
             config=config,
@@ -94,6 +97,7 @@ class PerCache:
                 Store(folder / "knowledge"), embedder, chunk_words=config.chunk_words, rrf_k=config.rrf_k
             ),
             qa_bank=qa_bank,
+            prompt_answers=PromptAnswers(qa_store, budget_bytes=config.qa_bank_budget_bytes),
             runtime=ModelRuntime(
                 folder, config, engine=engine, model_path=model_path, shared=self.shared, verbose=verbose
             ),
@@ -161,6 +165,7 @@ class PerCache:
             self.shared.close()
         self._closed = True
         parts = self.parts
+        parts.prompt_answers.flush()
         parts.qa_bank.close()
         parts.knowledge.close()
         parts.meta.close()
@@ -216,11 +221,13 @@ class PerCache:
         return self.parts.binding(max_new_tokens=max_new_tokens)
 
     def preload(self) -> None:
-        """Load the embedder, the model and the chunk states now, and measure the
-        draft-verification bound (about 2 s once per engine), not on first use."""
+        """Load the embedder, the model and the chunk states now, and run the engine's
+        self-checks (a few seconds once per engine: the exact prefill piece size, the
+        draft-verification bound, whether drafts pay), not on first use."""
         self._ensure_open()
         self.embedder.embed(["warm-up"])
         self.parts.runtime.preload()
+        logger.info("engine self-check: %s", self.parts.runtime.self_check_report())
 
     # -- knowledge ------------------------------------------------------------------------
 
@@ -244,7 +251,7 @@ class PerCache:
         number of chunks removed.
 
         Nothing made from their text stays: their chunks, the QA entries answered from
-        them, the chunk states that may hold them (only the system prompt's and the
+        them, every stored prompt answer (keys do not say which texts a prompt held), the chunk states that may hold them (only the system prompt's and the
         [system, chunk] states of other chunks are kept; the idle round prefills the rest
         again) and the knowledge abstract (summarised again from the remaining chunks).
         States and entries of a shared tier are not touched.
@@ -257,6 +264,8 @@ class PerCache:
         with self.parts.activity.user_turn():  # an idle round stops first
             removing = [chunk for chunk in self.knowledge.chunks if chunk.doc_id in ids]
             self.scheduler.forget_documents(removing, ids)
+            if removing:
+                self.parts.prompt_answers.clear()  # a key does not say which texts its prompt held
             # the chunks go last: a failure (or kill) before leaves the documents, so a
             # retry does the whole work again
             return len(self.knowledge.delete_documents(ids))
@@ -363,17 +372,21 @@ class PerCache:
         sampling: Sampling | None = None,
         stop: Sequence[str] | None = None,
         prompt_lookup: bool = False,
+        trim: bool = False,
         stream: bool = False,
     ) -> Answer | AnswerStream:
         """Continue a finished prompt string (a framework's template, a chat template) as
         the model does without a cache, reusing stored states of its leading part.
 
-        The prompt is tokenized whole and fed in pieces cut after its line breaks, the
-        same pieces with or without stored states, so the output never depends on the
-        cache. States are kept after the pieces that end one of *documents* (texts that
-        appear in the prompt, such as retrieved chunks). *sampling* (default: the
-        configured one), *stop* (replaces the configured stop strings) and
-        ``max_new_tokens`` apply to this call. No QA bank: the answer is the caller's.
+        The prompt is tokenized whole and prefilled as one call would be: it is cut only
+        where one of *documents* (texts in the prompt: retrieved chunks, chat messages) ends
+        and the engine's self-check proved that the cut changes nothing, and the state there
+        is kept. So the output never depends on the cache, and it is stock llama.cpp's text
+        (``trim=True`` drops the white space around it, as for a chat reply). A prompt run
+        before with the same settings is answered from its stored answer without the model.
+        *sampling* (default: the configured one), *stop* (replaces the configured stop
+        strings) and ``max_new_tokens`` apply to this call. No QA-bank entry: the question's
+        answer is the caller's to keep.
 
         >>> pc.complete_text("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
         ...                  documents=["Lunch is at noon."])  # doctest: +SKIP
@@ -395,6 +408,7 @@ class PerCache:
                     max_new_tokens=tokens,
                     sampling=sampling,
                     prompt_lookup=prompt_lookup,
+                    trim=trim,
                 )
             return answer
 
@@ -564,6 +578,7 @@ class PerCache:
         self.parts.config = config
         self.parts.runtime.configure(config)
         self.qa_bank.budget_bytes = config.qa_bank_budget_bytes
+        self.parts.prompt_answers.budget_bytes = config.qa_bank_budget_bytes
         self.knowledge.configure(chunk_words=config.chunk_words, rrf_k=config.rrf_k)
         self.scheduler.configure(config)
         return config
@@ -583,12 +598,15 @@ class PerCache:
             "bytes": self.qa_bank.bytes,
             "budget_bytes": self.qa_bank.budget_bytes,
             "evictions": self.qa_bank.evictions,
+            "prompt_answers": len(self.parts.prompt_answers),
+            "prompt_answer_bytes": self.parts.prompt_answers.bytes,
         }
         summary["knowledge"] = {"chunks": len(self.knowledge)}
         summary["idle"] = self.scheduler.stats()
         if self.shared is not None:
             summary["shared"] = self.shared.stats()
         summary["chunk_states"] = self.parts.runtime.stats()
+        summary["engine_self_check"] = self.parts.runtime.self_check_report()
         return summary
 
 

@@ -3,9 +3,12 @@
 PerCache's own RAG prompt is [system, chunk 1, ..., chunk k, question] (``lay_out``). A
 caller's finished prompt string (a LlamaIndex or LangChain template, a chat template) is
 laid out by ``lay_out_text``: tokenized whole, exactly as llama.cpp tokenizes it, and cut
-after its line breaks. The cuts depend on the prompt alone, so the tokens, the batches the
-model sees and hence the output are the same with or without a cache; which cut states are
-worth keeping (the ends of known documents) is a separate choice that never changes them.
+only where a state is worth keeping (after a retrieved document, a system message or an
+earlier chat turn), into pieces no shorter than the size from which the engine's prefill
+does not depend on the cuts (a start-up self-check, :mod:`percache_core.kv.pieces`). The
+output is then a one-call prefill's, with or without stored states, inside or outside a
+framework's engine. On a build where no cut is safe, the prompt is one piece (no state is
+kept: the output stays the one-call output).
 
 Each segment is tokenized on its own and fed to the model as a token list, so a stored
 KV state of [system, chunk 1, ...] is exactly the state a later prompt with the same
@@ -17,13 +20,14 @@ which suits base models such as the bundled Gemma 3 270M.
 
 from __future__ import annotations
 
-import re
+import bisect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from .errors import ContextOverflowError, EngineError
+from .kv.pieces import PieceRule
 from .types import Chunk
 
 TEMPLATE_VERSION = "completion-v1"
@@ -118,47 +122,52 @@ class PromptSpec:
 
 @dataclass(frozen=True)
 class TextPrompt:
-    """A caller's finished prompt string; *documents* are texts in it (retrieved chunks)
-    after which a state is worth keeping. They never change the tokens or the output."""
+    """A caller's finished prompt string; *documents* are texts in it (retrieved chunks,
+    a system message, earlier chat turns) after which a state is worth keeping. They never
+    change the tokens or the output."""
 
     text: str
     documents: tuple[str, ...] = ()
 
 
-_LINE_BREAKS = re.compile(r"\n+")
-
-
-def line_cuts(text: str) -> list[int]:
-    """Character offsets just after each run of line breaks in *text* (not at its end).
-
-    >>> line_cuts("Context:\\n\\nA.\\nB.\\nQ?")
-    [10, 13, 16]
-    """
-    return [m.end() for m in _LINE_BREAKS.finditer(text) if m.end() < len(text)]
-
-
 def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
-    """Character offsets where a whole occurrence of a (stripped) document ends."""
+    """Character offsets where the (stripped) *documents* end in *text*, one place each:
+    documents are taken in prompt order (each found after the one before it, else its
+    first place), so that a short text (a chat reply such as "10 am") is matched where it
+    stands as a document, not inside an earlier one.
+
+    >>> _document_ends("Notes: at 10 am. Reply: 10 am", ["Notes: at 10 am.", "10 am"])
+    [16, 29]
+    """
     ends: list[int] = []
+    cursor = 0
     for document in documents:
         needle = document.strip()
         if not needle:
             continue
-        start = text.find(needle)
-        while start >= 0:
+        start = text.find(needle, cursor)
+        if start < 0:
+            start = text.find(needle)
+        if start >= 0:
             ends.append(start + len(needle))
-            start = text.find(needle, start + 1)
-    return sorted(ends)
+            cursor = start + len(needle)
+    return sorted(set(ends))
 
 
-def lay_out_text(prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens: int) -> PromptLayout:
+def lay_out_text(
+    prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens: int, rule: PieceRule | None
+) -> PromptLayout:
     """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, one
-    BOS) and cut into segments at the token boundaries that fall right after line breaks
-    (every document of a framework's template ends at one).
+    BOS) and cut only where a state is worth keeping: at the last position *rule* allows
+    at or before the end of one of its ``documents`` (and the white space after it).
 
-    A segment whose text ends a document (up to whitespace) keeps its state; the last
-    segment never does. When the detokenized pieces do not spell the prompt exactly, the
-    prompt is one segment. Raises :class:`ContextOverflowError` when it does not fit.
+    *rule* (see :func:`~percache_core.kv.pieces.exact_pieces`) says which cuts leave the
+    engine's prefill unchanged, so the output is that of a one-call prefill, with or
+    without stored states, inside or outside a framework's engine. Without documents, or
+    without a rule (a build where no cut is safe), or when the detokenized tokens do not
+    spell the prompt exactly, the prompt is one piece. A piece that ends at a document keeps
+    its state; the last piece never does. Raises :class:`ContextOverflowError` when the
+    prompt does not fit.
     """
     text = prompt.text
     tokens = engine.tokenize_chat(text)
@@ -167,6 +176,10 @@ def lay_out_text(prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens
             f"the prompt has {len(tokens)} tokens but only {max_prompt_tokens} fit (n_ctx "
             "minus max_new_tokens): shorten it, retrieve fewer chunks or raise n_ctx"
         )
+    whole = PromptLayout((Segment("text", text, tuple(tokens), keep_state=False),))
+    document_ends = _document_ends(text, prompt.documents)
+    if rule is None or not document_ends:
+        return whole
     added = len(tokens) - len(engine.tokenize(text, False, special=True))
     data = text.encode("utf-8")
     boundaries: dict[int, int] = {}  # byte offset -> token index
@@ -175,20 +188,55 @@ def lay_out_text(prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens
         offset += len(engine.token_bytes(tokens[index], special=True))
         boundaries[offset] = index + 1
     if offset != len(data):
-        return PromptLayout((Segment("text", text, tuple(tokens), keep_state=False),))
-    document_ends = _document_ends(text, prompt.documents)
+        return whole
+    at_char = _char_boundaries(text, boundaries)
+    cuts = _keep_cuts(text, document_ends, at_char, len(tokens), rule)
+    offsets = {token: char for char, token in at_char.items()}
     segments: list[Segment] = []
-    start_char, start_token = 0, 0
-    for cut in line_cuts(text):
-        cut_token = boundaries.get(len(text[:cut].encode("utf-8")))
-        if cut_token is None or cut_token <= start_token:
-            continue
-        piece = text[start_char:cut]
-        ends_document = any(start_char < end <= cut and not text[end:cut].strip() for end in document_ends)
-        segments.append(Segment("text", piece, tuple(tokens[start_token:cut_token]), keep_state=ends_document))
-        start_char, start_token = cut, cut_token
+    start_token, start_char = 0, 0
+    for cut_token in cuts:
+        cut_char = offsets[cut_token]
+        piece = Segment("text", text[start_char:cut_char], tuple(tokens[start_token:cut_token]), keep_state=True)
+        segments.append(piece)
+        start_token, start_char = cut_token, cut_char
     segments.append(Segment("text", text[start_char:], tuple(tokens[start_token:]), keep_state=False))
     return PromptLayout(tuple(segments))
+
+
+def _char_boundaries(text: str, boundaries: dict[int, int]) -> dict[int, int]:
+    """Character offsets of *text* that are token boundaries -> token index."""
+    found: dict[int, int] = {}
+    offset = 0
+    for index, character in enumerate(text):
+        offset += len(character.encode("utf-8"))
+        token = boundaries.get(offset)
+        if token is not None:
+            found[index + 1] = token
+    return found
+
+
+def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_tokens: int, rule: PieceRule) -> list[int]:
+    """Token indices of the cuts after documents: after a document's end and the white
+    space that follows it (else at the first token boundary after its end), moved back to a
+    multiple of ``rule.multiple``, and only where ``rule`` allows the pieces it leaves.
+    *at_char*: character offset -> token index."""
+    ordered = sorted(at_char)
+    wanted: set[int] = set()
+    for end in document_ends:
+        after_space = end + len(text[end:]) - len(text[end:].lstrip())
+        for char in (after_space, end):
+            if char in at_char:
+                wanted.add(at_char[char])
+                break
+        else:
+            index = bisect.bisect_left(ordered, end)
+            if index < len(ordered):
+                wanted.add(at_char[ordered[index]])
+    cuts: list[int] = []
+    for token in sorted({t // rule.multiple * rule.multiple for t in wanted}):
+        if rule.allows(cuts[-1] if cuts else 0, token, n_tokens):
+            cuts.append(token)
+    return cuts
 
 
 PLAIN_CHAT_STOPS = ("\nuser:", "\nsystem:", "\nassistant:")  # a new turn in ``role: content`` lines

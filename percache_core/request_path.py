@@ -1,4 +1,9 @@
-"""The request path: embed -> QA candidates -> retrieve -> run (drafts verified) -> store.
+"""The request path: embed -> QA candidates -> retrieve -> lay out -> prompt answer, or
+run (drafts verified) -> store.
+
+A prompt identical to one answered before (same pieces, engine and decoding settings) is
+answered from the stored prompt answers without the model (:mod:`percache_core.prompt_answers`):
+the model gives that answer to that prompt, so this is exact in every mode.
 
 Two ways to reuse stored answers (``PerCacheConfig.qa_mode``):
 
@@ -31,7 +36,8 @@ from .errors import StorageWriteError
 from .generation import RunResult
 from .kv.engine import Sampling
 from .parts import CacheParts
-from .prompting import TextPrompt
+from .prompt_answers import PromptAnswer, prompt_key
+from .prompting import PromptLayout, TextPrompt
 from .types import Answer, Chunk, QAEntry, QAHit
 from .verifier import HitVerifier, make_verifier
 
@@ -149,24 +155,62 @@ class RequestPath:
         max_new_tokens: int,
         sampling: Sampling | None,
         prompt_lookup: bool,
+        trim: bool,
     ) -> Generator[str, None, Answer]:
-        """Run a caller's own prompt *spec* through the chunk states (no QA bank: its
-        answers are the caller's to keep). Yields text; returns the :class:`Answer`."""
+        """Run a caller's own prompt *spec* through the chunk states; an identical prompt
+        run before (same pieces, engine and decoding) is answered from the prompt answers
+        without the model. No QA-bank entry: the question's answers are the caller's to
+        keep. Yields text; returns the :class:`Answer`."""
         started = time.perf_counter()
-        result = yield from self.parts.runtime.runner.run(
+        runner = self.parts.runtime.runner
+        layout = runner.lay_out(question, [], spec=spec, max_new_tokens=max_new_tokens)
+        sampling = sampling or self._sampling()
+        key = self.prompt_key(layout, max_new_tokens, sampling, stop, trim)
+        stored = self.stored_prompt_answer(key)
+        if stored is not None:
+            yield stored.text
+            return self._finish(prompt_answered(question, stored, started, {}))
+        result = yield from runner.run(
             question,
             [],
-            spec=spec,
+            layout=layout,
             stop=stop,
             max_new_tokens=max_new_tokens,
             started=started,
             sampling=sampling,
             prompt_lookup=prompt_lookup,
+            trim=trim,
             should_stop=self.parts.activity.background_stop(),  # idle work yields to users
         )
         answer = generated_answer(question, result, started, dict(result.timings))
+        self.remember_prompt_answer(key, result)
         answer.latency_s = time.perf_counter() - started
         return self._finish(answer)
+
+    # -- prompt answers: an identical prompt needs no model --------------------------------
+
+    def _sampling(self) -> Sampling:
+        config = self.config
+        return Sampling(config.temperature, config.top_p, config.seed)
+
+    def prompt_key(
+        self,
+        layout: PromptLayout,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop: Sequence[str] | None,
+        trim: bool = True,
+    ) -> str | None:
+        return prompt_answer_key(self.parts, layout, max_new_tokens, sampling, stop, trim)
+
+    def stored_prompt_answer(self, key: str | None) -> PromptAnswer | None:
+        """The stored answer of the prompt with *key*, if any."""
+        return None if key is None else self.parts.prompt_answers.find(key)
+
+    def remember_prompt_answer(self, key: str | None, result: RunResult) -> None:
+        """Keep what a run of a user's (with ``store_answers``) or idle work's prompt produced."""
+        if self.config.store_answers or self.parts.activity.background_stop() is not None:
+            keep_prompt_answer(self.parts, key, result)
 
     def candidates(self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None) -> list[QAHit]:
         """Exact mode: the stored answers offered as drafts (same binding and scope)."""
@@ -202,13 +246,23 @@ class RequestPath:
         if candidates is None:
             candidates = self.candidates(embedding, binding=binding, scope=scope)
         drafts = [self.draft_tokens(c.entry) for c in candidates]
+        runner = parts.runtime.runner
         if config.context != "fixed":
             clock = time.perf_counter()
-            chunks = parts.runtime.runner.context_chunks(question, chunks, max_new_tokens=max_new_tokens)
+            chunks = runner.context_chunks(question, chunks, max_new_tokens=max_new_tokens)
             timings["adaptive_context"] = time.perf_counter() - clock
-        result = yield from parts.runtime.runner.run(
+        clock = time.perf_counter()
+        layout = runner.lay_out(question, chunks, max_new_tokens=max_new_tokens)
+        key = self.prompt_key(layout, max_new_tokens, self._sampling(), None)
+        stored = self.stored_prompt_answer(key)
+        timings["prompt_answer"] = time.perf_counter() - clock
+        if stored is not None:
+            yield stored.text
+            return self._finish(prompt_answered(question, stored, started, timings))
+        result = yield from runner.run(
             question,
             chunks,
+            layout=layout,
             max_new_tokens=max_new_tokens,
             started=started,
             answer_drafts=drafts,
@@ -218,6 +272,7 @@ class RequestPath:
         clock = time.perf_counter()
         timings.update(result.timings)
         answer = generated_answer(question, result, started, timings)
+        self.remember_prompt_answer(key, result)
         served = next((c for c, d in zip(candidates, drafts) if d and result.tokens == d), None)
         if served is not None:
             parts.qa_bank.record_hit(served.entry.id)
@@ -321,6 +376,65 @@ def stored_answer(question: str, hit: QAHit, started: float, timings: dict[str, 
         entry_id=hit.entry.id,
         timings=timings,
         approximate=True,
+    )
+
+
+def prompt_answer_key(
+    parts: CacheParts,
+    layout: PromptLayout,
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop: Sequence[str] | None,
+    trim: bool = True,
+) -> str | None:
+    """The key of a prompt's answer (:func:`~percache_core.prompt_answers.prompt_key` of the
+    engine, its pieces and the decoding settings), or None when ``qa_bank=False``."""
+    config = parts.config
+    if not config.qa_bank:
+        return None
+    decoding = {
+        "max_new_tokens": max_new_tokens,
+        "sampling": [sampling.temperature, sampling.top_p, sampling.seed],
+        "stop": list(config.stop if stop is None else stop),
+        "trim": trim,
+    }
+    return prompt_key(parts.runtime.model_id(), [s.tokens for s in layout.segments], decoding)
+
+
+def keep_prompt_answer(parts: CacheParts, key: str | None, result: RunResult) -> None:
+    """Store what an exact run of a prompt produced under *key*, for the next identical
+    prompt; a failed write is logged and counted (the answer stands)."""
+    if key is None or result.approximate:
+        return
+    answer = PromptAnswer(
+        result.text,
+        tuple(result.tokens),
+        prompt_tokens=result.layout.n_tokens,
+        generated_tokens=result.generated_tokens,
+        chunk_ids=result.layout.chunk_ids,
+    )
+    try:
+        parts.prompt_answers.remember(key, answer)
+    except StorageWriteError as error:
+        parts.usage.count_storage_failure()
+        logger.warning("prompt answer not stored (%s); the answer is returned all the same", error)
+
+
+def prompt_answered(question: str, stored: PromptAnswer, started: float, timings: dict[str, float]) -> Answer:
+    """An identical prompt's stored answer, served without the model (exact: the model
+    gives this answer to this prompt)."""
+    elapsed = time.perf_counter() - started
+    return Answer(
+        text=stored.text,
+        source="qa_bank",
+        question=question,
+        similarity=1.0,
+        chunk_ids=stored.chunk_ids,
+        generated_tokens=stored.generated_tokens,
+        ttft_s=elapsed,
+        latency_s=elapsed,
+        matched_question=question,
+        timings=timings,
     )
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import PerCacheConfig
-from .drafting import deviation_bound
+from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .generation import PromptRunner
 from .kv.engine import Engine
+from .kv.pieces import exact_pieces, known_pieces
 from .kv.slicing import slices_work
 from .kv.state_store import StateStore, drop_document_states
 from .kv.tiers import SharedStates, TieredStateStore
@@ -66,6 +67,7 @@ class ModelRuntime:
                     n_ctx=self.config.n_ctx,
                     n_batch=self.config.n_batch,
                     n_threads=self.config.n_threads,
+                    repack_weights=self.config.repack_weights,
                     verbose=self._verbose,
                 )
             return self._engine
@@ -128,12 +130,38 @@ class ModelRuntime:
         return dropped
 
     def preload(self) -> None:
-        """Load the engine and the states now, and measure the draft-verification bound."""
-        engine = self.engine
-        engine.warm_up()
+        """Load the engine and the states now, and run the engine's self-checks."""
+        self.engine.warm_up()
         self._open_states()
+        self.self_check()
+
+    def self_check(self) -> None:
+        """Measure, once per engine, what decides how prompts run (a few seconds, in
+        ``preload()`` or an idle round, never inside an answer): the cuts that leave a
+        prefill's logits unchanged (:func:`~percache_core.kv.pieces.exact_pieces`),
+        the batched-logit bound of draft verification and whether drafts pay on this machine
+        (:mod:`percache_core.drafting`)."""
+        engine = self.engine
+        exact_pieces(engine)
         with engine.lock:
             deviation_bound(engine)
+            drafts_pay(engine)
+
+    def self_check_report(self) -> dict[str, Any]:
+        """What the engine's self-check found (see :meth:`self_check`), as far as it ran:
+        the cuts a framework prompt may take without changing its output, the batched-logit
+        bound of draft verification and whether drafts are used by default."""
+        if not self.engine_loaded:
+            return {"ran": False}
+        engine = self.engine
+        ran, rule = known_pieces(engine)
+        return {
+            "ran": ran,
+            "exact_cuts": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
+            "draft_bound_logits": known_bound(engine),
+            "drafts_pay": known_drafts_pay(engine),
+            "repack_weights": self.config.repack_weights,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Nodes, bytes, budget and failures of the chunk-state tier."""

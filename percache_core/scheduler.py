@@ -37,8 +37,10 @@ from .binding import answer_metadata
 from .config import PerCacheConfig
 from .generation import Preempted, RunResult, drain
 from .knowledge import matches_scope
+from .kv.engine import Sampling
 from .parts import CacheParts
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
+from .request_path import keep_prompt_answer, prompt_answer_key
 from .types import Chunk
 
 PREFILL_ONLY = "prefill_only"
@@ -243,6 +245,8 @@ class Scheduler:
             stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
             bar = _progress_bar(progress, steps=6 if own_pipeline else 2)
             try:
+                if own_pipeline or parts.runtime.engine_loaded:
+                    parts.runtime.self_check()  # measured once per engine, here rather than in an answer
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
                 if own_pipeline:
                     self._step("refresh", bar, deadline, should_stop, self._refresh_stale)
@@ -383,6 +387,11 @@ class Scheduler:
                 should_stop=should_stop,
             )
         )
+        if decode:  # the same prompt asked later is answered without the model
+            config = parts.config
+            sampling = Sampling(config.temperature, config.top_p, config.seed)
+            key = prompt_answer_key(parts, result.layout, config.max_new_tokens, sampling, None)
+            keep_prompt_answer(parts, key, result)
         assert self._report is not None
         self._report.prefill_tokens += result.prefilled_tokens
         self._report.decode_tokens += result.generated_tokens

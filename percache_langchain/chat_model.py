@@ -3,7 +3,9 @@
 Messages are laid out with the GGUF file's chat template (or ``chat_template``, a llama.cpp
 built-in name such as ``"gemma"``; ``role: content`` lines for a model without one) and the
 prompt is continued like ``PerCacheLlamaCPP``'s: the same text with or without stored
-chunk states, reusing the states of documents a ``PerCacheRetriever`` returned.
+chunk states, reusing the states of documents a ``PerCacheRetriever`` returned. A state is
+also kept after each message, so a chat's next turn restores the turns before it and a new
+session restores its system message.
 
 ``stream()`` goes through LangChain's LLM cache as ``invoke()`` does: a cached answer is
 streamed as one chunk, and a streamed answer is stored under the key ``invoke()`` uses.
@@ -102,18 +104,21 @@ class PerCacheChatLlamaCPP(BaseChatModel):
 
     @property
     def _model_name(self) -> str:
-        return self.percache.parts.runtime.engine.model_name
+        return self.percache.engine.model_name
 
     def prompt(self, messages: list[BaseMessage]) -> str:
         """The prompt string the model continues for *messages*."""
-        engine = self.percache.parts.runtime.engine
-        return chat_text(engine, message_pairs(messages), template=self.chat_template)
+        return chat_text(self.percache.engine, message_pairs(messages), template=self.chat_template)
 
     def _pieces(self, messages: list[BaseMessage], stop: list[str] | None) -> AnswerStream:
         stops = list(stop if stop is not None else self.stop or [])
-        if self.chat_template is None and self.percache.parts.runtime.engine.chat_template is None:
+        if self.chat_template is None and self.percache.engine.chat_template is None:
             stops += PLAIN_CHAT_STOPS  # the model has no chat template: turns are plain lines
-        return complete(self.percache, self.prompt(messages), self._identifying_params, stops)
+        # states are kept after each message, so that the next turn (and a new session with
+        # the same system message) restores everything before its new message
+        contents = [text for _, text in message_pairs(messages)]
+        prompt = self.prompt(messages)
+        return complete(self.percache, prompt, self._identifying_params, stops, keep_after=contents, trim=True)
 
     def _generate(
         self,

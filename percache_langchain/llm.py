@@ -1,15 +1,15 @@
 """``PerCacheLlamaCPP``: a LangChain LLM on PerCache's llama.cpp engine.
 
 The prompt string, whatever template made it, is continued exactly as the model does
-without a cache (``PerCache.complete_text``): tokenized whole and fed in pieces cut after
-its line breaks, restoring the stored state of its longest known leading part. States are
-kept where a document that a ``PerCacheRetriever`` of the same PerCache returned ends in
-the prompt; that choice never changes the text.
+without a cache (``PerCache.complete_text``): tokenized whole and prefilled as one call
+would, restoring the stored state of its longest known leading part. States are kept where
+a document that a ``PerCacheRetriever`` of the same PerCache returned ends in the prompt;
+that choice never changes the text. An identical prompt is answered without the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -40,16 +40,23 @@ def complete(
     prompt: str,
     settings: dict[str, Any],
     stop: list[str] | None,
+    keep_after: Sequence[str] = (),
+    trim: bool = False,
 ) -> AnswerStream:
     """*prompt* continued through *percache*'s chunk states with *settings*: the text
-    pieces (joined, they are the text ``invoke`` returns), then ``.answer``."""
+    pieces (joined, they are the text ``invoke`` returns), then ``.answer``. States are
+    kept after the documents a retriever of *percache* returned and after the texts
+    *keep_after* (a chat's messages). *trim* drops the white space around the answer
+    (chat replies); without it the text is llama.cpp's as decoded."""
     documents = [d.page_content for d in recorder_for(percache).documents_in(prompt)]
+    documents += [text for text in keep_after if text.strip()]
     return percache.complete_text(
         prompt,
         documents=documents,
         max_new_tokens=settings["max_new_tokens"],
         sampling=Sampling(settings["temperature"], settings["top_p"], settings["seed"]),
         stop=stop,
+        trim=trim,
         stream=True,
     )  # type: ignore[return-value]
 

@@ -1,12 +1,14 @@
 """``PerCacheLlamaCPP``: a LlamaIndex LLM on llama.cpp whose answers do not depend on a cache.
 
-Every prompt, whoever formatted it, is tokenized whole and fed to the model in pieces cut
-after its line breaks (``percache_core.prompting.lay_out_text``). Inside a
+Every prompt, whoever formatted it, is tokenized whole and prefilled as one call would
+(``percache_core.prompting.lay_out_text``). Inside a
 :class:`~percache_llamaindex.PerCacheQueryEngine`, each LLM call (the one call of
-``compact``, every call of ``refine`` and ``tree_summarize``) also restores the stored KV
-state of the longest known leading part of its prompt and keeps the states that end a
-retrieved node; elsewhere (``index.as_query_engine(llm=llm)``, ``llm.complete``) the same
-pieces run without stored states. The pieces are the same either way, so the text is too.
+``compact``, every call of ``refine`` and ``tree_summarize``) restores the stored KV state
+of the longest known leading part of its prompt, keeps the states that end a retrieved
+node, and an identical prompt is answered without the model; elsewhere
+(``index.as_query_engine(llm=llm)``, ``llm.complete``) the prompt runs in one call without
+stored states. Cuts are made only into pieces at least as long as the engine's exact piece
+size (a start-up self-check), so the text is the same either way.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ class PerCacheLlamaCPP(CustomLLM):
         stream never keeps the model from other calls); through the cache of *scope* (the
         caller's :func:`cache_scope`) when it runs on this LLM's engine."""
         sampling = Sampling(self.temperature, self.top_p, self.seed)
-        if scope is not None and scope.percache.parts.runtime.engine is self.engine:
+        if scope is not None and scope.percache.engine is self.engine:
             stream = scope.percache.complete_text(
                 prompt,
                 documents=scope.documents,
@@ -190,7 +192,7 @@ class PerCacheLlamaCPP(CustomLLM):
                 stop=self.stop,
                 prompt_lookup=self.prompt_lookup,
                 stream=True,
-            )
+            )  # llama.cpp's text as decoded (trim=False), as stock LlamaCPP gives it
             assert isinstance(stream, AnswerStream)
             yield from stream
             if stream.answer is not None:
@@ -204,6 +206,7 @@ class PerCacheLlamaCPP(CustomLLM):
             sampling=sampling,
             stop=self.stop,
             prompt_lookup=self.prompt_lookup,
+            trim=False,
         )
         yield from BackgroundStream(events)
 

@@ -1,9 +1,12 @@
 """The llama.cpp engine: one model, one context, one sequence, driven token list by token list.
 
 It uses llama-cpp-python's low-level bindings rather than ``Llama`` because state reuse
-needs what ``Llama`` hides: per-sequence state bytes (``llama_state_seq_*``), weight
-repacking switched off (``use_extra_bufts=False``, so a prefill split at segment
-boundaries gives the same logits as one call), and no n_tokens x n_vocab score copies.
+needs what ``Llama`` hides: per-sequence state bytes (``llama_state_seq_*``), a scratch
+sequence for state slices, and no n_tokens x n_vocab score copies. Weights are repacked
+as ``Llama`` does by default (``repack_weights``), so a prompt prefilled in one call gives
+``Llama``'s logits; where a prompt may be cut without changing them is found by the
+self-check in :mod:`percache_core.kv.pieces` (with repacking: pieces of 8+ tokens cut at
+multiples of 4).
 
 Facts it relies on (llama-cpp-python 0.3.36, CPU): restoring a state saved after
 prefilling segments 1..d and then prefilling the rest gives bit-identical logits to
@@ -60,6 +63,19 @@ def _init_backend(lc, verbose: bool) -> None:
             _backend_ready = True
 
 
+def batch_bounds(n_tokens: int, n_batch: int) -> list[tuple[int, int]]:
+    """(start, end) of the calls that feed *n_tokens* at most *n_batch* at a time, split
+    evenly, so that a long piece never ends in a short call.
+
+    >>> batch_bounds(1030, 512)
+    [(0, 343), (343, 686), (686, 1030)]
+    >>> batch_bounds(300, 512)
+    [(0, 300)]
+    """
+    calls = -(-n_tokens // n_batch)
+    return [(n_tokens * i // calls, n_tokens * (i + 1) // calls) for i in range(calls)]
+
+
 class LlamaEngine:
     """A GGUF model in a llama.cpp context with a single sequence (id 0): the
     :class:`~percache_core.kv.engine.Engine` that PerCache runs on.
@@ -81,6 +97,7 @@ class LlamaEngine:
         n_ctx: int = 2048,
         n_batch: int = 512,
         n_threads: int | None = None,
+        repack_weights: bool = True,
         verbose: bool = False,
     ) -> None:
         lc = _import_llama_cpp()
@@ -93,7 +110,7 @@ class LlamaEngine:
 
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        model_params.use_extra_bufts = False
+        model_params.use_extra_bufts = repack_weights
         self._model = lc.llama_model_load_from_file(str(self.model_path).encode("utf-8"), model_params)
         if not self._model:
             raise ModelNotFoundError(f"llama.cpp could not load the model file {self.model_path}")
@@ -127,7 +144,7 @@ class LlamaEngine:
             "type_k": int(context_params.type_k),
             "type_v": int(context_params.type_v),
             "flash_attn_type": int(context_params.flash_attn_type),
-            "use_extra_bufts": False,
+            "use_extra_bufts": repack_weights,
             "n_seq_max": 2,
             "kv_unified": bool(context_params.kv_unified),
             "swa_full": bool(context_params.swa_full),
@@ -319,17 +336,19 @@ class LlamaEngine:
     # -- evaluation -----------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
-        """Feed *tokens* after the current position, ``n_batch`` at a time.
+        """Feed *tokens* after the current position, in as few calls of at most ``n_batch``
+        tokens as fit, of nearly equal size (:func:`batch_bounds`: no short tail call, whose
+        kernels would round differently).
 
         Logits are kept for the last token only. ``should_stop`` is polled between
         batches (for pre-emption); when it returns True, evaluation stops early.
         """
         if self.n_past + len(tokens) > self.n_ctx:
             raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
-        for start in range(0, len(tokens), self.n_batch):
+        for start, end in batch_bounds(len(tokens), self.n_batch):
             if should_stop is not None and should_stop():
                 return
-            self._decode_piece(tokens[start : start + self.n_batch], all_logits=False)
+            self._decode_piece(tokens[start:end], all_logits=False)
 
     def _decode_piece(self, piece: Sequence[int], *, all_logits: bool) -> None:
         """One ``llama_decode`` call for at most ``n_batch`` tokens after ``n_past``, with

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from percache_core.kv.pieces import exact_pieces
 from percache_core.prompting import lay_out, rag_prompt
 
 QUESTIONS = [
@@ -64,6 +65,18 @@ def test_restoring_any_depth_gives_bit_identical_logits(make_cache, engine):
                 engine.eval(tokens)
             assert np.array_equal(engine.last_logits(), live), f"depth {depth}"
         engine.reset()
-        engine.eval([t for s in segments for t in s])  # one call for the whole prompt
-        assert np.array_equal(engine.last_logits(), live)
+    # the same tokens in one call, and cut where the engine's piece rule allows, agree too
+    rule = exact_pieces(engine)
+    assert rule is not None
+    tokens = [t for s in segments for t in s]
+    cuts = [c for c in range(rule.multiple * 4, len(tokens), 97 * rule.multiple) if rule.allows(0, c, len(tokens))]
+    with engine.lock:
+        engine.reset()
+        engine.eval(tokens)  # one call for the whole prompt
+        one_call = engine.last_logits().copy()
+        engine.reset()
+        bounds = [0, cuts[0], len(tokens)]
+        for start, end in zip(bounds, bounds[1:]):
+            engine.eval(tokens[start:end])
+        assert np.array_equal(engine.last_logits(), one_call)
         engine.reset()

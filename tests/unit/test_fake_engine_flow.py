@@ -44,16 +44,44 @@ def test_chunk_state_reuse_gives_the_cache_off_output(fake_cache):
     assert all(a.source == "chunk_states" and a.reused_chunks == len(a.chunk_ids) for a in again)
 
 
-def test_exact_mode_serves_a_repeat_from_the_qa_bank_only_when_the_model_agrees(fake_cache):
+def test_an_identical_prompt_is_answered_without_the_model(fake_cache):
     pc = fake_cache()
     first = pc.answer(QUESTION)
+    calls = dict(pc.engine.calls)
     repeat = pc.answer(QUESTION)
     assert first.source != "qa_bank"
     assert repeat.source == "qa_bank" and repeat.text == first.text and not repeat.approximate
-    assert pc.stats()["draft_tokens_accepted"] > 0
-    # another model (another fingerprint) never sees this entry
+    assert pc.engine.calls == calls  # no restore, prefill or decode
+    assert pc.stats()["qa_bank"]["prompt_answers"] == 1
+    # other decoding settings, another prompt (top_k) or another model: the model runs
+    assert pc.answer(QUESTION, max_new_tokens=5).source != "qa_bank"
+    assert pc.answer(QUESTION, top_k=1).source != "qa_bank"
     other = fake_cache("other", engine=FakeEngine(name="other-model"))
     assert other.answer(QUESTION).source != "qa_bank"
+    # a streamed repeat too, and a caller's prompt (complete_text) likewise
+    assert "".join(pc.answer_stream(QUESTION)) == first.text
+    prompt = "Context:\nThe boiler is repaired on Monday.\nQ: When?\nA:"
+    text = pc.complete_text(prompt).text
+    calls = dict(pc.engine.calls)
+    again = pc.complete_text(prompt)
+    assert again.text == text and again.source == "qa_bank" and pc.engine.calls == calls
+    # deleting documents empties them (a prompt's key does not say which texts it held)
+    pc.delete_documents([pc.knowledge.chunks[0].doc_id])
+    assert pc.stats()["qa_bank"]["prompt_answers"] == 0
+
+
+def test_exact_mode_serves_a_stored_answer_as_a_verified_draft_when_the_model_agrees(fake_cache):
+    pc = fake_cache(draft_decoding="on")
+    first = pc.answer(QUESTION)
+    pc.parts.prompt_answers.clear()  # the prompt is new again: the QA entry is a draft
+    repeat = pc.answer(QUESTION)
+    assert repeat.source == "qa_bank" and repeat.text == first.text and not repeat.approximate
+    assert repeat.draft_tokens_accepted > 0
+    # with draft decoding off the answer is the same, decoded one token at a time
+    pc.configure(draft_decoding="off")
+    pc.parts.prompt_answers.clear()
+    plain = pc.answer(QUESTION)
+    assert plain.text == first.text and plain.draft_tokens_accepted == 0
 
 
 def test_a_question_waiting_pre_empts_an_idle_round(fake_cache):
@@ -135,7 +163,8 @@ def test_the_callers_calls_in_a_round_are_idle_work_not_a_users(fake_cache, monk
 
     def answer(question: str) -> bool:  # a framework's pipeline: a lookup, then its own prompt streamed
         assert pc.lookup(question, binding="app", asked=question) is None
-        texts.append("".join(pc.complete_text(f"Notes: none.\nQ: {question}\nA:", stream=True)))
+        prompt = f"Notes: none (call {len(texts)}).\nQ: {question}\nA:"  # a new prompt each time
+        texts.append("".join(pc.complete_text(prompt, stream=True)))
         return False
 
     report = pc.warm(progress=False, max_predictions=2, answer=answer)

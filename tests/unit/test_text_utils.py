@@ -57,23 +57,44 @@ def test_config_validates_and_copies():
     assert PerCacheConfig(stop=["x"]).stop == ("x",)
 
 
-def test_text_prompts_are_tokenized_whole_and_cut_after_line_breaks():
+def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size():
+    from percache_core.kv.fake_engine import FakeEngine
+    from percache_core.kv.pieces import PieceRule
+    from percache_core.prompting import TextPrompt, lay_out_text
+
+    engine = FakeEngine()  # one token per byte
+    prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
+    documents = ("Lunch is at noon.", "Tickets cost 20 euros.", "not in the prompt")
+    layout = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=PieceRule(8))
+    assert [t for s in layout.segments for t in s.tokens] == engine.tokenize_chat(prompt)
+    # cut after each document and the white space after it; the tail is long enough
+    assert [s.text for s in layout.segments] == [
+        "<bos>Context:\nLunch is at noon.\n\n", "Tickets cost 20 euros.\n", "Q: When?\nA:"
+    ]
+    assert [s.keep_state for s in layout.segments] == [True, True, False]
+    # no piece shorter than min_piece: the cut before a short tail is left out
+    short = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=PieceRule(12))
+    assert [s.text for s in short.segments] == ["<bos>Context:\nLunch is at noon.\n\n", "Tickets cost 20 euros.\nQ: When?\nA:"]
+    assert min(len(s.tokens) for s in short.segments) >= 12
+    # without documents (a framework LLM outside PerCache's engine) the prompt is one piece
+    alone = lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=1000, rule=PieceRule(8))
+    assert len(alone.segments) == 1 and not alone.segments[0].keep_state
+    # cuts on multiples of 4 tokens (repacked weights): moved back from the documents' ends
+    aligned = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=PieceRule(8, 4))
+    assert [len(s.tokens) for s in aligned.segments] == [28, 24, 11]  # 29 -> 28; 52 stays
+    assert [t for s in aligned.segments for t in s.tokens] == engine.tokenize_chat(prompt)
+
+
+def test_text_prompts_stay_whole_without_a_safe_cut():
     from percache_core.errors import ContextOverflowError
     from percache_core.kv.fake_engine import FakeEngine
     from percache_core.prompting import TextPrompt, lay_out_text
 
     engine = FakeEngine()
     prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
-    documents = ("Lunch is at noon.", "Tickets cost 20 euros.", "not in the prompt")
-    layout = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000)
-    assert [t for s in layout.segments for t in s.tokens] == engine.tokenize_chat(prompt)
-    assert "".join(s.text for s in layout.segments) == prompt
-    assert [s.text for s in layout.segments] == [
-        "<bos>Context:\n", "Lunch is at noon.\n\n", "Tickets cost 20 euros.\n", "Q: When?\n", "A:"
-    ]
-    assert [s.keep_state for s in layout.segments] == [False, True, True, False, False]
-    without = lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=1000)
-    assert [s.tokens for s in without.segments] == [s.tokens for s in layout.segments]  # hints never change tokens
-    assert not any(s.keep_state for s in without.segments)
+    documents = ("Lunch is at noon.", "Tickets cost 20 euros.")
+    layout = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=None)
+    assert [s.tokens for s in layout.segments] == [tuple(engine.tokenize_chat(prompt))]
+    assert not layout.segments[0].keep_state
     with pytest.raises(ContextOverflowError):
-        lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=10)
+        lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=10, rule=None)

@@ -1,0 +1,144 @@
+"""Where a prompt's prefill may be cut without changing a bit: a start-up self-check.
+
+llama.cpp's CPU matrix products take a kernel by the number of rows (tokens) in a call:
+with the bundled model and llama-cpp-python 0.3.36, K-quant weights go to a tiled path
+from 8 rows on and to ``vec_dot`` below, other types to llamafile's ``sgemm`` from 2 rows
+on, and repacked weights (llama.cpp's default ``use_extra_bufts``) are multiplied 4 rows
+at a time with a different kernel for the rest. The kernels round differently, so a
+prompt fed as ``[3 tokens, rest]`` can give other logits than the same prompt in one call.
+Measured here: without repacking, any cuts that leave pieces of at least 8 tokens give the
+one-call logits bit for bit; with repacking, cuts must also fall on multiples of 4 tokens
+(60 of 60 random schedules identical; cuts elsewhere were not).
+
+:func:`exact_pieces` finds such a :class:`PieceRule` for a loaded engine among
+:data:`CANDIDATES`: a prompt (two lengths that are not multiples of 4) is prefilled in one
+call, then again cut in several ways that obey the rule, and the rule holds when every
+last-position logit row is bit-identical. A caller's prompt may then be cut wherever a
+state is worth keeping (within the rule), and its output equals a one-call prefill's with
+or without stored states. ``None``: no candidate holds on this build (callers then keep a
+layout that does not depend on the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PieceRule:
+    """Cuts that leave a prefill's logits unchanged: pieces of at least *min_tokens*
+    tokens, cut at positions that are multiples of *multiple* (counted from the start of
+    the sequence)."""
+
+    min_tokens: int
+    multiple: int = 1
+
+    def allows(self, start: int, cut: int, end: int) -> bool:
+        """Whether a cut at *cut* is allowed after a cut at *start* in a prompt of *end*.
+
+        >>> PieceRule(8, 4).allows(0, 12, 30), PieceRule(8, 4).allows(0, 10, 30), PieceRule(8).allows(0, 10, 15)
+        (True, False, False)
+        """
+        return cut % self.multiple == 0 and cut - start >= self.min_tokens and end - cut >= self.min_tokens
+
+
+CANDIDATES = (PieceRule(8), PieceRule(8, 4), PieceRule(16, 4), PieceRule(16, 16))
+_LENGTHS = (97, 102)  # prompt lengths checked (not multiples of 4: the one call's last rows)
+_PROMPT = (
+    "Minutes of the planning call, Tuesday. Present: Lena Okafor, Priya Natarajan, Tom Weiss.\n"
+    "1. The quarterly review moved to Thursday at 10 am in room 4; bring the budget sheet.\n"
+    "2. Finance approved 18,500 euros for the field study; the invoice goes to Tom by Friday.\n"
+    "3. The rehearsal is on Saturday at 4 pm in the Birch room, and the van leaves at 3 pm.\n"
+    "4. Priya will send the travel numbers; Lena checks the hiring requests before the review.\n"
+    "Question: Who checks the hiring requests, and when is the rehearsal?\nAnswer:"
+)
+_verdicts: weakref.WeakKeyDictionary[Engine, PieceRule | None] = weakref.WeakKeyDictionary()
+
+
+def exact_pieces(engine: Engine) -> PieceRule | None:
+    """The first rule of :data:`CANDIDATES` under which *engine*'s prefill does not
+    depend on where a prompt is cut (None: none holds), measured once per engine (one to
+    three seconds with the bundled model) and remembered. Takes ``engine.lock``; the
+    sequence is left empty.
+
+    >>> from percache_core.kv.fake_engine import FakeEngine
+    >>> exact_pieces(FakeEngine())
+    PieceRule(min_tokens=8, multiple=1)
+    """
+    try:
+        return _verdicts[engine]
+    except (KeyError, TypeError):
+        pass
+    with engine.lock:
+        try:
+            rule = _first_exact_rule(engine)
+        finally:
+            engine.reset()
+    if rule is None:
+        logger.warning("prefill depends on where a prompt is cut on this build: text prompts stay uncut")
+    try:
+        _verdicts[engine] = rule
+    except TypeError:
+        pass
+    return rule
+
+
+def known_pieces(engine: Engine) -> tuple[bool, PieceRule | None]:
+    """Whether :func:`exact_pieces` has run for *engine*, and its rule (no work)."""
+    try:
+        return True, _verdicts[engine]
+    except (KeyError, TypeError):
+        return False, None
+
+
+def _first_exact_rule(engine: Engine) -> PieceRule | None:
+    tokens = engine.tokenize(_PROMPT, True)
+    prompts = [tokens[:n] for n in _LENGTHS if n <= len(tokens)]
+    references = [_last_logits(engine, [prompt]) for prompt in prompts]
+    for rule in CANDIDATES:
+        if all(
+            np.array_equal(_last_logits(engine, pieces), reference)
+            for prompt, reference in zip(prompts, references)
+            for pieces in _schedules(prompt, rule)
+        ):
+            return rule
+    return None
+
+
+def _schedules(tokens: list[int], rule: PieceRule) -> list[list[list[int]]]:
+    """Ways to cut *tokens* under *rule*: the shortest first piece, the shortest last
+    piece, three pieces, and cuts near a third and two thirds."""
+    n, size, multiple = len(tokens), rule.min_tokens, rule.multiple
+
+    def up(position: int) -> int:
+        return -(-position // multiple) * multiple
+
+    def down(position: int) -> int:
+        return position // multiple * multiple
+
+    cut_sets = ([up(size)], [down(n - size)], [up(size), up(2 * size)], [up(n // 3), down(2 * n // 3)])
+    schedules = []
+    for cuts in cut_sets:
+        kept: list[int] = []
+        for cut in cuts:
+            if rule.allows(kept[-1] if kept else 0, cut, n):
+                kept.append(cut)
+        if kept:
+            bounds = [0, *kept, n]
+            schedules.append([tokens[a:b] for a, b in zip(bounds, bounds[1:])])
+    return schedules
+
+
+def _last_logits(engine: Engine, pieces: list[list[int]]) -> np.ndarray:
+    engine.reset()
+    for piece in pieces:
+        engine.eval(piece)
+    return np.array(engine.last_logits(), copy=True)

@@ -1,0 +1,144 @@
+"""Answers of whole prompts: an identical prompt is answered without the model.
+
+Greedy decoding (and seeded sampling) of the same token sequence, fed in the same pieces, on
+the same engine and settings gives the same tokens every time. So once a prompt has been
+answered, its answer *is* the answer to that prompt: a later run of the same prompt needs no
+restore, prefill or decode. The key (:func:`prompt_key`) is a digest of everything that
+decides the output: the engine's fingerprint (model file, llama.cpp build, context
+settings, template version), the prompt's pieces as token ids, and the decoding settings
+(``max_new_tokens``, sampling, stop strings). Anything that changes the prompt (another
+question, other retrieved chunks, an edited document, another template) changes the key,
+so an old answer can never be served for a new prompt.
+
+The answers live in the QA bank's store (prefix ``prompt:``, shared by every process on the
+folder) within the QA bank's byte budget, least frequently used first. Deleting documents
+empties them (a key does not say which texts its prompt held).
+
+>>> import tempfile
+>>> from percache_core.storage import Store
+>>> answers = PromptAnswers(Store(tempfile.mkdtemp()), budget_bytes=10_000)
+>>> key = prompt_key("engine-1", [[2, 10, 11], [12]], {"max_new_tokens": 8})
+>>> answers.remember(key, PromptAnswer("Friday.", (7, 8, 1), prompt_tokens=4, generated_tokens=2))
+>>> answers.find(key).text
+'Friday.'
+>>> answers.find(prompt_key("engine-1", [[2, 10, 11], [12]], {"max_new_tokens": 9})) is None
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import StorageWriteError
+from .storage import Store
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "prompt:"
+
+
+@dataclass(frozen=True)
+class PromptAnswer:
+    """What one run of a prompt produced."""
+
+    text: str
+    tokens: tuple[int, ...]  # decoded ids, end of generation included
+    prompt_tokens: int
+    generated_tokens: int
+    chunk_ids: tuple[str, ...] = ()
+
+
+def prompt_key(model: str, pieces: Sequence[Sequence[int]], decoding: Mapping[str, Any]) -> str:
+    """A digest of what decides a prompt's output: *model* (the engine's fingerprint), the
+    prompt's *pieces* (token ids, in the calls they are fed in) and the *decoding* settings.
+
+    >>> prompt_key("m", [[1, 2]], {"stop": ["\\n"]}) == prompt_key("m", [[1], [2]], {"stop": ["\\n"]})
+    False
+    """
+    payload = json.dumps(
+        {"model": model, "pieces": [list(map(int, p)) for p in pieces], "decoding": dict(decoding)},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+class PromptAnswers:
+    """Stored answers of whole prompts, by :func:`prompt_key`."""
+
+    def __init__(self, store: Store, *, budget_bytes: int) -> None:
+        self._store = store
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
+        self.evictions = 0
+
+    def find(self, key: str) -> PromptAnswer | None:
+        """The stored answer of the prompt with *key* (counted as a use), or None."""
+        value = self._store.get(PREFIX + key)
+        answer = _answer(value)
+        if answer is None:
+            return None
+        with self._lock:
+            hits, _ = self._uses.get(key, (0, 0.0))
+            self._uses[key] = (hits + 1, time.time())
+        return answer
+
+    def remember(self, key: str, answer: PromptAnswer) -> None:
+        """Store *answer* under *key* (replacing what was there) within the budget. Raises
+        :class:`~percache_core.errors.StorageWriteError` when the write fails."""
+        value = {
+            "text": answer.text,
+            "tokens": list(answer.tokens),
+            "prompt_tokens": answer.prompt_tokens,
+            "generated_tokens": answer.generated_tokens,
+            "chunk_ids": list(answer.chunk_ids),
+        }
+        evicted = self._store.put(PREFIX + key, value, budget=(PREFIX, self.budget_bytes))
+        self.evictions += len(evicted or ())
+
+    def clear(self) -> None:
+        """Remove every stored prompt answer."""
+        with self._lock:
+            self._uses.clear()
+        self._store.clear(PREFIX)
+
+    def __len__(self) -> int:
+        return len(self._store.keys(PREFIX))
+
+    @property
+    def bytes(self) -> int:
+        return self._store.total_size(PREFIX)
+
+    def flush(self) -> None:
+        """Write the use counters counted since the last flush (eviction is by use)."""
+        with self._lock:
+            uses, self._uses = self._uses, {}
+        try:
+            self._store.add_hits({PREFIX + key: use for key, use in uses.items()})
+        except StorageWriteError as error:
+            logger.warning("prompt-answer use counters not written: %s", error)
+
+
+def _answer(value: Any) -> PromptAnswer | None:
+    """A stored value as a :class:`PromptAnswer`, or None when absent or malformed."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        tokens = tuple(int(t) for t in value["tokens"])
+        return PromptAnswer(
+            text=str(value["text"]),
+            tokens=tokens,
+            prompt_tokens=int(value["prompt_tokens"]),
+            generated_tokens=int(value["generated_tokens"]),
+            chunk_ids=tuple(str(c) for c in value.get("chunk_ids", ())),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
