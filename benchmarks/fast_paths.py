@@ -46,7 +46,7 @@ from percache_core.models import resolve_model_path
 from .output import write_json
 
 SQUAD_USER = "Construction"
-QMSUM_USER = "qmsum/ami-ES2011"
+QMSUM_USER = "ami-ES2011"
 SYSTEM_MESSAGE = (
     "You are Maya's assistant on her laptop. You know her calendar, her team and her projects. "
     "Maya leads the field-study team at a small research institute; her colleagues are Lena "
@@ -87,6 +87,8 @@ def user_data(data: Path, dataset: str, user: str, questions: int) -> tuple[list
     for row in load_jsonl(data / dataset / "queries.jsonl"):
         if row["user"] == user and row["question"] not in asked:
             asked.append(row["question"])
+    if not documents or not asked:
+        raise SystemExit(f"no documents or questions of user {user!r} in {data / dataset}")
     rng = np.random.default_rng(0)
     picked = sorted(rng.choice(len(asked), size=min(questions, len(asked)), replace=False))
     return documents, [asked[i] for i in picked]
@@ -367,7 +369,7 @@ def main() -> None:
     }
     squad = user_data(args.data, "squad11-dev", SQUAD_USER, args.questions)
     qmsum = user_data(args.data, "qmsum", QMSUM_USER, args.questions)
-    users = [("squad/" + SQUAD_USER, *squad), (QMSUM_USER, *qmsum)]
+    users = [("squad/" + SQUAD_USER, *squad), ("qmsum/" + QMSUM_USER, *qmsum)]
     if "repeat" in parts:
         result["repeat"] = bench_repeat(engine, embedder, users)
         print("repeat", json.dumps({k: v for k, v in result["repeat"].items() if k != "rows"}))

@@ -64,7 +64,8 @@ class PerCacheConfig:
             offered as drafts (a wrong draft costs one batched pass, never a wrong answer).
         prompt_lookup: with greedy decoding, also draft the next tokens from phrases of
             the prompt (lossless, opt-in: with the bundled model's small logit leads it is
-            not faster on this build; see the README).
+            not faster on this build; see the README). Used when draft decoding is
+            (``draft_decoding``: "on", or "auto" where the self-check measured a gain).
         draft_decoding: whether drafts (QA-bank answers, prompt lookup) are verified in
             batches while decoding; the output is the same either way. "auto" (default):
             only once the engine's self-check (``preload()`` or an idle round, never inside

@@ -245,8 +245,8 @@ class Scheduler:
             stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
             bar = _progress_bar(progress, steps=6 if own_pipeline else 2)
             try:
-                if own_pipeline or parts.runtime.engine_loaded:
-                    parts.runtime.self_check()  # measured once per engine, here rather than in an answer
+                if (own_pipeline or parts.runtime.engine_loaded) and not should_stop():
+                    parts.runtime.self_check()  # once per engine (seconds), here rather than in an answer
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
                 if own_pipeline:
                     self._step("refresh", bar, deadline, should_stop, self._refresh_stale)

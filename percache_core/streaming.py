@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -30,8 +31,25 @@ class _Finished(Generic[R]):
     error: BaseException | None = None
 
 
+_PRODUCER_THREADS = 16  # streams produced at once (one engine runs one at a time anyway)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _producers() -> ThreadPoolExecutor:
+    """The threads that produce streams, started on first use and reused: llama.cpp's CPU
+    backend (OpenMP here) keeps a team of worker threads per calling thread, so a new thread
+    per stream would start a new team each time while the last one still spins on the
+    cores (measured: LlamaIndex completions 12% slower than stock llama.cpp)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_PRODUCER_THREADS, thread_name_prefix="percache-stream")
+        return _pool
+
+
 class BackgroundStream(Generic[T, R]):
-    """Items of *events* (a generator) produced by a daemon thread; iterate it for the
+    """Items of *events* (a generator) produced by a thread of a shared pool; iterate it for the
     items, then read ``result`` (the generator's return value).
 
     >>> def count():
@@ -43,13 +61,12 @@ class BackgroundStream(Generic[T, R]):
     ([1, 2], 'done')
     """
 
-    def __init__(self, events: Generator[T, None, R], *, name: str = "percache-stream") -> None:
+    def __init__(self, events: Generator[T, None, R]) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._finished: _Finished[R] | None = None
         context = contextvars.copy_context()  # the caller's context variables hold in the thread
-        self._thread = threading.Thread(target=context.run, args=(self._produce, events), name=name, daemon=True)
-        self._thread.start()
+        _producers().submit(context.run, self._produce, events)
 
     def _produce(self, events: Generator[T, None, R]) -> None:
         try:
@@ -98,7 +115,7 @@ class AnswerStream:
     """
 
     def __init__(self, events: Generator[str, None, Answer]) -> None:
-        self._stream: BackgroundStream[str, Answer] = BackgroundStream(events, name="percache-answer-stream")
+        self._stream: BackgroundStream[str, Answer] = BackgroundStream(events)
 
     @property
     def answer(self) -> Answer | None:
