@@ -136,8 +136,10 @@ def bench_repeat(engine: LlamaEngine, embedder: Any, users: list[tuple[str, list
 # -- LlamaIndex against stock llama.cpp ------------------------------------------------------
 
 
-def stock_llm(model_path: Path, max_tokens: int, threads: int) -> Any:
-    """``llama_cpp.Llama`` as a LlamaIndex LLM: greedy, the same stop and token limit."""
+def stock_llm(model_path: Path, max_tokens: int, threads: int) -> tuple[Any, Any]:
+    """``llama_cpp.Llama`` as two LlamaIndex LLMs on one model, greedy, with the same stop
+    and token limit: one prefills each prompt in one call (reset first), the other as
+    ``Llama`` does by default (it keeps the previous prompt's longest common prefix)."""
     from llama_cpp import Llama
     from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
     from llama_index.core.llms.callbacks import llm_completion_callback
@@ -146,13 +148,16 @@ def stock_llm(model_path: Path, max_tokens: int, threads: int) -> Any:
     model = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 
     class StockLlamaCPP(CustomLLM):
+        reset: bool = True
+
         @property
         def metadata(self) -> LLMMetadata:
             return LLMMetadata(context_window=2048, num_output=max_tokens, model_name=model_path.name)
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            model.reset()  # one call for the whole prompt (Llama otherwise keeps the last prompt's prefix)
+            if self.reset:
+                model.reset()  # one call for the whole prompt (Llama otherwise keeps the last prompt's prefix)
             out = model.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stop=["\n"])
             return CompletionResponse(text=out["choices"][0]["text"])
 
@@ -160,7 +165,7 @@ def stock_llm(model_path: Path, max_tokens: int, threads: int) -> Any:
         def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any):
             raise NotImplementedError
 
-    return StockLlamaCPP()
+    return StockLlamaCPP(), StockLlamaCPP(reset=False)
 
 
 def bench_llamaindex(
@@ -171,7 +176,7 @@ def bench_llamaindex(
     from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
 
     max_tokens = 64
-    stock = stock_llm(model_path, max_tokens, os.cpu_count() or 1)  # PerCache's engine uses every core
+    stock, stock_reusing = stock_llm(model_path, max_tokens, os.cpu_count() or 1)  # PerCache's engine uses every core
     ours = PerCacheLlamaCPP(engine=engine, max_new_tokens=max_tokens)
     rows = []
     for name, documents, questions in users:
@@ -179,11 +184,14 @@ def bench_llamaindex(
             [Document(text=d["text"], doc_id=d["id"]) for d in documents], embed_model=PerCacheEmbedding(embedder)
         )
         plain = index.as_query_engine(llm=stock)
+        reusing = index.as_query_engine(llm=stock_reusing)
         with tempfile.TemporaryDirectory() as folder:
             cached = PerCacheQueryEngine.from_index(index, cache_dir=folder, llm=ours)
             seen: set[str] = set()
             for rounds in ("first", "repeat"):
                 for question in questions:
+                    # stock llama.cpp as users run it: the previous prompt's prefix kept
+                    default_text = reusing.query(question).response if rounds == "first" else None
                     started = time.perf_counter()
                     reference = plain.query(question)
                     stock_s = time.perf_counter() - started
@@ -204,6 +212,7 @@ def bench_llamaindex(
                             "source": info["source"],
                             "reused_tokens": info.get("reused_tokens", 0),
                             "shares_nodes": rounds == "first" and bool(nodes & seen),
+                            "stock_default_identical": default_text == reference.response,
                         }
                     )
                     seen |= nodes
@@ -222,6 +231,7 @@ def bench_llamaindex(
         "questions": len(first),
         "first_ask_time_ratio": ratio(first),
         "first_ask_identical": sum(r["identical"] for r in first),
+        "stock_with_prefix_reuse_identical_to_one_call": sum(r["stock_default_identical"] for r in first),
         "new_nodes_time_ratio": ratio(new),
         "shared_nodes_time_ratio": ratio(sharing),
         "shared_nodes_questions": len(sharing),

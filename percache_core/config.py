@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from .context import CONTEXT_MODES, SIGNALS
+from .kv.engine import Sampling
 from .stopping import stop_strings
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -273,6 +274,11 @@ class PerCacheConfig:
         if not self.system_prompt.strip():
             raise ValueError("system_prompt must not be empty")
         object.__setattr__(self, "stop", stop_strings(self.stop))
+
+    @property
+    def sampling(self) -> Sampling:
+        """How answers pick tokens: ``temperature``, ``top_p`` and ``seed``."""
+        return Sampling(self.temperature, self.top_p, self.seed)
 
     def replace(self, **changes: object) -> PerCacheConfig:
         """A copy with some fields changed (validated again).

@@ -172,7 +172,7 @@ class PromptRunner:
         states = self.states if self.config.chunk_states else None
         engine = self.engine
         config = self.config
-        sampling = sampling or Sampling(config.temperature, config.top_p, config.seed)
+        sampling = sampling or config.sampling
         lookup = config.prompt_lookup if prompt_lookup is None else prompt_lookup
         if layout is None:
             layout = self.lay_out(question, chunks, spec=spec, max_new_tokens=max_new_tokens)

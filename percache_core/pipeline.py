@@ -97,7 +97,7 @@ class PerCache:
                 Store(folder / "knowledge"), embedder, chunk_words=config.chunk_words, rrf_k=config.rrf_k
             ),
             qa_bank=qa_bank,
-            prompt_answers=PromptAnswers(qa_store, budget_bytes=config.qa_bank_budget_bytes),
+            prompt_answers=PromptAnswers(qa_store, budget_bytes=config.qa_bank_budget_bytes, shared=self.shared),
             runtime=ModelRuntime(
                 folder, config, engine=engine, model_path=model_path, shared=self.shared, verbose=verbose
             ),
@@ -462,7 +462,10 @@ class PerCache:
     ) -> QAEntry:
         """Store *answer* (a caller's own) for *question* under *binding* (default: this
         cache's own) and *scope*; it replaces an earlier answer to the same question there.
-        The model's own answers never replace a remembered one."""
+        The model's own answers never replace a remembered one, and new documents never
+        make it stale: ``answer()`` of the same question (same scope, default settings)
+        returns it as given, ``source="remembered"``, without the model. Replace it with
+        ``remember`` again; it goes with ``delete_documents`` of a document in *chunk_ids*."""
         self._ensure_open()
         question = validated_question(question)
         if not isinstance(answer, str):

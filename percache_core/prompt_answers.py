@@ -12,7 +12,9 @@ so an old answer can never be served for a new prompt.
 
 The answers live in the QA bank's store (prefix ``prompt:``, shared by every process on the
 folder) within the QA bank's byte budget, least frequently used first. Deleting documents
-empties them (a key does not say which texts its prompt held).
+empties them (a key does not say which texts its prompt held). With a shared tier, they are
+shared with other clients too: a key has one right answer, so an older envelope put back in
+Redis is still that answer (see :mod:`percache_core.shared.redis_tier`).
 
 >>> import tempfile
 >>> from percache_core.storage import Store
@@ -34,7 +36,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import StorageWriteError
 from .storage import Store
@@ -70,11 +72,21 @@ def prompt_key(model: str, pieces: Sequence[Sequence[int]], decoding: Mapping[st
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-class PromptAnswers:
-    """Stored answers of whole prompts, by :func:`prompt_key`."""
+class SharedPromptAnswers(Protocol):
+    """Prompt answers of other clients (the shared tier)."""
 
-    def __init__(self, store: Store, *, budget_bytes: int) -> None:
+    def fetch_prompt_answer(self, prompt_key: str) -> dict[str, Any] | None: ...
+
+    def put_prompt_answer(self, prompt_key: str, value: dict[str, Any]) -> None: ...
+
+
+class PromptAnswers:
+    """Stored answers of whole prompts, by :func:`prompt_key`; *shared* (optional) is asked
+    when this folder has no answer, and given every answer stored here."""
+
+    def __init__(self, store: Store, *, budget_bytes: int, shared: SharedPromptAnswers | None = None) -> None:
         self._store = store
+        self.shared = shared
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
@@ -82,8 +94,14 @@ class PromptAnswers:
 
     def find(self, key: str) -> PromptAnswer | None:
         """The stored answer of the prompt with *key* (counted as a use), or None."""
-        value = self._store.get(PREFIX + key)
-        answer = _answer(value)
+        answer = _answer(self._store.get(PREFIX + key))
+        if answer is None and self.shared is not None:
+            answer = _answer(self.shared.fetch_prompt_answer(key))
+            if answer is not None:
+                try:
+                    self._store_locally(key, answer)
+                except StorageWriteError as error:
+                    logger.warning("shared prompt answer not kept locally: %s", error)
         if answer is None:
             return None
         with self._lock:
@@ -92,8 +110,14 @@ class PromptAnswers:
         return answer
 
     def remember(self, key: str, answer: PromptAnswer) -> None:
-        """Store *answer* under *key* (replacing what was there) within the budget. Raises
-        :class:`~percache_core.errors.StorageWriteError` when the write fails."""
+        """Store *answer* under *key* (replacing what was there) within the budget, and share
+        it. Raises :class:`~percache_core.errors.StorageWriteError` when the local write
+        fails."""
+        value = self._store_locally(key, answer)
+        if self.shared is not None:
+            self.shared.put_prompt_answer(key, value)
+
+    def _store_locally(self, key: str, answer: PromptAnswer) -> dict[str, Any]:
         value = {
             "text": answer.text,
             "tokens": list(answer.tokens),
@@ -103,6 +127,7 @@ class PromptAnswers:
         }
         evicted = self._store.put(PREFIX + key, value, budget=(PREFIX, self.budget_bytes))
         self.evictions += len(evicted or ())
+        return value
 
     def clear(self) -> None:
         """Remove every stored prompt answer."""

@@ -3,7 +3,10 @@ run (drafts verified) -> store.
 
 A prompt identical to one answered before (same pieces, engine and decoding settings) is
 answered from the stored prompt answers without the model (:mod:`percache_core.prompt_answers`):
-the model gives that answer to that prompt, so this is exact in every mode.
+the model gives that answer to that prompt, so this is exact in every mode. A question a
+caller answered with ``remember()`` (the same text, scope and binding) gets the caller's
+answer without the model (``source="remembered"``): the one case where an answer differs
+from the model's, because the caller said so.
 
 Two ways to reuse stored answers (``PerCacheConfig.qa_mode``):
 
@@ -90,6 +93,13 @@ class RequestPath:
         embedding = parts.embedder.embed([question])[0]
         lap("embed")
         binding = parts.binding(top_k=top_k, max_new_tokens=max_new_tokens)
+        remembered = self.remembered(question, scope, binding)
+        if remembered is not None:  # the caller's own answer to this very question
+            parts.activity.record_question(question, embedding, remembered, scope)
+            yield remembered.entry.answer or ""
+            answer = stored_answer(question, remembered, started, timings)
+            answer.source, answer.approximate = "remembered", False
+            return self._finish(answer)
         best: float | None = None
         if config.qa_bank and config.qa_mode == "semantic":
             hit, best = self.semantic_hit(question, embedding, similarity_threshold, scope, binding, top_k)
@@ -132,19 +142,31 @@ class RequestPath:
         asked: str | None = None,
     ) -> QAHit | None:
         """The stored answer a caller that generates on its own may serve, counted as a
-        hit: in exact mode the one stored for this very question text, in semantic mode
+        hit: in exact mode the one stored for this very question text (not one taken in
+        from the shared tier: see :mod:`percache_core.shared.redis_tier`), in semantic mode
         the best verified one at or above *similarity_threshold*. *asked* (default
         *question*) is what the user asked, for history prediction."""
         if self.config.qa_mode == "exact":
             entry = self.parts.qa_bank.find(question, scope=scope, binding=binding)
             hit = None
-            if entry is not None:
+            if entry is not None and not entry.from_shared_tier:
                 self.parts.qa_bank.record_hit(entry.id)
                 hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
         else:
             hit, _ = self.semantic_hit(question, embedding, similarity_threshold, scope, binding)
         self.parts.activity.record_question(asked or question, embedding, hit, scope)
         return hit
+
+    def remembered(self, question: str, scope: dict[str, Any] | None, binding: str) -> QAHit | None:
+        """The answer a caller stored with ``remember()`` for this question text, under
+        this scope and binding (counted as a hit), or None."""
+        if not self.config.qa_bank:
+            return None
+        entry = self.parts.qa_bank.find(question, scope=scope, binding=binding)
+        if entry is None or not entry.metadata.get("remembered"):
+            return None
+        self.parts.qa_bank.record_hit(entry.id)
+        return QAHit(entry, 1.0)
 
     def complete(
         self,
@@ -164,8 +186,8 @@ class RequestPath:
         started = time.perf_counter()
         runner = self.parts.runtime.runner
         layout = runner.lay_out(question, [], spec=spec, max_new_tokens=max_new_tokens)
-        sampling = sampling or self._sampling()
-        key = self.prompt_key(layout, max_new_tokens, sampling, stop, trim)
+        sampling = sampling or self.config.sampling
+        key = prompt_answer_key(self.parts, layout, max_new_tokens, sampling, stop, trim)
         stored = self.stored_prompt_answer(key)
         if stored is not None:
             yield stored.text
@@ -188,20 +210,6 @@ class RequestPath:
         return self._finish(answer)
 
     # -- prompt answers: an identical prompt needs no model --------------------------------
-
-    def _sampling(self) -> Sampling:
-        config = self.config
-        return Sampling(config.temperature, config.top_p, config.seed)
-
-    def prompt_key(
-        self,
-        layout: PromptLayout,
-        max_new_tokens: int,
-        sampling: Sampling,
-        stop: Sequence[str] | None,
-        trim: bool = True,
-    ) -> str | None:
-        return prompt_answer_key(self.parts, layout, max_new_tokens, sampling, stop, trim)
 
     def stored_prompt_answer(self, key: str | None) -> PromptAnswer | None:
         """The stored answer of the prompt with *key*, if any."""
@@ -253,7 +261,7 @@ class RequestPath:
             timings["adaptive_context"] = time.perf_counter() - clock
         clock = time.perf_counter()
         layout = runner.lay_out(question, chunks, max_new_tokens=max_new_tokens)
-        key = self.prompt_key(layout, max_new_tokens, self._sampling(), None)
+        key = prompt_answer_key(parts, layout, max_new_tokens, config.sampling, None)
         stored = self.stored_prompt_answer(key)
         timings["prompt_answer"] = time.perf_counter() - clock
         if stored is not None:

@@ -37,7 +37,6 @@ from .binding import answer_metadata
 from .config import PerCacheConfig
 from .generation import Preempted, RunResult, drain
 from .knowledge import matches_scope
-from .kv.engine import Sampling
 from .parts import CacheParts
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
 from .request_path import keep_prompt_answer, prompt_answer_key
@@ -128,11 +127,16 @@ class Scheduler:
         New information is a new chunk that is not one of the entry's own sources, or a
         chunk of a document whose text was replaced. (A document that is new to this cache
         but was the source of an entry, as with entries shared by another device, is not.)
+        Answers a caller remembered are the caller's: documents never make them stale.
         """
         parts = self.parts
         if not new_chunks:
             return 0
-        entries = [e for e in parts.qa_bank.entries if e.answer is not None and not e.metadata.get("stale")]
+        entries = [
+            e
+            for e in parts.qa_bank.entries
+            if e.answer is not None and not e.metadata.get("stale") and not e.metadata.get("remembered")
+        ]
         chunks, matrix = parts.knowledge.embedding_matrix()
         if not entries or matrix.size == 0:
             return 0
@@ -389,8 +393,7 @@ class Scheduler:
         )
         if decode:  # the same prompt asked later is answered without the model
             config = parts.config
-            sampling = Sampling(config.temperature, config.top_p, config.seed)
-            key = prompt_answer_key(parts, result.layout, config.max_new_tokens, sampling, None)
+            key = prompt_answer_key(parts, result.layout, config.max_new_tokens, config.sampling, None)
             keep_prompt_answer(parts, key, result)
         assert self._report is not None
         self._report.prefill_tokens += result.prefilled_tokens

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-AnswerSource = Literal["qa_bank", "chunk_states", "full"]
+AnswerSource = Literal["qa_bank", "remembered", "chunk_states", "full"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,16 @@ class QAEntry:
 
     @property
     def servable(self) -> bool:
-        """True when the entry holds an answer that may be returned to a user."""
-        return self.answer is not None and not self.metadata.get("stale", False)
+        """True when the entry holds an answer that may be returned to a user (a caller's
+        remembered answer is never stale: only its caller replaces or removes it)."""
+        stale = self.metadata.get("stale", False) and not self.metadata.get("remembered", False)
+        return self.answer is not None and not stale
+
+    @property
+    def from_shared_tier(self) -> bool:
+        """True when the entry was taken in from the shared tier: never served as it is
+        without the model (an older signed envelope may have been put back in Redis)."""
+        return self.metadata.get("origin") == "shared"
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,10 @@ class Answer:
 
     Attributes:
         text: the answer.
-        source: ``"qa_bank"`` (stored answer), ``"chunk_states"`` (at least one retrieved
-            chunk's KV state was restored) or ``"full"`` (prefilled from scratch).
+        source: ``"qa_bank"`` (stored answer), ``"remembered"`` (the answer a caller stored
+            for this question with ``remember()``, returned as given), ``"chunk_states"``
+            (at least one retrieved chunk's KV state was restored) or ``"full"``
+            (prefilled from scratch).
         similarity: cosine similarity of the matched QA entry (QA-bank hits), else the best
             similarity seen in the QA bank (``None`` when the bank was not consulted).
         chunk_ids: the chunks the answer was generated from.

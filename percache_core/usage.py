@@ -22,6 +22,7 @@ class _Totals:
     stale_dropped: int = 0
     storage_failures: int = 0
     draft_tokens_accepted: int = 0
+    remembered: int = 0
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
     )
@@ -45,7 +46,9 @@ class UsageCounters:
         with self._lock:
             totals = self._totals
             totals.queries += 1
-            if answer.source == "qa_bank":
+            source = "qa_bank" if answer.source == "remembered" else answer.source  # a QA-bank answer
+            totals.remembered += answer.source == "remembered"
+            if source == "qa_bank":
                 totals.qa_bank_hits += 1
             elif answer.source == "chunk_states":
                 totals.chunk_state_hits += 1
@@ -55,7 +58,7 @@ class UsageCounters:
             totals.prefilled_tokens += answer.prefilled_tokens
             totals.generated_tokens += answer.generated_tokens
             totals.draft_tokens_accepted += answer.draft_tokens_accepted
-            totals.latency_s[answer.source] += answer.latency_s
+            totals.latency_s[source] += answer.latency_s
 
     def count_rejection(self) -> None:
         """Count a QA-bank candidate the verifier rejected."""
@@ -80,6 +83,7 @@ class UsageCounters:
             return {
                 "queries": c.queries,
                 "qa_bank_hits": c.qa_bank_hits,
+                "remembered": c.remembered,
                 "chunk_state_hits": c.chunk_state_hits,
                 "full": c.full,
                 "qa_bank_hit_rate": c.qa_bank_hits / queries,

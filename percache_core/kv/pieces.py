@@ -73,21 +73,23 @@ def exact_pieces(engine: Engine) -> PieceRule | None:
     >>> exact_pieces(FakeEngine())
     PieceRule(min_tokens=8, multiple=1)
     """
-    try:
-        return _verdicts[engine]
-    except (KeyError, TypeError):
-        pass
+    known, rule = known_pieces(engine)
+    if known:
+        return rule
     with engine.lock:
+        known, rule = known_pieces(engine)  # measured while this thread waited for the lock
+        if known:
+            return rule
         try:
             rule = _first_exact_rule(engine)
         finally:
             engine.reset()
+        try:
+            _verdicts[engine] = rule
+        except TypeError:
+            pass
     if rule is None:
         logger.warning("prefill depends on where a prompt is cut on this build: text prompts stay uncut")
-    try:
-        _verdicts[engine] = rule
-    except TypeError:
-        pass
     return rule
 
 

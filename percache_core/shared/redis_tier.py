@@ -6,12 +6,31 @@ Layout (every key starts with ``percache:<namespace>:``, so tenants never meet):
     <fp>:catalog            a stream of the node keys added (the master catalog)
     <emb>:qa:<entry id>     a signed envelope: question, answer, chunk ids + embedding
     <emb>:qa-catalog        a stream of the QA entry ids added
+    prompt:<prompt key>     a signed envelope: the answer of one whole prompt
 
 ``<fp>`` is the engine fingerprint (model file, llama.cpp build, context settings,
 template), ``<emb>`` a digest of the embedder's name. Each client keeps a local Bloom
 filter of the catalog, synchronised by a background thread, so it asks Redis for a state
 only when the catalog says it is there; a false positive costs one wasted fetch. The same
 thread pulls new QA entries, with their embeddings, into the local QA bank.
+
+Replays. Anyone with write access to Redis but without the secret can put back an older,
+validly signed envelope, and a client that opens afterwards has no memory of the newer one.
+So nothing whose value can change is served as it is from this tier:
+
+- A prompt answer's key (:func:`~percache_core.prompt_answers.prompt_key`) digests the
+  engine, the whole prompt and the decoding settings, and the model gives one answer to
+  one prompt: every envelope ever signed under that key holds the same answer, so an older
+  one is the same answer. These are served on every client without the model.
+- A QA entry is keyed by its question, and its answer changes when documents or a caller's
+  ``remember()`` change it. In exact mode entries taken in from here are never served as
+  they are (``lookup()`` skips them): they are drafts that the client's own model verifies
+  on the client's own prompt, so a replayed entry costs at most a rejected draft. In
+  semantic mode (approximate, by the caller's choice) an entry is served only when the
+  chunks its question retrieves on this client now are the ones, id and text digest, its
+  answer came from: an older answer put back is served only where it was generated from
+  the texts the client holds. Entries without sources (a caller's remembered answers) are
+  never served from here. (A client that saw the newer envelope also refuses the older.)
 
 Every call has a short timeout and goes through a circuit breaker: when Redis is down,
 slow or restarting, the client works locally and says so in ``stats()``.
@@ -74,6 +93,8 @@ class SharedCounters:
     skipped_while_open: int = 0
     qa_synced: int = 0
     replayed: int = 0  # signed entries older than one already taken in: refused
+    prompt_answer_hits: int = 0  # whole prompts answered by another client
+    prompt_answer_misses: int = 0
 
 
 def _connect(url: str, timeout_s: float) -> Any:
@@ -362,6 +383,33 @@ class SharedTier:
         )
         self.counters.writes += 1
         return True
+
+    # -- prompt answers -------------------------------------------------------------------
+
+    def fetch_prompt_answer(self, prompt_key: str) -> dict[str, Any] | None:
+        """The answer another client stored for the prompt with *prompt_key* (verified), or
+        None. One round trip; nothing when Redis is away."""
+        key = self._key("prompt", prompt_key)
+        data = self._call(lambda client: client.get(key))
+        if data is None:
+            self.counters.prompt_answer_misses += 1
+            return None
+        opened = open_envelope(self._secret, key, data)
+        if opened is None or opened[0].get("key") != prompt_key:
+            self.counters.rejected += 1
+            logger.warning("shared prompt answer %s failed verification: dropped", prompt_key[:16])
+            return None
+        self.counters.prompt_answer_hits += 1
+        return opened[0]
+
+    def put_prompt_answer(self, prompt_key: str, value: dict[str, Any]) -> None:
+        """Share the answer of the prompt with *prompt_key*."""
+        if not self.write:
+            return
+        key = self._key("prompt", prompt_key)
+        envelope = seal(self._secret, key, {**value, "key": prompt_key}, b"")
+        if self._call(lambda client: client.set(key, envelope)) is not None:
+            self.counters.writes += 1
 
     # -- QA entries -----------------------------------------------------------------------
 

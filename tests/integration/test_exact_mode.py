@@ -147,6 +147,28 @@ def test_remembered_answers_are_never_replaced_by_the_models(make_cache):
     assert [e.answer for e in kept] == ["Monday 14 April, 8:15 am."]
 
 
+def test_a_remembered_answer_survives_new_documents_and_is_answered_as_given(make_cache):
+    pc = make_cache("remembered", documents=False, max_new_tokens=16)
+    pc.add_documents(
+        [
+            {"id": "van", "text": "The delivery van is blue and parked behind the studio."},
+            {"id": "lunch", "text": "Lunch with Ana is on Friday at noon at the harbour cafe."},
+            {"id": "api", "text": "The booking API is late because the vendor changed its schema."},
+        ]
+    )
+    question = "What colour is the van?"
+    pc.remember(question, "The van is red.")
+    pc.add_documents([{"id": "n1", "text": "The garage code is 4417."}])  # unrelated, in every top-k
+    pc.warm(progress=False)
+    hit = pc.lookup(question)
+    assert hit is not None and hit.text == "The van is red."
+    answer = pc.answer(question)
+    assert (answer.text, answer.source, answer.generated_tokens) == ("The van is red.", "remembered", 0)
+    assert "".join(pc.answer_stream(question)) == "The van is red."
+    pc.configure(qa_bank=False)  # the model's own answer, from the documents
+    assert "red" not in pc.answer(question).text
+
+
 def test_drafts_right_or_wrong_give_the_one_at_a_time_tokens(engine):
     prompt = engine.tokenize(
         "Note: Flight SW 482 leaves Amsterdam on 22 May at 7:05 am and lands in Lisbon at 9:20 am.\n\n"

@@ -244,17 +244,19 @@ def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
     set_llm_cache(None)
 
 
-def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
+def chain_on(pc, cache, max_new_tokens=16):
+    """An app's LCEL chain: retrieved notes and the question in a chat prompt, PerCache's
+    chat model with *cache* as its LLM cache."""
     prompt = ChatPromptTemplate.from_messages(
         [("system", "Answer briefly from the notes."), ("human", "{context}\n\nQuestion: {question}")]
     )
+    retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
+    context = RunnableLambda(lambda q: "\n\n".join(d.page_content for d in retriever.invoke(q)))
+    model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=max_new_tokens, cache=cache)
+    return {"context": context, "question": RunnableLambda(lambda q: q)} | prompt | model
 
-    def chain_on(pc, cache):
-        retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
-        context = RunnableLambda(lambda q: "\n\n".join(d.page_content for d in retriever.invoke(q)))
-        model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=16, cache=cache)
-        return {"context": context, "question": RunnableLambda(lambda q: q)} | prompt | model
 
+def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
     plain = chain_on(make_cache("off", documents=False, qa_bank=False, chunk_states=False), False)
     pc = make_cache("warm", documents=False)
     chain = chain_on(pc, PerCacheSemanticCache(pc))
@@ -268,3 +270,17 @@ def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
     for predicted in report.predicted:
         assert chain.invoke(predicted).content == plain.invoke(predicted).content
     assert pc.stats()["qa_bank_hits"] - hits == len(report.predicted)  # each served by the cache
+
+
+def test_a_batch_of_sixteen_at_four_at_once_answers_as_each_asked_alone(make_cache):
+    questions = [
+        f"{ask} {topic}?"
+        for ask in ("When is", "Where is", "Who approved", "How much is")
+        for topic in ("the rehearsal", "the launch talk", "the Harbor design work", "the budget")
+    ]
+    plain = chain_on(make_cache("off", documents=False, qa_bank=False, chunk_states=False), False, 8)
+    alone = [plain.invoke(q).content for q in questions]
+    pc = make_cache("batched", documents=False)
+    batched = chain_on(pc, PerCacheSemanticCache(pc), 8).batch(questions, config={"max_concurrency": 4})
+    assert [m.content for m in batched] == alone
+    assert len(pc.qa_bank) == 16

@@ -248,3 +248,21 @@ def test_the_notebook_runs_and_shows_each_source():
         o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs
     )
     assert "['full', 'qa_bank', 'chunk_states']" in printed
+
+
+def test_sixteen_gathered_aqueries_answer_as_each_asked_alone(index, engine, corpus, tmp_path):
+    llm = PerCacheLlamaCPP(engine=engine, max_new_tokens=8)
+    questions = [f"What does the note about {d['id'].replace('-', ' ')} say?" for d in corpus["documents"]]
+    questions += [q["question"] for q in corpus["demo_questions"]]
+    questions = questions[:16]
+    plain = index.as_query_engine(llm=llm, similarity_top_k=2)
+    alone = [plain.query(q).response for q in questions]
+    cached = PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / "gathered", llm=llm, similarity_top_k=2)
+
+    async def gathered():
+        return await asyncio.gather(*(cached.aquery(q) for q in questions))
+
+    responses = asyncio.run(gathered())
+    assert [r.response for r in responses] == alone
+    assert cached.percache.stats()["queries"] == 16
+    cached.close()

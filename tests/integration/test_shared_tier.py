@@ -137,6 +137,8 @@ def test_tampered_or_unsigned_entries_are_never_served(standalone, make_cache):
         if b":qa:" in key:
             value = client.get(key)
             client.set(key, value.replace(original.text.encode(), b"Never, it was cancelled."))
+        elif b":prompt:" in key:
+            client.set(key, client.get(key).replace(original.text.encode(), b"Never, it was cancelled."))
         elif b":state:" in key:
             value = bytearray(client.get(key))
             value[len(value) // 2] ^= 0xFF
@@ -180,6 +182,61 @@ def test_a_replayed_older_envelope_is_refused(standalone, make_cache):
     client.xadd(writer.shared._qa_catalog(), {"k": first.id})
     wait_until(lambda: reader.stats()["shared"]["replayed"] >= 1)
     assert [e.answer for e in reader.qa_bank.entries] == ["Tuesday at 10 am."]
+
+
+def test_a_fresh_client_never_serves_a_replayed_envelope(standalone, make_cache):
+    import redis
+
+    writer = make_cache("w", **shared(standalone.url, "replay-fresh"))
+    question = "What is the door code?"
+    first = writer.remember(question, "The door code is 1111 (v1).")
+    key = writer.shared._qa_key(first.id)
+    client = redis.Redis.from_url(standalone.url)
+    old_envelope = client.get(key)
+    writer.remember(question, "The door code is 2222 (v2).")
+    assert client.get(key) != old_envelope
+    client.set(key, old_envelope)  # put back with plain Redis commands, before anyone reads v2
+    client.xadd(writer.shared._qa_catalog(), {"k": first.id})
+    for mode in ("exact", "semantic"):
+        reader = make_cache(f"fresh-{mode}", qa_mode=mode, **shared(standalone.url, "replay-fresh"))
+        wait_until(lambda reader=reader: len(reader.qa_bank) >= 1)
+        hit = reader.lookup(question)
+        assert hit is None or "1111" not in hit.text
+        answer = reader.answer(question)
+        assert "1111" not in answer.text and answer.source != "remembered"
+        if mode == "exact":
+            assert hit is None  # nothing from the shared tier is served as it is
+            assert answer.text == reader.answer(question).text  # the model's, then its prompt answer
+        # (the exact reader's own answer, from the demo documents, is shared: the semantic
+        # reader may serve it, as it was generated from the texts the reader holds)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the model ran for a prompt another client answered")
+
+
+def test_prompt_answers_are_shared_and_any_signed_one_is_the_models(standalone, make_cache, engine, monkeypatch):
+    import redis
+
+    writer = make_cache("w", **shared(standalone.url, "prompts"))
+    reference = writer.answer(QUESTION)
+    client = redis.Redis.from_url(standalone.url)
+    keys = client.keys("percache:prompts:prompt:*")
+    assert len(keys) == 1
+    reader = make_cache("r", **shared(standalone.url, "prompts"))
+    reader.preload()
+    for name in ("eval", "eval_with_logits", "load_state", "generate"):
+        monkeypatch.setattr(engine, name, _refuse)
+    answer = reader.answer(QUESTION)  # the same prompt on another client: no model
+    monkeypatch.undo()
+    assert (answer.text, answer.source, answer.prefilled_tokens) == (reference.text, "qa_bank", 0)
+    assert reader.stats()["shared"]["prompt_answer_hits"] == 1
+    value = client.get(keys[0])
+    client.set(keys[0], value.replace(reference.text.encode(), b"Never, it was cancelled."))
+    other = make_cache("r2", **shared(standalone.url, "prompts"))
+    tampered = other.answer(QUESTION)
+    assert tampered.text == reference.text and tampered.prefilled_tokens > 0  # the model ran
+    assert other.stats()["shared"]["rejected"] >= 1
 
 
 def test_short_secrets_are_refused():

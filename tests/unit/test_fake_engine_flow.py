@@ -288,3 +288,29 @@ def test_reuse_settings_are_checked():
         PerCacheConfig(reuse="fuzzy")
     with pytest.raises(ValueError, match="recompute_tokens"):
         PerCacheConfig(recompute_tokens=-1)
+
+
+def test_a_remembered_answer_is_the_callers_whatever_documents_arrive(fake_cache):
+    pc = fake_cache(documents=False)
+    pc.add_documents(
+        [
+            "The van is parked behind the studio.",
+            "Lunch with Ana is on Friday at noon.",
+            "The booking API is late because the vendor changed its schema.",
+        ]
+    )
+    pc.remember("What colour is the van?", "The van is red.")
+    pc.add_documents([{"id": "n1", "text": "The garage code is 4417."}])  # unrelated, ranks in the top-k
+    pc.warm(progress=False)
+    hit = pc.lookup("What colour is the van?")
+    assert hit is not None and hit.text == "The van is red."
+    calls = dict(pc.engine.calls)
+    answer = pc.answer("What colour is the van?")
+    assert (answer.text, answer.source, answer.approximate) == ("The van is red.", "remembered", False)
+    assert "".join(pc.answer_stream("What colour is the van?")) == "The van is red."
+    assert pc.engine.calls == calls  # no model call
+    assert pc.stats()["remembered"] == 2
+    # another question, or the same one in another scope, is the model's
+    assert pc.answer("What colour is the van?", scope={"thread": "cars"}).source != "remembered"
+    pc.remember("What colour is the van?", "The van is blue now.")  # the caller replaces it
+    assert pc.answer("What colour is the van?").text == "The van is blue now."
