@@ -1,61 +1,35 @@
 """The knowledge bank: the user's documents as chunks, with hybrid (BM25 + dense) retrieval.
 
 Chunks, their embeddings and their documents persist in a :class:`~percache_core.storage.Store`.
-Retrieval fuses a BM25 ranking (rank-bm25) and a cosine ranking of the chunk embeddings with
-reciprocal-rank fusion, and takes the question embedding from the caller, so the embedding
-computed for the QA bank is computed once.
+Retrieval (:class:`~percache_core.chunk_index.ChunkIndex`) fuses a BM25 ranking and a cosine
+ranking of the chunk embeddings with reciprocal-rank fusion, and takes the question
+embedding from the caller, so the embedding computed for the QA bank is computed once.
+Chunks other processes add are taken in as changes since the last version seen (a full
+reload only after removals), so adding to a large knowledge base does not reread it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .bm25 import bm25_tokens
+from .chunk_index import ChunkIndex
 from .chunking import split_into_chunks
 from .embedding import Embedder
-from .errors import InvalidDocumentError, missing_dependency
+from .errors import InvalidDocumentError
 from .storage import Record, Store, json_text
 from .types import Chunk, RetrievedChunk
 
 DocumentInput = str | Mapping[str, Any]
 
-_WORD = re.compile(r"\w+", re.UNICODE)
-_STOPWORDS = frozenset(
-    "a an and are as at be by did do does for from has have how i in is it me my of on or "
-    "our so that the their them there these they this to was we were what when where which "
-    "who why will with you your".split()
-)
 MAX_DOCUMENT_CHARS = 20_000_000
-
-
-def bm25_tokens(text: str) -> list[str]:
-    """Lower-cased word tokens without common stopwords, as BM25 sees a text.
-
-    >>> bm25_tokens("When is the Rehearsal?")
-    ['rehearsal']
-    """
-    return [word for word in _WORD.findall(text.lower()) if word not in _STOPWORDS]
-
-
-def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = 60) -> dict[int, float]:
-    """Fuse rankings (lists of item indices, best first) into one score per item.
-
-    >>> scores = reciprocal_rank_fusion([[2, 0], [0, 1]], k=1)
-    >>> sorted(scores, key=lambda i: -scores[i])
-    [0, 2, 1]
-    """
-    fused: dict[int, float] = {}
-    for ranking in rankings:
-        for rank, item in enumerate(ranking):
-            fused[item] = fused.get(item, 0.0) + 1.0 / (k + rank + 1)
-    return fused
 
 
 @dataclass(frozen=True)
@@ -130,10 +104,8 @@ class KnowledgeBank:
         self._chunk_words = chunk_words
         self._rrf_k = rrf_k
         self._lock = threading.RLock()
-        self._chunks: list[Chunk] = []
-        self._embeddings = np.zeros((0, 0), dtype=np.float32)
+        self._index = ChunkIndex()
         self._documents: dict[str, dict[str, Any]] = {}  # doc id -> {"digest", "chunks"}
-        self._bm25 = None
         self._neighbours: dict[tuple[str, tuple[str, ...], int], list[Chunk]] = {}  # see neighbours()
         self._version = -1
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
@@ -145,50 +117,79 @@ class KnowledgeBank:
             self._chunk_words, self._rrf_k = chunk_words, rrf_k
 
     def sync(self) -> None:
-        """Reload the chunks when any process changed them since the last load."""
+        """Take in what any process changed since the last sync: new chunks are appended;
+        after a removal or a rewrite of a known chunk, everything is reloaded."""
         with self._lock:
             version = self._store.version()
             if version == self._version:
                 return
-            chunks: list[Chunk] = []
-            vectors: list[np.ndarray] = []
-            for record in self._store.records("chunk:"):
-                chunk = _chunk(record)
-                if chunk is not None:
-                    chunks.append(chunk)
-                    vectors.append(record.vector)  # type: ignore[arg-type]
-            documents = {r.key.removeprefix("doc:"): r.value for r in self._store.records("doc:")}
-            if vectors:  # a damaged record with another size is left out
-                common = Counter(v.shape for v in vectors).most_common(1)[0][0]
-                kept = [i for i, v in enumerate(vectors) if v.shape == common]
-                chunks, vectors = [chunks[i] for i in kept], [vectors[i] for i in kept]
-            self._chunks = chunks
-            self._embeddings = np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32)
-            self._documents = {k: v for k, v in documents.items() if isinstance(v, dict)}
-            self._bm25 = None
+            taken = self._take_additions() if self._version >= 0 else None
+            if taken is None:
+                self._reload()
             self._neighbours = {}
-            self._version = version
+            self._version = version if taken is None else taken
+
+    def _take_additions(self) -> int | None:
+        """Append the chunks and documents written since the last sync and return the
+        version they reach; None (nothing taken) when a chunk or document was removed or a
+        known chunk rewritten: then only a reload is right."""
+        changes = self._store.changes(self._version)
+        if not changes.complete or any(key.startswith(("chunk:", "doc:")) for key in changes.removed):
+            return None
+        chunks, vectors, documents = [], [], {}
+        for record in changes.written:
+            if record.key.startswith("doc:"):
+                documents[record.key.removeprefix("doc:")] = record.value
+                continue
+            chunk = _chunk(record) if record.key.startswith("chunk:") else None
+            if chunk is None:
+                continue
+            if self._index.row(chunk.id) is not None:
+                return None
+            if self._index.dimension is None or record.vector.shape == (self._index.dimension,):  # type: ignore[union-attr]
+                chunks.append(chunk)
+                vectors.append(record.vector)
+        if vectors and self._index.dimension is None and len({v.shape for v in vectors}) > 1:
+            return None  # a damaged record among the first: the reload keeps the common size
+        self._index.append(chunks, np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32))
+        self._documents.update({k: v for k, v in documents.items() if isinstance(v, dict)})
+        return changes.version
+
+    def _reload(self) -> None:
+        chunks: list[Chunk] = []
+        vectors: list[np.ndarray] = []
+        for record in self._store.records("chunk:"):
+            chunk = _chunk(record)
+            if chunk is not None:
+                chunks.append(chunk)
+                vectors.append(record.vector)  # type: ignore[arg-type]
+        documents = {r.key.removeprefix("doc:"): r.value for r in self._store.records("doc:")}
+        if vectors:  # a damaged record with another size is left out
+            common = Counter(v.shape for v in vectors).most_common(1)[0][0]
+            kept = [i for i, v in enumerate(vectors) if v.shape == common]
+            chunks, vectors = [chunks[i] for i in kept], [vectors[i] for i in kept]
+        self._index = ChunkIndex()
+        self._index.append(chunks, np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32))
+        self._documents = {k: v for k, v in documents.items() if isinstance(v, dict)}
 
     def __len__(self) -> int:
         with self._lock:
             self.sync()
-            return len(self._chunks)
+            return len(self._index)
 
     @property
     def chunks(self) -> list[Chunk]:
         """Every chunk, in the order they were added."""
         with self._lock:
             self.sync()
-            return list(self._chunks)
+            return list(self._index.chunks)
 
     def get_chunk(self, chunk_id: str) -> Chunk | None:
         """The chunk with this id, or ``None``."""
         with self._lock:
             self.sync()
-            for chunk in self._chunks:
-                if chunk.id == chunk_id:
-                    return chunk
-        return None
+            row = self._index.row(chunk_id)
+            return None if row is None else self._index.chunks[row]
 
     def add_documents(
         self, documents: Iterable[DocumentInput], *, split: bool = True, progress: bool = False
@@ -233,7 +234,7 @@ class KnowledgeBank:
             embeddings = self._embed_with_progress([c.text for c in new_chunks], progress)
             replaced = {document.id for document, _, _ in changed if document.id in self._documents}
             old_keys = [
-                f"chunk:{chunk.id}" for chunk in self._chunks if chunk.doc_id in replaced
+                f"chunk:{chunk.id}" for chunk in self._index.chunks if chunk.doc_id in replaced
             ]
             items: list[tuple[str, Any, np.ndarray | None]] = [
                 (
@@ -258,7 +259,7 @@ class KnowledgeBank:
         wanted = validated_document_ids(doc_ids)
         with self._lock:
             self.sync()
-            removed = [chunk for chunk in self._chunks if chunk.doc_id in wanted]
+            removed = [chunk for chunk in self._index.chunks if chunk.doc_id in wanted]
             known = [doc_id for doc_id in wanted if doc_id in self._documents]
             if not removed and not known:
                 return []
@@ -277,15 +278,6 @@ class KnowledgeBank:
         parts = [self._embedder.embed(texts[start : start + batch]) for start in starts]
         return np.concatenate(parts).astype(np.float32)
 
-    def _bm25_index(self):
-        if self._bm25 is None and self._chunks:
-            try:
-                from rank_bm25 import BM25Okapi
-            except ImportError as error:
-                raise missing_dependency("rank_bm25", "percache-core") from error
-            self._bm25 = BM25Okapi([bm25_tokens(chunk.text) or ["_"] for chunk in self._chunks])
-        return self._bm25
-
     def retrieve(
         self,
         question: str,
@@ -303,29 +295,12 @@ class KnowledgeBank:
             raise ValueError(f"k must be positive, got {k}")
         with self._lock:
             self.sync()
-            if not self._chunks:
+            if not len(self._index):
                 return []
             if question_embedding is None:
                 question_embedding = self._embedder.embed([question])[0]
-            pool = min(len(self._chunks), max(4 * k, 20))
-            dense = self._embeddings @ np.asarray(question_embedding, dtype=np.float32)
-            dense_ranking = np.argsort(-dense, kind="stable")[:pool].tolist()
-            rankings = [dense_ranking]
-            tokens = bm25_tokens(question)
-            if tokens:
-                sparse = self._bm25_index().get_scores(tokens)
-                sparse_ranking = [
-                    i for i in np.argsort(-sparse, kind="stable")[:pool].tolist() if sparse[i] > 0
-                ]
-                rankings.append(sparse_ranking)
-            if where:
-                keep = {i for i, c in enumerate(self._chunks) if matches_scope(c, where)}
-                rankings = [[i for i in ranking if i in keep] for ranking in rankings]
-                if not rankings[0]:  # none of the pool matched: rank every matching chunk
-                    rankings = [sorted(keep, key=lambda i: -dense[i])]
-            fused = reciprocal_rank_fusion(rankings, k=self._rrf_k)
-            best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
-            return [RetrievedChunk(self._chunks[i], fused[i]) for i in best]
+            best = self._index.search(bm25_tokens(question), question_embedding, k, where=where, rrf_k=self._rrf_k)
+            return [RetrievedChunk(self._index.chunks[row], score) for row, score in best]
 
     def neighbours(self, chunk: Chunk, count: int, *, scope_fields: Iterable[str] = ()) -> list[Chunk]:
         """The *count* chunks that retrieval ranks first after *chunk* itself when its text
@@ -337,11 +312,11 @@ class KnowledgeBank:
         with self._lock:
             self.sync()
             if key not in self._neighbours:
-                index = next((i for i, c in enumerate(self._chunks) if c.id == chunk.id), None)
-                if index is None:
+                row = self._index.row(chunk.id)
+                if row is None:
                     return []
                 where = {name: chunk.metadata[name] for name in fields if name in chunk.metadata} or None
-                ranked = self.retrieve(chunk.text, count + 1, question_embedding=self._embeddings[index], where=where)
+                ranked = self.retrieve(chunk.text, count + 1, question_embedding=self._index.matrix[row], where=where)
                 self._neighbours[key] = [r.chunk for r in ranked if r.chunk.id != chunk.id][:count]
             return self._neighbours[key]
 
@@ -349,7 +324,7 @@ class KnowledgeBank:
         """Every chunk and its embedding row (a snapshot)."""
         with self._lock:
             self.sync()
-            return list(self._chunks), self._embeddings.copy()
+            return list(self._index.chunks), self._index.matrix.copy()
 
     def close(self) -> None:
         """Close the underlying store."""

@@ -93,7 +93,7 @@ def test_a_fresh_venv_installs_the_wheels_and_runs_them(wheels, tmp_path):
         print(percache_core.__file__)
         print(percache_llamaindex.__file__)
     """)
-    site_packages = sysconfig.get_paths()["purelib"]  # numpy, rank-bm25, llama-index-core, ...
+    site_packages = sysconfig.get_paths()["purelib"]  # numpy, tqdm, llama-index-core, ...
     result = subprocess.run(
         [str(python), "-c", script],
         cwd=tmp_path,

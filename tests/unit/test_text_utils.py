@@ -3,8 +3,9 @@
 import pytest
 
 from percache_core import PerCacheConfig
+from percache_core.bm25 import bm25_tokens
+from percache_core.chunk_index import reciprocal_rank_fusion
 from percache_core.chunking import split_into_chunks
-from percache_core.knowledge import bm25_tokens, reciprocal_rank_fusion
 from percache_core.stopping import StopStringFilter
 
 
