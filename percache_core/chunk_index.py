@@ -61,6 +61,9 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = 60) -> di
     return fused
 
 
+_UNHASHABLE = object()  # rows whose value of a field cannot be a dict key (lists, dicts)
+
+
 class ChunkIndex:
     """Chunks in rows with their embeddings, BM25 postings and metadata lookups. Not
     thread-safe by itself (the knowledge bank holds its lock)."""
@@ -87,9 +90,8 @@ class ChunkIndex:
     def row(self, chunk_id: str) -> int | None:
         return self._rows.get(chunk_id)
 
-    def append(self, chunks: Sequence[Chunk], vectors: np.ndarray, words: Sequence[Sequence[str]] = ()) -> None:
-        """Add *chunks* with their embedding rows (all of this index's dimension) and,
-        optionally, their BM25 words (default: computed from the texts)."""
+    def append(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> None:
+        """Add *chunks* with their embedding rows (all of this index's dimension)."""
         if not chunks:
             return
         vectors = np.asarray(vectors, dtype=np.float32)
@@ -109,7 +111,7 @@ class ChunkIndex:
             for field, values in self._fields.items():
                 _index_value(values, chunk.metadata.get(field), row)
         self.chunks.extend(chunks)
-        self._bm25.add(words or [bm25_tokens(chunk.text) or ["_"] for chunk in chunks])
+        self._bm25.add([bm25_tokens(chunk.text) or ["_"] for chunk in chunks])
 
     def scope_rows(self, where: Mapping[str, Any]) -> set[int]:
         """The rows whose chunk metadata has every key/value pair of *where*."""
@@ -164,8 +166,6 @@ class ChunkIndex:
         best = sorted(fused, key=lambda row: (-fused[row], row))[:k]
         return [(row, fused[row]) for row in best]
 
-
-_UNHASHABLE = object()  # rows whose value of a field cannot be a dict key (lists, dicts)
 
 
 def _hashable(value: Any) -> bool:

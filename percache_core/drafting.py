@@ -33,7 +33,6 @@ the answer is decoded one token at a time as well: a wrong draft costs at most o
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .kv.engine import Engine
+from .kv.engine import Engine, EngineVerdicts
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +56,10 @@ _SELF_CHECK_PROMPT = (
     "and the list of open hiring requests; Lena will present the travel numbers.\n\n"
     "Question: What should I bring to the quarterly review, and who presents?\nAnswer:"
 )
-_bounds: dict[int, float] = {}
-_bounds_lock = threading.Lock()
+_bounds: EngineVerdicts[float] = EngineVerdicts()
 PAYING_BATCH = 16  # draft tokens verified per batch at most (what a wrong draft can cost)
 PAYING_SHARE = 0.7  # drafts pay when a perfect draft decodes in at most this share of the time
-_gains: dict[int, bool] = {}
+_gains: EngineVerdicts[bool] = EngineVerdicts()
 
 
 class DraftSource(Protocol):
@@ -152,9 +150,9 @@ def deviation_bound(engine: Engine) -> float:
     are bit-identical up to the fourth position and deviate from the fifth on. Callers
     hold ``engine.lock``; the sequence is left empty.
     """
-    with _bounds_lock:
-        if id(engine) in _bounds:
-            return _bounds[id(engine)]
+    known, bound = _bounds.known(engine)
+    if known and bound is not None:
+        return bound
     engine.reset()
     prompt = engine.tokenize(_SELF_CHECK_PROMPT, True)
     engine.eval(prompt)
@@ -175,15 +173,13 @@ def deviation_bound(engine: Engine) -> float:
         deviation = max(deviation, top_deviation(engine.last_logits(), reference[i + 1]))
     engine.reset()
     bound = max(MIN_BOUND, 2.0 * SAFETY_FACTOR * deviation)
-    with _bounds_lock:
-        _bounds[id(engine)] = bound
+    _bounds.keep(engine, bound)
     return bound
 
 
 def known_bound(engine: Engine) -> float | None:
     """The bound :func:`deviation_bound` measured for *engine*, or None (no work)."""
-    with _bounds_lock:
-        return _bounds.get(id(engine))
+    return _bounds.known(engine)[1]
 
 
 def drafts_pay(engine: Engine) -> bool:
@@ -196,9 +192,9 @@ def drafts_pay(engine: Engine) -> bool:
     Measured once per engine (about two seconds) and remembered; callers hold
     ``engine.lock``; the sequence is left empty.
     """
-    with _bounds_lock:
-        if id(engine) in _gains:
-            return _gains[id(engine)]
+    known, pays = _gains.known(engine)
+    if known and pays is not None:
+        return pays
     bound = deviation_bound(engine)
     prompt = engine.tokenize(_SELF_CHECK_PROMPT, True)
     timings = []
@@ -214,15 +210,13 @@ def drafts_pay(engine: Engine) -> bool:
     plain, drafted = timings
     pays = drafted <= PAYING_SHARE * plain
     logger.info("draft decoding: %.3f s with a perfect draft, %.3f s without: %s", drafted, plain, pays)
-    with _bounds_lock:
-        _gains[id(engine)] = pays
+    _gains.keep(engine, pays)
     return pays
 
 
 def known_drafts_pay(engine: Engine) -> bool | None:
     """What :func:`drafts_pay` measured for *engine*, or None (no work)."""
-    with _bounds_lock:
-        return _gains.get(id(engine))
+    return _gains.known(engine)[1]
 
 
 class SequenceLost(Exception):

@@ -12,11 +12,49 @@ must not interleave (restore, prefill, decode).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+
+T = TypeVar("T")
+
+
+class EngineVerdicts(Generic[T]):
+    """What a self-check measured, remembered per engine object and forgotten with it (so
+    a new engine, even one at a recycled address, is measured afresh).
+
+    >>> from percache_core.kv.fake_engine import FakeEngine
+    >>> verdicts, engine = EngineVerdicts(), FakeEngine()
+    >>> verdicts.known(engine)
+    (False, None)
+    >>> verdicts.keep(engine, 2.5)
+    >>> verdicts.known(engine)
+    (True, 2.5)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: weakref.WeakKeyDictionary[object, T] = weakref.WeakKeyDictionary()
+
+    def known(self, engine: object) -> tuple[bool, T | None]:
+        """Whether *engine* was measured, and the verdict (no work)."""
+        with self._lock:
+            try:
+                return True, self._values[engine]
+            except (KeyError, TypeError):  # TypeError: an engine without weak references
+                return False, None
+
+    def keep(self, engine: object, value: T) -> None:
+        """Remember *value* for *engine* (an engine without weak references is measured
+        each time instead)."""
+        with self._lock:
+            try:
+                self._values[engine] = value
+            except TypeError:
+                pass
 
 
 @dataclass(frozen=True)

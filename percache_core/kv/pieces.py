@@ -22,12 +22,11 @@ layout that does not depend on the cache).
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from .engine import Engine
+from .engine import Engine, EngineVerdicts
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ _PROMPT = (
     "4. Priya will send the travel numbers; Lena checks the hiring requests before the review.\n"
     "Question: Who checks the hiring requests, and when is the rehearsal?\nAnswer:"
 )
-_verdicts: weakref.WeakKeyDictionary[Engine, PieceRule | None] = weakref.WeakKeyDictionary()
+_verdicts: EngineVerdicts[PieceRule | None] = EngineVerdicts()
 
 
 def exact_pieces(engine: Engine) -> PieceRule | None:
@@ -84,10 +83,7 @@ def exact_pieces(engine: Engine) -> PieceRule | None:
             rule = _first_exact_rule(engine)
         finally:
             engine.reset()
-        try:
-            _verdicts[engine] = rule
-        except TypeError:
-            pass
+        _verdicts.keep(engine, rule)
     if rule is None:
         logger.warning("prefill depends on where a prompt is cut on this build: text prompts stay uncut")
     return rule
@@ -95,10 +91,7 @@ def exact_pieces(engine: Engine) -> PieceRule | None:
 
 def known_pieces(engine: Engine) -> tuple[bool, PieceRule | None]:
     """Whether :func:`exact_pieces` has run for *engine*, and its rule (no work)."""
-    try:
-        return True, _verdicts[engine]
-    except (KeyError, TypeError):
-        return False, None
+    return _verdicts.known(engine)
 
 
 def _first_exact_rule(engine: Engine) -> PieceRule | None:
