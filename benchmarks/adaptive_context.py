@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.context import SIGNALS, confidence_signals, is_confident
-from percache_core.embedding import SentenceTransformerEmbedder
-from percache_core.generation import drain
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
+from percache_core.serving.context import SIGNALS, confidence_signals, is_confident
+from percache_core.serving.generation import drain
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .e2e_harness import rouge_l, squad_f1

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 

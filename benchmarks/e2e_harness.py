@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from percache_core.config import PerCacheConfig
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache

@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
+from percache_core.qa.verifier import make_verifier
 from percache_core.types import QAEntry
-from percache_core.verifier import make_verifier
 
 OFF = {"qa_bank": False, "chunk_states": False, "prompt_lookup": False}
 TAUS = (0.80, 0.85, 0.90, 0.95)

@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.drafting import known_bound, known_drafts_pay
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.kv.pieces import exact_pieces
 from percache_core.models import resolve_model_path
+from percache_core.serving.drafting import known_bound, known_drafts_pay
 
 from .output import write_json
 

@@ -19,7 +19,7 @@ import tempfile
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 
 from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
 from .output import write_json

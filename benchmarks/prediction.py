@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from percache_core import PerCache, PerCacheConfig
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 

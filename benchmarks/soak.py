@@ -9,7 +9,10 @@ Side by side in one run (each phase alone on the machine):
    pipeline's answer for the prompt that was actually laid out);
 2. one process alone answers ``--questions`` questions (the latency baseline);
 3. ``--processes`` processes answer ``--questions`` questions each on one fresh folder;
-   every 10 questions a process adds a note, every 25 it runs a short idle round.
+   every 10 questions a process adds a note, every 25 it runs a short idle round;
+4. kills: a process is killed with SIGKILL ``--kills`` times during ``warm()`` and as
+   often during a shared-tier sync (QA entries and chunk states coming from Redis), and
+   each time the folder must open and answer as cache-off does.
 
 Reports errors (target 0), answers differing from cache-off (target 0), the largest
 budget overshoot seen on disk over the run (target <= one entry) and p50/p95 latency of
@@ -23,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -37,6 +42,7 @@ from percache_core.storage import Store
 
 MB = 1024 * 1024
 OFF = {"qa_bank": False, "chunk_states": False}
+SECRET = "soak-secret-of-sixteen-or-more"
 
 
 def budgets(args: argparse.Namespace) -> dict:
@@ -124,6 +130,89 @@ def references(folder: Path, documents: list[dict], rows: list[dict], config: di
     return answers
 
 
+def shared(url: str) -> dict:
+    return {"shared_url": url, "shared_secret": SECRET, "shared_namespace": "soak", "shared_sync_interval_s": 0.05}
+
+
+def warm_until_killed(folder: str, config: dict, started: multiprocessing.Event) -> None:
+    with PerCache.open(folder, config=PerCacheConfig(**config)) as pc:
+        pc.preload()
+        started.set()
+        pc.warm(max_seconds=600, progress=False)
+
+
+def sync_until_killed(folder: str, config: dict, started: multiprocessing.Event) -> None:
+    with PerCache.open(folder, config=PerCacheConfig(**config)) as pc:
+        started.set()  # the sync thread is reading the catalog from now on
+        for question in ("What holds cables?",) * 10**6:
+            pc.answer(question)
+
+
+def fill_shared_tier(url: str, documents: list[dict], questions: list[str], config: dict, entries: int) -> None:
+    """Another client's writes: chunk states of answered questions, and *entries* QA entries."""
+    with tempfile.TemporaryDirectory() as folder:
+        with PerCache.open(folder, config=PerCacheConfig(**config, **shared(url))) as pc:
+            pc.add_documents(documents)
+            for question in questions:
+                pc.answer(question)
+            for index in range(entries):
+                pc.remember(f"Which crate holds item {index}?", f"Crate {index % 97} holds item {index}.")
+
+
+def kill_during(target, folder: Path, config: dict, rng: random.Random, wait: tuple[float, float]) -> float:
+    """Run *target* in a process, SIGKILL it *wait* seconds after it says it started."""
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    process = context.Process(target=target, args=(str(folder), config, started))
+    process.start()
+    if not started.wait(timeout=300):
+        process.kill()
+        raise RuntimeError(f"{target.__name__} did not start")
+    delay = rng.uniform(*wait)
+    time.sleep(delay)
+    if not process.is_alive():
+        raise RuntimeError(f"{target.__name__} ended before it was killed")
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
+    return delay
+
+
+def kills(root: Path, documents: list[dict], questions: list[str], config: dict, args: argparse.Namespace) -> list[dict]:
+    """Kill -9 during warm() and during a shared-tier sync; after each, open the folder and
+    answer. Returns one row per kill with the answers (compared with cache-off later)."""
+    from tests.local_redis import RedisServer
+
+    rng = random.Random(args.seed)
+    rows: list[dict] = []
+    server = RedisServer(root / "redis").start()
+    try:
+        fill_shared_tier(server.url, documents, questions[:4], config, args.shared_entries)
+        for kind, target, wait, extra in (
+            ("warm", warm_until_killed, (0.5, 6.0), {}),
+            ("shared_sync", sync_until_killed, (0.2, 2.0), shared(server.url)),
+        ):
+            folder = root / f"killed-{kind}"
+            with PerCache.open(folder, config=PerCacheConfig(**config)) as pc:
+                pc.add_documents(documents)
+            for round_ in range(args.kills):
+                delay = kill_during(target, folder, {**config, **extra}, rng, wait)
+                row = {"kind": kind, "round": round_, "killed_after_s": round(delay, 2), "error": None}
+                try:
+                    with PerCache.open(folder, config=PerCacheConfig(**config)) as pc:
+                        question = questions[round_ % len(questions)]
+                        answer = pc.answer(question)
+                        row |= {"question": question, "text": answer.text, "source": answer.source,
+                                "chunk_ids": list(answer.chunk_ids),
+                                "corrupt_dropped": pc.stats()["chunk_states"]["corrupt_dropped"],
+                                "qa_entries_kept": len(pc.qa_bank), "states_kept": len(pc.tree.nodes)}
+                except Exception:
+                    row["error"] = traceback.format_exc(limit=3)
+                rows.append(row)
+    finally:
+        server.stop()
+    return rows
+
+
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
@@ -140,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa-budget-kb", type=int, default=64)
     parser.add_argument("--state-budget-mb", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kills", type=int, default=5, help="kills during warm() and as many during a sync")
+    parser.add_argument("--shared-entries", type=int, default=3000, help="QA entries in Redis for the sync kills")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
     args = parser.parse_args(argv)
 
@@ -158,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         alone = run_processes(alone_folder, plans[:1], config)
         together = run_processes(shared_folder, plans, config)
         final = store_totals(shared_folder)
+        killed = kills(root, user.documents, pool, config, args) if args.kills else []
         every_row = [row for run in alone + together for row in run["rows"]]
-        reference = references(root / "reference", user.documents + notes, every_row, config)
+        answered_after_kill = [row for row in killed if row["error"] is None]
+        reference = references(root / "reference", user.documents + notes, every_row + answered_after_kill, config)
 
     def summary(runs: list[dict]) -> dict:
         rows = [row for run in runs for row in run["rows"]]
@@ -187,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         "alone": summary(alone),
         "shared_folder": summary(together),
         "final_bytes": final,
+        "kills": {
+            "killed": len(killed),
+            "errors_after": sum(row["error"] is not None for row in killed),
+            "differing_from_cache_off": sum(
+                row["text"] != reference[(row["question"], tuple(row["chunk_ids"]))] for row in answered_after_kill
+            ),
+            "corrupt_states_dropped": sum(row.get("corrupt_dropped", 0) for row in answered_after_kill),
+            "rows": killed,
+        },
     }
     report["shared_folder"]["p50_vs_alone"] = report["shared_folder"]["p50_s"] / report["alone"]["p50_s"]
     report["shared_folder"]["p95_vs_alone"] = report["shared_folder"]["p95_s"] / report["alone"]["p95_s"]

@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prompting import chunk_text
-from percache_core.qa_bank import QABank
+from percache_core.qa.bank import QABank
+from percache_core.serving.prompting import chunk_text
 from percache_core.storage import Store
 from percache_core.types import Chunk
 

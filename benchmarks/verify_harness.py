@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from percache_core.embedding import Embedder
+from percache_core.knowledge.embedding import Embedder
+from percache_core.qa.verifier import make_verifier
 from percache_core.types import QAEntry
-from percache_core.verifier import make_verifier
 
 DEFAULT_TAUS = (0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90, 0.95)
 

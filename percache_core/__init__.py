@@ -8,7 +8,6 @@ Importing this package loads no model and touches no file.
 """
 
 from .config import PerCacheConfig
-from .embedding import Embedder, SentenceTransformerEmbedder
 from .errors import (
     CacheClosedError,
     CacheFolderError,
@@ -20,6 +19,7 @@ from .errors import (
     ModelNotFoundError,
     PerCacheError,
 )
+from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
 from .kv.engine import Sampling
 from .pipeline import AnswerStream, PerCache
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk

@@ -6,9 +6,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .context import CONTEXT_MODES, SIGNALS
 from .kv.engine import Sampling
-from .stopping import stop_strings
+from .serving.context import CONTEXT_MODES, SIGNALS
+from .serving.stopping import stop_strings
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a personal assistant. Answer the question briefly, using only the notes below."
@@ -46,7 +46,7 @@ class PerCacheConfig:
         context: "fixed" (default): the prompt gets every retrieved chunk. "adaptive"
             (opt-in): chunks are added one at a time in retrieval order until the first
             answer token's ``adaptive_signal`` passes ``adaptive_threshold`` (see
-            :mod:`percache_core.context`; with the bundled model it did not beat fixed
+            :mod:`percache_core.serving.context`; with the bundled model it did not beat fixed
             counts in our calibration, so it is off by default).
         adaptive_signal: "top_probability", "margin" or "entropy".
         adaptive_threshold: the signal's threshold (entropy: at or below it).

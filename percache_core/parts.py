@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activity import UserActivity
-from .binding import answer_binding
 from .config import PerCacheConfig
-from .embedding import Embedder
-from .knowledge import KnowledgeBank
-from .prompt_answers import PromptAnswers
-from .qa_bank import QABank
+from .knowledge.bank import KnowledgeBank
+from .knowledge.embedding import Embedder
+from .prediction.activity import UserActivity
+from .qa.bank import QABank
+from .qa.binding import answer_binding
+from .qa.prompt_answers import PromptAnswers
 from .runtime import ModelRuntime
 from .storage import Store
 from .usage import UsageCounters
@@ -37,7 +37,7 @@ class CacheParts:
 
     def binding(self, *, top_k: int | None = None, max_new_tokens: int | None = None) -> str:
         """The binding of answers the cache's own pipeline gives with these settings (see
-        :func:`~percache_core.binding.answer_binding`)."""
+        :func:`~percache_core.qa.binding.answer_binding`)."""
         config = self.config
         return answer_binding(
             config,

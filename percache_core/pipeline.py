@@ -2,8 +2,8 @@
 
 The parts (:class:`~percache_core.parts.CacheParts`): the knowledge bank, the QA bank, the
 model runtime (engine, chunk states, prompt runner; loaded on first use), user activity
-and usage counters. The request path (:mod:`percache_core.request_path`) answers
-questions over them; the scheduler (:mod:`percache_core.scheduler`) does idle work over
+and usage counters. The request path (:mod:`percache_core.serving.request_path`) answers
+questions over them; the scheduler (:mod:`percache_core.prediction.scheduler`) does idle work over
 them, run by the idle worker. None of these sees this class.
 """
 
@@ -16,30 +16,30 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .activity import UserActivity
 from .config import PerCacheConfig
-from .embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
 from .errors import CacheClosedError, CacheFolderError
-from .generation import PromptRunner, drain
 from .inputs import as_chunks, positive_override, validated_question, validated_scope
-from .knowledge import DocumentInput, KnowledgeBank, validated_document_ids
+from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
+from .knowledge.embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
 from .kv.engine import Engine, Sampling
 from .kv.tiers import TieredStateStore
 from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
 from .parts import CacheParts
-from .prompt_answers import PromptAnswers
-from .prompting import TextPrompt
-from .qa_bank import QABank
-from .request_path import RequestPath, stored_answer
+from .prediction.activity import UserActivity
+from .prediction.scheduler import Scheduler, WarmReport
+from .prediction.worker import IdleWorker
+from .qa.bank import QABank
+from .qa.prompt_answers import PromptAnswers
 from .runtime import ModelRuntime
-from .scheduler import Scheduler, WarmReport
+from .serving.generation import PromptRunner, drain
+from .serving.prompting import TextPrompt
+from .serving.request_path import RequestPath, stored_answer
+from .serving.streaming import AnswerStream
 from .shared.redis_tier import open_shared_tier
 from .storage import Store, private_folder
-from .streaming import AnswerStream
 from .types import Answer, Chunk, QAEntry, RetrievedChunk
 from .usage import UsageCounters
-from .worker import IdleWorker
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class PerCache:
         Args:
             path: the cache folder; created when missing.
             config: settings; ``PerCacheConfig()`` when omitted.
-            embedder: any :class:`~percache_core.embedding.Embedder`; the bundled
+            embedder: any :class:`~percache_core.knowledge.embedding.Embedder`; the bundled
                 all-MiniLM-L6-v2 when omitted (loaded on first use).
             engine: a loaded :class:`~percache_core.kv.engine.Engine` to share (a
                 ``LlamaEngine``, or a ``FakeEngine`` in tests); otherwise

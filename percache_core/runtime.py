@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from .config import PerCacheConfig
-from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
-from .generation import PromptRunner
 from .kv.engine import Engine
 from .kv.pieces import exact_pieces, known_pieces
 from .kv.slicing import slices_work
 from .kv.state_store import StateStore, drop_document_states
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
-from .prompting import TEMPLATE_VERSION
+from .serving.drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
+from .serving.generation import PromptRunner
+from .serving.prompting import TEMPLATE_VERSION
 
 
 class ModelRuntime:
@@ -140,7 +140,7 @@ class ModelRuntime:
         ``preload()`` or an idle round, never inside an answer): the cuts that leave a
         prefill's logits unchanged (:func:`~percache_core.kv.pieces.exact_pieces`),
         the batched-logit bound of draft verification and whether drafts pay on this machine
-        (:mod:`percache_core.drafting`)."""
+        (:mod:`percache_core.serving.drafting`)."""
         engine = self.engine
         exact_pieces(engine)
         with engine.lock:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -390,6 +390,28 @@ class Store:
         written = [record for record in map(_as_record_or_none, rows) if record is not None]
         return Changes(int(version), written, [row[0] for row in removed], complete=since >= floor)
 
+    def count(self, prefix: str = "") -> int:
+        """How many records have keys starting with *prefix*."""
+        with self._lock:
+            return int(
+                self._db.execute("SELECT count(*) FROM records WHERE key LIKE ? ESCAPE '\\'", (_like(prefix),)).fetchone()[0]
+            )
+
+    def changed_keys(self, since: int) -> tuple[int, list[str], list[str]]:
+        """The version now, the keys written after version *since* and the keys removed
+        after it (without reading the values: cheaper than :meth:`changes`)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                version, floor = self._db.execute("SELECT version, floor FROM counter WHERE id = 0").fetchone()
+                written = self._db.execute("SELECT key FROM records WHERE version > ?", (since,)).fetchall()
+                removed = self._db.execute("SELECT key FROM removed WHERE version > ?", (since,)).fetchall()
+            finally:
+                self._db.execute("COMMIT")
+        if since < floor:  # tombstones that old were pruned: removals are not known
+            removed.append(("",))
+        return int(version), [row[0] for row in written], [row[0] for row in removed]
+
     def total_size(self, prefix: str = "") -> int:
         """Bytes of every record with *prefix* (as accounted by its writer)."""
         with self._lock:
@@ -407,15 +429,19 @@ class Store:
             raise ValueError(f"bad file name {name!r}")
         return self.folder / BLOB_FOLDER / f"{name}.bin"
 
-    def write_file(self, name: str, data: bytes) -> None:
-        """Write *data* to file *name* whole or not at all (temporary file, then rename)."""
+    def write_file(self, name: str, data: bytes | Callable[[BinaryIO], None]) -> None:
+        """Write *data* to file *name* whole or not at all (temporary file, then rename);
+        *data* may be a function that writes into the open file (large files)."""
         path = self.file_path(name)
         temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             private_folder(path.parent)
             descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(descriptor, "wb") as handle:
-                handle.write(data)
+                if callable(data):
+                    data(handle)
+                else:
+                    handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, path)

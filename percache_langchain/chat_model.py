@@ -27,7 +27,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, field_validator
 
 from percache_core import Answer, AnswerStream
-from percache_core.prompting import PLAIN_CHAT_STOPS, chat_text
+from percache_core.serving.prompting import PLAIN_CHAT_STOPS, chat_text
 
 from .llm import complete, generation_settings
 from .recorder import as_percache

@@ -1,7 +1,7 @@
 """``PerCacheLlamaCPP``: a LlamaIndex LLM on llama.cpp whose answers do not depend on a cache.
 
 Every prompt, whoever formatted it, is tokenized whole and prefilled as one call would
-(``percache_core.prompting.lay_out_text``). Inside a
+(``percache_core.serving.prompting.lay_out_text``). Inside a
 :class:`~percache_llamaindex.PerCacheQueryEngine`, each LLM call (the one call of
 ``compact``, every call of ``refine`` and ``tree_summarize``) restores the stored KV state
 of the longest known leading part of its prompt, keeps the states that end a retrieved
@@ -36,11 +36,11 @@ from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr, model_validator
 
 from percache_core import Answer, AnswerStream, PerCache, PerCacheConfig, Sampling
-from percache_core.generation import PromptRunner
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prompting import TextPrompt, chat_text
-from percache_core.streaming import BackgroundStream
+from percache_core.serving.generation import PromptRunner
+from percache_core.serving.prompting import TextPrompt, chat_text
+from percache_core.serving.streaming import BackgroundStream
 
 T = TypeVar("T")
 
@@ -157,7 +157,7 @@ class PerCacheLlamaCPP(CustomLLM):
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
         """*messages* as the prompt ``chat`` completes: the given ``messages_to_prompt``,
-        else the chat template (see ``percache_core.prompting.chat_text``)."""
+        else the chat template (see ``percache_core.serving.prompting.chat_text``)."""
         if self._own_chat_layout:
             return self.messages_to_prompt(messages)
         pairs = [(m.role.value, m.content or "") for m in messages]

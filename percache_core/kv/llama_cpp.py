@@ -374,7 +374,7 @@ class LlamaEngine:
 
         Batched evaluation is not bit-identical to feeding tokens one at a time (CPU
         kernels differ for batch sizes 1 and > 1), so callers that need the one-at-a-time
-        result compare with a margin (see :mod:`percache_core.drafting`).
+        result compare with a margin (see :mod:`percache_core.serving.drafting`).
         """
         if not tokens:
             raise ValueError("tokens must not be empty")

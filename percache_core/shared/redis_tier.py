@@ -18,7 +18,7 @@ Replays. Anyone with write access to Redis but without the secret can put back a
 validly signed envelope, and a client that opens afterwards has no memory of the newer one.
 So nothing whose value can change is served as it is from this tier:
 
-- A prompt answer's key (:func:`~percache_core.prompt_answers.prompt_key`) digests the
+- A prompt answer's key (:func:`~percache_core.qa.prompt_answers.prompt_key`) digests the
   engine, the whole prompt and the decoding settings, and the model gives one answer to
   one prompt: every envelope ever signed under that key holds the same answer, so an older
   one is the same answer. These are served on every client without the model.
@@ -51,7 +51,7 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import missing_dependency
 from ..kv.tree import StateNode
-from ..qa_bank import QABank
+from ..qa.bank import QABank
 from ..types import QAEntry
 from .bloom import BloomFilter
 from .breaker import CircuitBreaker

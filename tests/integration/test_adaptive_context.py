@@ -2,7 +2,7 @@
 chunks and answers, each answer equals the fixed-context answer from the chunks chosen,
 and later steps restore their prefix from the tree."""
 
-from percache_core.context import confidence_signals
+from percache_core.serving.context import confidence_signals
 
 QUESTIONS = [
     "When is my dentist appointment?",

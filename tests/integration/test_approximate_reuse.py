@@ -3,7 +3,7 @@
 untouched; recomputing every token of a composed chunk gives the exact answer back."""
 
 from percache_core.kv.tree import path_keys
-from percache_core.prompting import lay_out, rag_prompt
+from percache_core.serving.prompting import lay_out, rag_prompt
 
 QUESTION = "Who will repair the boiler and when?"
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from percache_core.config import DEFAULT_SYSTEM_PROMPT
-from percache_core.drafting import AnswerDraft, PromptLookup, deviation_bound, greedy_tokens
+from percache_core.serving.drafting import AnswerDraft, PromptLookup, deviation_bound, greedy_tokens
 
 # (stored question, paraphrases, near misses) over the demo corpus; written for this
 # test, apart from tests/data/verify_pairs.jsonl.

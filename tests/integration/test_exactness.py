@@ -3,7 +3,7 @@
 import numpy as np
 
 from percache_core.kv.pieces import exact_pieces
-from percache_core.prompting import lay_out, rag_prompt
+from percache_core.serving.prompting import lay_out, rag_prompt
 
 QUESTIONS = [
     "When is the presentation rehearsal for the launch talk?",

@@ -7,8 +7,8 @@ import pytest
 
 from benchmarks.verify import main as verify_main
 from benchmarks.verify_harness import evaluate, read_pairs
+from percache_core.qa.verifier import LexicalVerifier
 from percache_core.types import QAEntry
-from percache_core.verifier import LexicalVerifier
 
 PAIRS = Path(__file__).resolve().parents[1] / "data" / "verify_pairs.jsonl"
 

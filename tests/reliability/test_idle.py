@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from percache_core.qa_bank import question_key
+from percache_core.qa.bank import question_key
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"
 

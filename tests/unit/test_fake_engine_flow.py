@@ -11,7 +11,7 @@ import pytest
 
 from percache_core.kv.engine import Engine
 from percache_core.kv.fake_engine import FakeEngine
-from percache_core.predictor import PredictedQuestion, PredictionTally
+from percache_core.prediction.predictor import PredictedQuestion, PredictionTally
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from percache_core.qa_bank import QABank
+from percache_core.qa.bank import QABank
 from percache_core.storage import Store
 
 

@@ -3,10 +3,10 @@
 import pytest
 
 from percache_core import PerCacheConfig
-from percache_core.bm25 import bm25_tokens
-from percache_core.chunk_index import reciprocal_rank_fusion
-from percache_core.chunking import split_into_chunks
-from percache_core.stopping import StopStringFilter
+from percache_core.knowledge.bm25 import bm25_tokens
+from percache_core.knowledge.chunking import split_into_chunks
+from percache_core.knowledge.index import reciprocal_rank_fusion
+from percache_core.serving.stopping import StopStringFilter
 
 
 def test_chunks_keep_sentences_and_respect_the_word_limit():
@@ -61,7 +61,7 @@ def test_config_validates_and_copies():
 def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size():
     from percache_core.kv.fake_engine import FakeEngine
     from percache_core.kv.pieces import PieceRule
-    from percache_core.prompting import TextPrompt, lay_out_text
+    from percache_core.serving.prompting import TextPrompt, lay_out_text
 
     engine = FakeEngine()  # one token per byte
     prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
@@ -89,7 +89,7 @@ def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size
 def test_text_prompts_stay_whole_without_a_safe_cut():
     from percache_core.errors import ContextOverflowError
     from percache_core.kv.fake_engine import FakeEngine
-    from percache_core.prompting import TextPrompt, lay_out_text
+    from percache_core.serving.prompting import TextPrompt, lay_out_text
 
     engine = FakeEngine()
     prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"

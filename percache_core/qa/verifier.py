@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from .types import QAEntry
+from ..types import QAEntry
 
 _TOKEN = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+(?:[.,:]\d+)*[A-Za-z]{0,2}")
 _NEGATIONS = frozenset(

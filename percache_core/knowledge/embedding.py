@@ -16,8 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import ModelNotFoundError, PerCacheError, missing_dependency
-from .storage import Store
+from ..errors import ModelNotFoundError, PerCacheError, missing_dependency
+from ..storage import Store
 
 _RECENT_TEXTS = 64  # single texts whose embeddings are kept
 

@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .config import PerCacheConfig
+from ..config import PerCacheConfig
+from ..errors import PerCacheError, StorageWriteError
+from ..kv.engine import Engine, Sampling
+from ..kv.pieces import exact_pieces
+from ..kv.tiers import TieredStateStore
+from ..kv.tree import StateNode, path_keys
+from ..types import Chunk
 from .context import confidence_signals, is_confident
 from .drafting import (
     AnswerDraft,
@@ -32,11 +38,6 @@ from .drafting import (
     known_bound,
     known_drafts_pay,
 )
-from .errors import PerCacheError, StorageWriteError
-from .kv.engine import Engine, Sampling
-from .kv.pieces import exact_pieces
-from .kv.tiers import TieredStateStore
-from .kv.tree import StateNode, path_keys
 from .prompting import (
     PromptLayout,
     PromptSpec,
@@ -48,7 +49,6 @@ from .prompting import (
     system_text,
 )
 from .stopping import StopStringFilter
-from .types import Chunk
 
 logger = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ class PromptRunner:
     ) -> list[Chunk]:
         """The retrieved *chunks* the prompt uses: all of them with ``context="fixed"``;
         with ``context="adaptive"`` the shortest leading run whose prompt makes the first
-        answer token confident (see :mod:`percache_core.context`), else all. Each tried
+        answer token confident (see :mod:`percache_core.serving.context`), else all. Each tried
         prompt restores its prefix from the tree and keeps its new states, so each step
         prefills one chunk and the question; the choice depends on the logits only, so it
         is the same with or without a cache."""

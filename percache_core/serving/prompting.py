@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .errors import ContextOverflowError, EngineError
-from .kv.pieces import PieceRule
-from .types import Chunk
+from ..errors import ContextOverflowError, EngineError
+from ..kv.pieces import PieceRule
+from ..types import Chunk
 
 TEMPLATE_VERSION = "completion-v1"
 

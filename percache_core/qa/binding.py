@@ -13,10 +13,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .config import PerCacheConfig
-from .generation import RunResult
-from .prompting import TEMPLATE_VERSION
-from .types import Chunk
+from ..config import PerCacheConfig
+from ..serving.generation import RunResult
+from ..serving.prompting import TEMPLATE_VERSION
+from ..types import Chunk
 
 
 def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_tokens: int) -> str:

@@ -1,7 +1,7 @@
 """The knowledge bank: the user's documents as chunks, with hybrid (BM25 + dense) retrieval.
 
 Chunks, their embeddings and their documents persist in a :class:`~percache_core.storage.Store`.
-Retrieval (:class:`~percache_core.chunk_index.ChunkIndex`) fuses a BM25 ranking and a cosine
+Retrieval (:class:`~percache_core.knowledge.index.ChunkIndex`) fuses a BM25 ranking and a cosine
 ranking of the chunk embeddings with reciprocal-rank fusion, and takes the question
 embedding from the caller, so the embedding computed for the QA bank is computed once.
 Chunks other processes add are taken in as changes since the last version seen (a full
@@ -11,6 +11,8 @@ reload only after removals), so adding to a large knowledge base does not reread
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -19,17 +21,21 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidDocumentError, StorageWriteError
+from ..storage import Record, Store, json_text
+from ..types import Chunk, RetrievedChunk
 from .bm25 import bm25_tokens
-from .chunk_index import ChunkIndex
 from .chunking import split_into_chunks
 from .embedding import Embedder
-from .errors import InvalidDocumentError
-from .storage import Record, Store, json_text
-from .types import Chunk, RetrievedChunk
+from .index import ChunkIndex
+from .snapshot import Snapshot, read_snapshot, write_snapshot
 
 DocumentInput = str | Mapping[str, Any]
 
 MAX_DOCUMENT_CHARS = 20_000_000
+SNAPSHOT_MIN_CHUNKS = 5_000  # below this, reading the records is quick enough
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,15 @@ class KnowledgeBank:
         rrf_k: reciprocal-rank-fusion constant.
     """
 
-    def __init__(self, store: Store, embedder: Embedder, *, chunk_words: int = 100, rrf_k: int = 60) -> None:
+    def __init__(
+        self,
+        store: Store,
+        embedder: Embedder,
+        *,
+        chunk_words: int = 100,
+        rrf_k: int = 60,
+        snapshot_min_chunks: int = SNAPSHOT_MIN_CHUNKS,
+    ) -> None:
         self._store = store
         self._embedder = embedder
         self._chunk_words = chunk_words
@@ -108,6 +122,8 @@ class KnowledgeBank:
         self._documents: dict[str, dict[str, Any]] = {}  # doc id -> {"digest", "chunks"}
         self._neighbours: dict[tuple[str, tuple[str, ...], int], list[Chunk]] = {}  # see neighbours()
         self._version = -1
+        self._snapshot_min_chunks = snapshot_min_chunks
+        self._snapshot_version = -1  # the store version of the snapshot on disk, when known
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
         self.sync()
 
@@ -120,14 +136,32 @@ class KnowledgeBank:
         """Take in what any process changed since the last sync: new chunks are appended;
         after a removal or a rewrite of a known chunk, everything is reloaded."""
         with self._lock:
+            if self._version < 0:
+                self._open()
+                return
             version = self._store.version()
             if version == self._version:
                 return
-            taken = self._take_additions() if self._version >= 0 else None
+            taken = self._take_additions()
             if taken is None:
                 self._reload()
             self._neighbours = {}
             self._version = version if taken is None else taken
+
+    def _open(self) -> None:
+        """The first sync: from the index snapshot beside the store and the chunks added
+        after it (see :mod:`percache_core.knowledge.snapshot`), else from the records."""
+        version = self._store.version()
+        snapshot = read_snapshot(self._store) if self._snapshot_min_chunks > 0 else None
+        if snapshot is not None and snapshot.version <= version:
+            self._index, self._documents, self._version = snapshot.index, snapshot.documents, snapshot.version
+            self._snapshot_version = snapshot.version
+            taken = self._take_additions() if version != snapshot.version else version
+            if taken is not None and len(self._index) == self._store.count("chunk:"):
+                self._version = taken
+                return
+        self._reload()
+        self._version = version
 
     def _take_additions(self) -> int | None:
         """Append the chunks and documents written since the last sync and return the
@@ -222,8 +256,9 @@ class KnowledgeBank:
                 texts = (
                     split_into_chunks(document.text, self._chunk_words) if split else [document.text.strip()]
                 )
+                metadata = json.loads(json_text(document.metadata))  # as a reread record has it
                 chunks = [
-                    Chunk(f"{document.id}#c{index:03d}", document.id, text, document.metadata)
+                    Chunk(f"{document.id}#c{index:03d}", document.id, text, metadata)
                     for index, text in enumerate(texts)
                 ]
                 changed.append((document, digest, chunks))
@@ -248,10 +283,29 @@ class KnowledgeBank:
                 (f"doc:{document.id}", {"digest": digest, "chunks": len(chunks)}, None)
                 for document, digest, chunks in changed
             ]
+            version = self._version
             self._store.put_many(items, remove=old_keys)
             self.last_replaced = replaced
-            self.sync()
+            if old_keys or not self._take_own_writes(version, items, new_chunks, embeddings):
+                self.sync()
         return new_chunks
+
+    def _take_own_writes(
+        self, since: int, items: list[tuple[str, Any, np.ndarray | None]], chunks: list[Chunk], embeddings: np.ndarray
+    ) -> bool:
+        """Append what this bank just wrote without reading it back, when nothing else was
+        written or removed since version *since* (one version per record written, so the
+        count tells) and no chunk is one the index holds (else False: :meth:`sync` reads it)."""
+        version, written, removed = self._store.changed_keys(since)
+        if removed or version != since + len(items) or sorted(written) != sorted(key for key, _, _ in items):
+            return False
+        if any(self._index.row(chunk.id) is not None for chunk in chunks):
+            return False
+        self._index.append(chunks, embeddings)
+        self._documents.update({key.removeprefix("doc:"): value for key, value, _ in items if key.startswith("doc:")})
+        self._neighbours = {}
+        self._version = version
+        return True
 
     def delete_documents(self, doc_ids: Iterable[str]) -> list[Chunk]:
         """Remove these documents' chunks (ids this bank does not hold are skipped); return
@@ -316,7 +370,7 @@ class KnowledgeBank:
                 if row is None:
                     return []
                 where = {name: chunk.metadata[name] for name in fields if name in chunk.metadata} or None
-                ranked = self.retrieve(chunk.text, count + 1, question_embedding=self._index.matrix[row], where=where)
+                ranked = self.retrieve(chunk.text, count + 1, question_embedding=self._index.vector(row), where=where)
                 self._neighbours[key] = [r.chunk for r in ranked if r.chunk.id != chunk.id][:count]
             return self._neighbours[key]
 
@@ -327,8 +381,16 @@ class KnowledgeBank:
             return list(self._index.chunks), self._index.matrix.copy()
 
     def close(self) -> None:
-        """Close the underlying store."""
-        self._store.close()
+        """Write the index snapshot when the knowledge is large and changed, and close the
+        underlying store."""
+        with self._lock:
+            large = self._snapshot_min_chunks > 0 and len(self._index) >= self._snapshot_min_chunks
+            if large and self._version >= 0 and self._version != self._snapshot_version:
+                try:
+                    write_snapshot(self._store, Snapshot(self._index, self._documents, self._version))
+                except (StorageWriteError, OSError, ValueError) as error:  # only time is lost
+                    logger.warning("knowledge index snapshot not written: %s", error)
+            self._store.close()
 
 
 def _chunk(record: Record) -> Chunk | None:

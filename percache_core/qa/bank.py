@@ -14,14 +14,15 @@ import hashlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .errors import StorageWriteError
-from .storage import Record, Store
-from .types import QAEntry, QAHit
+from ..errors import StorageWriteError
+from ..storage import Record, Store
+from ..types import QAEntry, QAHit
 
 _PREFIX = "qa:"
 logger = logging.getLogger(__name__)
@@ -91,8 +92,12 @@ def partition_key(scope: Mapping[str, Any] | None, binding: str | None) -> str:
 
 def entry_partition(metadata: Mapping[str, Any] | None) -> str:
     """The partition of an entry with this metadata (``scope`` and ``binding`` keys)."""
-    metadata = metadata or {}
+    if not metadata or (not metadata.get("scope") and not metadata.get("binding")):
+        return _NO_PARTITION
     return partition_key(metadata.get("scope"), metadata.get("binding"))
+
+
+_NO_PARTITION = partition_key(None, None)
 
 
 def question_key(question: str, metadata: Mapping[str, Any] | None = None) -> str:
@@ -157,6 +162,8 @@ class QABank:
         self._matrix = np.zeros((16, dimension), dtype=np.float32)
         self._servable = np.zeros(16, dtype=bool)
         self._partition = np.zeros(16, dtype=np.int32)  # row -> partition code
+        self._partition_rows: Counter[int] = Counter()  # partition code -> rows
+        self._unservable_rows = 0
         self._partition_codes: dict[str, int] = {partition_key(None, None): 0}
         self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
         self._version = -1
@@ -204,6 +211,7 @@ class QABank:
                 row = self._index.get(key.removeprefix(_PREFIX))
                 if row is not None:
                     self._remove_row(row)
+            self._reserve(len(self._entries) + len(changes.written))  # one allocation, not doublings
             for record in changes.written:
                 self._take(record)
             self._version = changes.version
@@ -221,21 +229,35 @@ class QABank:
     def _append(self, entry: QAEntry, size: int) -> None:
         row = len(self._entries)
         if row == self._matrix.shape[0]:
-            grown = max(16, 2 * row)
-            self._matrix = np.resize(self._matrix, (grown, self._dimension))
-            self._servable = np.resize(self._servable, grown)
-            self._partition = np.resize(self._partition, grown)
+            self._reserve(max(16, 2 * row))
         self._matrix[row] = entry.embedding
         self._servable[row] = entry.servable
         self._partition[row] = self._partition_code(entry_partition(entry.metadata))
+        self._partition_rows[int(self._partition[row])] += 1
+        self._unservable_rows += not entry.servable
         self._entries.append(entry)
         self._sizes.append(size)
         self._index[entry.id] = row
         self.bytes += size
 
+    def _reserve(self, rows: int) -> None:
+        """Room for *rows* entries in the arrays (the rows in use are kept)."""
+        if rows <= self._matrix.shape[0]:
+            return
+        used = len(self._entries)
+        matrix = np.zeros((rows, self._dimension), dtype=np.float32)
+        servable = np.zeros(rows, dtype=bool)
+        partition = np.zeros(rows, dtype=np.int32)
+        matrix[:used], servable[:used], partition[:used] = (
+            self._matrix[:used], self._servable[:used], self._partition[:used]
+        )
+        self._matrix, self._servable, self._partition = matrix, servable, partition
+
     def _remove_row(self, row: int) -> QAEntry:
         entry = self._entries[row]
         last = len(self._entries) - 1
+        self._partition_rows[int(self._partition[row])] -= 1
+        self._unservable_rows -= not self._servable[row]
         if row != last:  # move the last row into the hole
             moved = self._entries[last]
             self._entries[row] = moved
@@ -288,10 +310,13 @@ class QABank:
             if count == 0 or (code is None and not everywhere):
                 return []
             scores = self._matrix[:count] @ vector
-            allowed = np.ones(count, dtype=bool) if everywhere else self._partition[:count] == code
-            if servable_only:
-                allowed &= self._servable[:count]
-            scores = np.where(allowed, scores, -np.inf)
+            allowed = None  # every row (no mask is built when one partition holds them all)
+            if not everywhere and self._partition_rows[code] != count:
+                allowed = self._partition[:count] == code
+            if servable_only and self._unservable_rows:
+                allowed = self._servable[:count] if allowed is None else allowed & self._servable[:count]
+            if allowed is not None:
+                scores[~allowed] = -np.inf
             if top_n == 1:
                 rows = [int(np.argmax(scores))]
             else:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .types import Answer
+from ..types import Answer
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .qa_bank import normalized_question
-from .types import QAHit
+from ..qa.bank import normalized_question
+from ..types import QAHit
 
 FOLLOWUPS_KEPT = 256
 

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .kv.engine import Engine, EngineVerdicts
+from ..kv.engine import Engine, EngineVerdicts
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 run (drafts verified) -> store.
 
 A prompt identical to one answered before (same pieces, engine and decoding settings) is
-answered from the stored prompt answers without the model (:mod:`percache_core.prompt_answers`):
+answered from the stored prompt answers without the model (:mod:`percache_core.qa.prompt_answers`):
 the model gives that answer to that prompt, so this is exact in every mode. A question a
 caller answered with ``remember()`` (the same text, scope and binding) gets the caller's
 answer without the model (``source="remembered"``): the one case where an answer differs
@@ -33,16 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from .binding import answer_metadata, chunk_sources
-from .config import PerCacheConfig
-from .errors import StorageWriteError
+from ..config import PerCacheConfig
+from ..errors import StorageWriteError
+from ..kv.engine import Sampling
+from ..parts import CacheParts
+from ..qa.binding import answer_metadata, chunk_sources
+from ..qa.prompt_answers import PromptAnswer, prompt_key
+from ..qa.verifier import HitVerifier, make_verifier
+from ..types import Answer, Chunk, QAEntry, QAHit
 from .generation import RunResult
-from .kv.engine import Sampling
-from .parts import CacheParts
-from .prompt_answers import PromptAnswer, prompt_key
 from .prompting import PromptLayout, TextPrompt
-from .types import Answer, Chunk, QAEntry, QAHit
-from .verifier import HitVerifier, make_verifier
 
 logger = logging.getLogger(__name__)
 
@@ -395,7 +395,7 @@ def prompt_answer_key(
     stop: Sequence[str] | None,
     trim: bool = True,
 ) -> str | None:
-    """The key of a prompt's answer (:func:`~percache_core.prompt_answers.prompt_key` of the
+    """The key of a prompt's answer (:func:`~percache_core.qa.prompt_answers.prompt_key` of the
     engine, its pieces and the decoding settings), or None when ``qa_bank=False``."""
     config = parts.config
     if not config.qa_bank:

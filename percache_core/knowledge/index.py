@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ..types import Chunk
 from .bm25 import BM25Index, bm25_tokens
-from .types import Chunk
 
 
 def top_rows(values: np.ndarray, count: int) -> np.ndarray:
@@ -61,6 +61,7 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = 60) -> di
     return fused
 
 
+BLOCK_ROWS = 8192  # embeddings per block
 _UNHASHABLE = object()  # rows whose value of a field cannot be a dict key (lists, dicts)
 
 
@@ -71,7 +72,8 @@ class ChunkIndex:
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []
         self._rows: dict[str, int] = {}  # chunk id -> row
-        self._matrix = np.zeros((0, 0), dtype=np.float32)
+        self._blocks: list[np.ndarray] = []  # embeddings, BLOCK_ROWS rows each (the last one filling)
+        self._dimension: int | None = None
         self._bm25 = BM25Index()
         self._fields: dict[str, dict[Any, list[int]]] = {}  # metadata field -> value -> rows
 
@@ -80,12 +82,28 @@ class ChunkIndex:
 
     @property
     def dimension(self) -> int | None:
-        return self._matrix.shape[1] if self.chunks else None
+        return self._dimension if self.chunks else None
 
     @property
     def matrix(self) -> np.ndarray:
-        """The embeddings, one row per chunk (a view: do not change it)."""
-        return self._matrix[: len(self.chunks)]
+        """The embeddings, one row per chunk (a copy)."""
+        if not self.chunks:
+            return np.zeros((0, self._dimension or 0), dtype=np.float32)
+        return np.concatenate(self._filled_blocks())
+
+    def vector(self, row: int) -> np.ndarray:
+        """The embedding of *row* (a view: do not change it)."""
+        return self._blocks[row // BLOCK_ROWS][row % BLOCK_ROWS]
+
+    def dense_scores(self, embedding: np.ndarray) -> np.ndarray:
+        """The dot product of every row's embedding with *embedding* (block by block:
+        the embeddings grow without ever being copied whole)."""
+        vector = np.asarray(embedding, dtype=np.float32)
+        return np.concatenate([block @ vector for block in self._filled_blocks()])
+
+    def _filled_blocks(self) -> list[np.ndarray]:
+        used = len(self.chunks) - (len(self._blocks) - 1) * BLOCK_ROWS
+        return [*self._blocks[:-1], self._blocks[-1][:used]] if self._blocks else []
 
     def row(self, chunk_id: str) -> int | None:
         return self._rows.get(chunk_id)
@@ -97,21 +115,68 @@ class ChunkIndex:
         vectors = np.asarray(vectors, dtype=np.float32)
         count = len(self.chunks)
         if count == 0:
-            self._matrix = np.zeros((max(16, len(chunks)), vectors.shape[1]), dtype=np.float32)
-        elif vectors.shape[1] != self._matrix.shape[1]:
-            raise ValueError(f"embeddings of {vectors.shape[1]} values, this index holds {self._matrix.shape[1]}")
-        needed = count + len(chunks)
-        if needed > self._matrix.shape[0]:
-            grown = np.zeros((max(needed, 2 * self._matrix.shape[0]), self._matrix.shape[1]), dtype=np.float32)
-            grown[:count] = self._matrix[:count]
-            self._matrix = grown
-        self._matrix[count:needed] = vectors
+            self._dimension, self._blocks = vectors.shape[1], []
+        elif vectors.shape[1] != self._dimension:
+            raise ValueError(f"embeddings of {vectors.shape[1]} values, this index holds {self._dimension}")
+        self._write_vectors(count, vectors)
         for row, chunk in enumerate(chunks, start=count):
             self._rows[chunk.id] = row
             for field, values in self._fields.items():
                 _index_value(values, chunk.metadata.get(field), row)
         self.chunks.extend(chunks)
         self._bm25.add([bm25_tokens(chunk.text) or ["_"] for chunk in chunks])
+
+    def _write_vectors(self, start: int, vectors: np.ndarray) -> None:
+        """Put *vectors* at rows *start*... (adding blocks as needed; a small index keeps a
+        small block)."""
+        done = 0
+        while done < len(vectors):
+            row = start + done
+            block, offset = divmod(row, BLOCK_ROWS)
+            if block == len(self._blocks):
+                self._blocks.append(np.zeros((0, self._dimension), dtype=np.float32))
+            take = min(len(vectors) - done, BLOCK_ROWS - offset)
+            current = self._blocks[block]
+            if current.shape[0] < offset + take:  # a filling block grows up to BLOCK_ROWS rows
+                grown = np.zeros((min(BLOCK_ROWS, max(offset + take, 2 * current.shape[0])), self._dimension), dtype=np.float32)
+                grown[:offset] = current[:offset]
+                current = self._blocks[block] = grown
+            current[offset : offset + take] = vectors[done : done + take]
+            done += take
+
+    def packed(self) -> dict[str, Any]:
+        """The whole index as arrays and plain lists (for :meth:`from_packed`)."""
+        return {
+            "chunks": [[c.id, c.doc_id, c.text, c.metadata] for c in self.chunks],
+            "blocks": self._filled_blocks(),
+            "bm25": self._bm25.packed(),
+        }
+
+    @classmethod
+    def from_packed(
+        cls, chunks: Sequence[Sequence[Any]], blocks: Sequence[np.ndarray], bm25: Mapping[str, Any]
+    ) -> ChunkIndex:
+        """The index :meth:`packed` described, without tokenizing the texts again
+        (ValueError when the parts disagree)."""
+        index = cls()
+        index.chunks = [Chunk(str(i), str(d), str(t), dict(m or {})) for i, d, t, m in chunks]
+        index._rows = {chunk.id: row for row, chunk in enumerate(index.chunks)}
+        index._bm25 = BM25Index.from_packed(bm25["words"], bm25["offsets"], bm25["rows"], bm25["counts"], bm25["lengths"])
+        rows = sum(block.shape[0] for block in blocks)
+        dimensions = {block.shape[1] for block in blocks if block.ndim == 2}
+        fits = len(dimensions) == 1 and all(block.ndim == 2 for block in blocks)
+        if not fits or not rows == len(index.chunks) == len(index._bm25) == len(index._rows):
+            raise ValueError("an index whose chunks, embeddings and postings do not fit together")
+        index._dimension = dimensions.pop()
+        start = 0
+        for block in blocks:
+            whole = start % BLOCK_ROWS == 0 and block.shape[0] == BLOCK_ROWS and block.dtype == np.float32
+            if whole and block.flags.c_contiguous and block.flags.writeable:
+                index._blocks.append(block)  # taken as it is, not copied
+            else:
+                index._write_vectors(start, np.asarray(block, dtype=np.float32))
+            start += block.shape[0]
+        return index
 
     def scope_rows(self, where: Mapping[str, Any]) -> set[int]:
         """The rows whose chunk metadata has every key/value pair of *where*."""
@@ -152,7 +217,7 @@ class ChunkIndex:
         if count == 0:
             return []
         pool = min(count, max(4 * k, 20))
-        dense = self.matrix @ np.asarray(embedding, dtype=np.float32)
+        dense = self.dense_scores(embedding)
         rankings = [top_rows(dense, pool).tolist()]
         if words:
             sparse = self._bm25.scores(words)

@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import StorageWriteError
-from .storage import Store
+from ..errors import StorageWriteError
+from ..storage import Store
 
 logger = logging.getLogger(__name__)
 

@@ -32,15 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from .abstract import KnowledgeAbstract
-from .binding import answer_metadata
-from .config import PerCacheConfig
-from .generation import Preempted, RunResult, drain
-from .knowledge import matches_scope
-from .parts import CacheParts
+from ..config import PerCacheConfig
+from ..knowledge.abstract import KnowledgeAbstract
+from ..knowledge.bank import matches_scope
+from ..parts import CacheParts
+from ..qa.binding import answer_metadata
+from ..serving.generation import Preempted, RunResult, drain
+from ..serving.request_path import keep_prompt_answer, prompt_answer_key
+from ..types import Chunk
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
-from .request_path import keep_prompt_answer, prompt_answer_key
-from .types import Chunk
 
 PREFILL_ONLY = "prefill_only"
 PREFILL_DECODE = "prefill_decode"
@@ -92,6 +92,9 @@ class WarmReport:
         return asdict(self)
 
 
+_STALE_CHECK_ROWS = 128  # QA entries scored against every chunk at once in mark_stale
+
+
 class Scheduler:
     """Plans and runs idle work over one cache's *parts*."""
 
@@ -137,24 +140,28 @@ class Scheduler:
             for e in parts.qa_bank.entries
             if e.answer is not None and not e.metadata.get("stale") and not e.metadata.get("remembered")
         ]
+        if not entries:
+            return 0
         chunks, matrix = parts.knowledge.embedding_matrix()
-        if not entries or matrix.size == 0:
+        if matrix.size == 0:
             return 0
         new_ids = {c.id for c in new_chunks}
         new_columns = [i for i, c in enumerate(chunks) if c.id in new_ids]
-        scores = np.stack([e.embedding for e in entries]) @ matrix.T
-        k = min(parts.config.top_k, scores.shape[1])
-        kth_best = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
+        k = min(parts.config.top_k, matrix.shape[0])
         marked = 0
-        for row, entry in enumerate(entries):
-            sources = set(entry.chunk_ids)
-            for column in new_columns:
-                chunk = chunks[column]
-                is_new_information = chunk.id not in sources or chunk.doc_id in replaced_documents
-                if is_new_information and scores[row, column] >= kth_best[row]:
-                    parts.qa_bank.correct(entry.id, entry.answer, stale=True)
-                    marked += 1
-                    break
+        for start in range(0, len(entries), _STALE_CHECK_ROWS):  # bounded memory at any bank size
+            block = entries[start : start + _STALE_CHECK_ROWS]
+            scores = np.stack([e.embedding for e in block]) @ matrix.T
+            kth_best = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
+            for row, entry in enumerate(block):
+                sources = set(entry.chunk_ids)
+                for column in new_columns:
+                    chunk = chunks[column]
+                    is_new_information = chunk.id not in sources or chunk.doc_id in replaced_documents
+                    if is_new_information and scores[row, column] >= kth_best[row]:
+                        parts.qa_bank.correct(entry.id, entry.answer, stale=True)
+                        marked += 1
+                        break
         return marked
 
     def forget_documents(self, removed: Sequence[Chunk], doc_ids: set[str]) -> tuple[int, int]:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import PerCacheConfig
-from .embedding import Embedder
+from ..config import PerCacheConfig
+from ..knowledge.embedding import Embedder
 
 START_TEMPERATURE = 0.7
 MAX_TEMPERATURE = 1.0
