@@ -7,8 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 from .kv.engine import Sampling
-from .serving.context import CONTEXT_MODES, SIGNALS
 from .serving.stopping import stop_strings
+
+CONTEXT_MODES = ("fixed", "adaptive")  # see percache_core.serving.context
+SIGNALS = ("top_probability", "margin", "entropy")
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a personal assistant. Answer the question briefly, using only the notes below."

@@ -243,7 +243,7 @@ class PerCache:
         self.parts.activity.touch()
         chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
         if chunks and self.config.qa_bank:
-            self.scheduler.mark_stale(chunks, self.knowledge.last_replaced)
+            self.scheduler.invalidation.mark_stale(chunks, self.knowledge.last_replaced)
         return chunks
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
@@ -263,7 +263,7 @@ class PerCache:
         ids = validated_document_ids(doc_ids)
         with self.parts.activity.user_turn():  # an idle round stops first
             removing = [chunk for chunk in self.knowledge.chunks if chunk.doc_id in ids]
-            self.scheduler.forget_documents(removing, ids)
+            self.scheduler.invalidation.forget_documents(removing, ids)
             if removing:
                 self.parts.prompt_answers.clear()  # a key does not say which texts its prompt held
             # the chunks go last: a failure (or kill) before leaves the documents, so a

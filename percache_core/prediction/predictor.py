@@ -24,6 +24,7 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..knowledge.embedding import Embedder
+from ..parts import CacheParts
 
 START_TEMPERATURE = 0.7
 MAX_TEMPERATURE = 1.0
@@ -281,3 +282,24 @@ class QueryPredictor:
         if self._known_similarity(embedding) >= threshold:
             return True
         return any(float(p.embedding @ embedding) >= threshold for p in accepted)
+
+
+def predictor_for(parts: CacheParts, complete: Complete, chat_format: Callable[[str], str] | None) -> QueryPredictor:
+    """The query predictor of one cache's *parts*, calling the model through *complete*;
+    a question is known as well as its nearest QA entry anywhere in the bank is similar."""
+    return QueryPredictor(
+        complete=complete,
+        count_tokens=lambda text: len(parts.runtime.engine.tokenize(text)),
+        embedder=parts.embedder,
+        known_similarity=lambda embedding: max(
+            (
+                h.similarity
+                for h in parts.qa_bank.search(
+                    embedding, top_n=1, similarity_threshold=-1.0, servable_only=False, everywhere=True
+                )
+            ),
+            default=-1.0,
+        ),
+        config=parts.config,
+        chat_format=chat_format,
+    )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,17 +34,19 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..knowledge.abstract import KnowledgeAbstract
-from ..knowledge.bank import matches_scope
 from ..parts import CacheParts
 from ..qa.binding import answer_metadata
+from ..serving.completion import complete_plain
+from ..serving.context import context_chunks
 from ..serving.generation import Preempted, RunResult, drain
 from ..serving.request_path import keep_prompt_answer, prompt_answer_key
 from ..types import Chunk
-from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, use_chat_template
+from .invalidation import Invalidation
+from .paths import PREFILL_BUDGET_SHARE, knowledge_prefill_paths
+from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, predictor_for, use_chat_template
 
 PREFILL_ONLY = "prefill_only"
 PREFILL_DECODE = "prefill_decode"
-PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
 
 
 class _OutOfTime(Exception):
@@ -92,7 +94,21 @@ class WarmReport:
         return asdict(self)
 
 
-_STALE_CHECK_ROWS = 128  # QA entries scored against every chunk at once in mark_stale
+
+def population_strategy(config: PerCacheConfig, threshold: float | None = None) -> str:
+    """``prefill_only`` when tau is above the cutoff (hits need very close questions, so
+    answers are rarely reused), else ``prefill_decode``. A tier that is off forces the
+    strategy that still fills the other.
+
+    >>> population_strategy(PerCacheConfig(similarity_threshold=0.95, strategy_cutoff=0.9))
+    'prefill_only'
+    """
+    if not config.chunk_states:
+        return PREFILL_DECODE
+    if not config.qa_bank:
+        return PREFILL_ONLY
+    tau = config.similarity_threshold if threshold is None else threshold
+    return PREFILL_ONLY if tau > config.strategy_cutoff else PREFILL_DECODE
 
 
 class Scheduler:
@@ -112,6 +128,7 @@ class Scheduler:
         self._lock = threading.RLock()  # one round at a time (a round may delete documents it finds gone)
         self._report: WarmReport | None = None
         self._should_stop: Callable[[], bool] = parts.activity.waiting
+        self.invalidation = Invalidation(parts, self.abstract, self._lock)
 
     # -- what the facade tells the scheduler ------------------------------------------------
 
@@ -122,80 +139,11 @@ class Scheduler:
             self.abstract.batch_chunks = config.abstract_batch_chunks
             self._predictor = None
 
-    def mark_stale(
-        self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()
-    ) -> int:
-        """Mark answered entries for which new information now ranks in the top-k as stale.
-
-        New information is a new chunk that is not one of the entry's own sources, or a
-        chunk of a document whose text was replaced. (A document that is new to this cache
-        but was the source of an entry, as with entries shared by another device, is not.)
-        Answers a caller remembered are the caller's: documents never make them stale.
-        """
-        parts = self.parts
-        if not new_chunks:
-            return 0
-        entries = [
-            e
-            for e in parts.qa_bank.entries
-            if e.answer is not None and not e.metadata.get("stale") and not e.metadata.get("remembered")
-        ]
-        if not entries:
-            return 0
-        chunks, matrix = parts.knowledge.embedding_matrix()
-        if matrix.size == 0:
-            return 0
-        new_ids = {c.id for c in new_chunks}
-        new_columns = [i for i, c in enumerate(chunks) if c.id in new_ids]
-        k = min(parts.config.top_k, matrix.shape[0])
-        marked = 0
-        for start in range(0, len(entries), _STALE_CHECK_ROWS):  # bounded memory at any bank size
-            block = entries[start : start + _STALE_CHECK_ROWS]
-            scores = np.stack([e.embedding for e in block]) @ matrix.T
-            kth_best = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
-            for row, entry in enumerate(block):
-                sources = set(entry.chunk_ids)
-                for column in new_columns:
-                    chunk = chunks[column]
-                    is_new_information = chunk.id not in sources or chunk.doc_id in replaced_documents
-                    if is_new_information and scores[row, column] >= kth_best[row]:
-                        parts.qa_bank.correct(entry.id, entry.answer, stale=True)
-                        marked += 1
-                        break
-        return marked
-
-    def forget_documents(self, removed: Sequence[Chunk], doc_ids: set[str]) -> tuple[int, int]:
-        """Before documents are deleted (their chunks *removed*): drop the QA entries
-        answered from them, the chunk states that may hold their text, and the knowledge
-        abstract (its facts are not traced to chunks, so it is summarised again from the
-        chunks that stay). Returns (entries dropped, states dropped). Waits for a running
-        idle round to finish."""
-        parts = self.parts
-        gone = {c.id for c in removed} | doc_ids
-        with self._lock:
-            entries = 0
-            for entry in parts.qa_bank.entries:
-                if gone.intersection(entry.chunk_ids):
-                    entries += parts.qa_bank.drop(entry.id)
-            states = 0
-            if removed:
-                states = parts.runtime.forget_chunks({c.id for c in removed})
-                self.abstract.clear()
-        return entries, states
-
     # -- planning -------------------------------------------------------------------------
 
     def strategy(self, threshold: float | None = None) -> str:
-        """``prefill_only`` when tau is above the cutoff (hits need very close questions, so
-        answers are rarely reused), else ``prefill_decode``. A tier that is off forces the
-        strategy that still fills the other."""
-        config = self.parts.config
-        if not config.chunk_states:
-            return PREFILL_DECODE
-        if not config.qa_bank:
-            return PREFILL_ONLY
-        tau = config.similarity_threshold if threshold is None else threshold
-        return PREFILL_ONLY if tau > config.strategy_cutoff else PREFILL_DECODE
+        """The population strategy now (see :func:`population_strategy`)."""
+        return population_strategy(self.parts.config, threshold)
 
     def has_work(self, own_pipeline: bool = True) -> bool:
         """Whether an idle round would do anything useful now (with ``prediction=False``
@@ -214,7 +162,7 @@ class Scheduler:
                 return True
             if self.strategy() == PREFILL_DECODE and any(e.answer is None for e in entries):
                 return True
-        return own_pipeline and next(self._paths_to_prefill(), None) is not None
+        return own_pipeline and next(knowledge_prefill_paths(self.parts, self.activity.history_scope), None) is not None
 
     # -- the round ------------------------------------------------------------------------
 
@@ -319,7 +267,8 @@ class Scheduler:
     def _llm(self, prompt: str, **options: Any) -> str:
         """Free-form completion for the predictor and the abstract, accounted and pre-emptible."""
         chat = self._chat_format() is not None
-        text, prompt_tokens, generated = self.parts.runtime.runner.complete(
+        text, prompt_tokens, generated = complete_plain(
+            self.parts.runtime.engine,
             prompt, chat=chat, should_stop=self._should_stop, **options
         )
         if self._report is not None:
@@ -336,23 +285,7 @@ class Scheduler:
     def predictor(self) -> QueryPredictor:
         """The query predictor (built on first use)."""
         if self._predictor is None:
-            parts = self.parts
-            self._predictor = QueryPredictor(
-                complete=self._llm,
-                count_tokens=lambda text: len(parts.runtime.engine.tokenize(text)),
-                embedder=parts.embedder,
-                known_similarity=lambda embedding: max(
-                    (
-                        h.similarity
-                        for h in parts.qa_bank.search(
-                            embedding, top_n=1, similarity_threshold=-1.0, servable_only=False, everywhere=True
-                        )
-                    ),
-                    default=-1.0,
-                ),
-                config=parts.config,
-                chat_format=self._chat_format(),
-            )
+            self._predictor = predictor_for(self.parts, self._llm, self._chat_format())
         return self._predictor
 
     def _update_abstract(self, should_stop: Callable[[], bool]) -> None:
@@ -383,7 +316,8 @@ class Scheduler:
         retrieved = parts.knowledge.retrieve(
             question, parts.config.top_k, question_embedding=embedding, where=scope
         )
-        chunks = parts.runtime.runner.context_chunks(
+        chunks = context_chunks(
+            parts.runtime.runner,
             question,
             [r.chunk for r in retrieved],
             max_new_tokens=parts.config.max_new_tokens,
@@ -549,48 +483,10 @@ class Scheduler:
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 
-    def _paths_to_prefill(self) -> Iterator[list[Chunk]]:
-        """Knowledge prefill paths whose state is not stored, lazily, in the order to
-        prefill them, while the tree is under its prefill share of the budget: first
-        [chunk] for every chunk (chunks of recent QA entries, user questions and predictions,
-        newest first; then chunks in the latest question's scope; then the rest in
-        knowledge order), then [chunk, neighbour] for each chunk's nearest neighbour in the
-        same order, then for the second nearest, up to ``knowledge_prefill_neighbours``
-        (``KnowledgeBank.neighbours``, within the latest question's scope fields)."""
-        parts = self.parts
-        config = parts.config
-        if not (config.chunk_states and config.knowledge_prefill) or not len(parts.knowledge):
-            return
-        chunks = parts.knowledge.chunks
-        by_id = {c.id: c for c in chunks}
-        ordered: dict[str, Chunk] = {}
-        for entry in reversed(parts.qa_bank.entries):
-            ordered.update((i, by_id[i]) for i in entry.chunk_ids if i in by_id and i not in ordered)
-        scope = self.activity.history_scope
-        in_scope = [c for c in chunks if scope and matches_scope(c, scope)]
-        for chunk in in_scope + list(chunks):
-            ordered.setdefault(chunk.id, chunk)
-        runner = parts.runtime.runner
-        limit = PREFILL_BUDGET_SHARE * config.chunk_state_budget_bytes
-        for chunk in ordered.values():
-            if runner.states.bytes >= limit:
-                return
-            if not runner.path_is_stored("", [chunk], 1):
-                yield [chunk]
-        count = config.knowledge_prefill_neighbours
-        scope_fields = list(scope or {})
-        for rank in range(count):
-            for chunk in ordered.values():
-                if runner.states.bytes >= limit:
-                    return
-                neighbours = parts.knowledge.neighbours(chunk, count, scope_fields=scope_fields)
-                if rank < len(neighbours) and not runner.path_is_stored("", [chunk, neighbours[rank]], 1):
-                    yield [chunk, neighbours[rank]]
-
     def _prefill_chunks(self, should_stop: Callable[[], bool]) -> None:
         report = self._report
         assert report is not None
-        for path in self._paths_to_prefill():
+        for path in knowledge_prefill_paths(self.parts, self.activity.history_scope):
             report.prefill_tokens += self.parts.runtime.runner.prefill_prefix(path, should_stop=should_stop)
             if len(path) == 1:
                 report.chunks_prefilled += 1

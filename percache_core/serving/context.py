@@ -15,10 +15,15 @@ mode is off by default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-CONTEXT_MODES = ("fixed", "adaptive")
-SIGNALS = ("top_probability", "margin", "entropy")
+from ..config import CONTEXT_MODES, SIGNALS
+from ..types import Chunk
+from .generation import PromptRunner, StopCheck, drain
+
+__all__ = ["CONTEXT_MODES", "SIGNALS", "confidence_signals", "context_chunks", "is_confident"]
 _HIGHER_IS_CONFIDENT = {"top_probability": True, "margin": True, "entropy": False}
 
 
@@ -47,3 +52,31 @@ def is_confident(signals: dict[str, float], signal: str, threshold: float) -> bo
     """
     value = signals[signal]
     return value >= threshold if _HIGHER_IS_CONFIDENT[signal] else value <= threshold
+
+
+def context_chunks(
+    runner: PromptRunner,
+    question: str,
+    chunks: Sequence[Chunk],
+    *,
+    max_new_tokens: int,
+    should_stop: StopCheck | None = None,
+) -> list[Chunk]:
+    """The retrieved *chunks* the prompt uses: all of them with ``context="fixed"``; with
+    ``context="adaptive"`` the shortest leading run whose prompt makes the first answer
+    token confident, else all. Each tried prompt restores its prefix from the tree and
+    keeps its new states (through *runner*), so each step prefills one chunk and the
+    question; the choice depends on the logits only, so it is the same with or without a
+    cache."""
+    config = runner.config
+    if config.context != "adaptive":
+        return list(chunks)
+    for count in range(1, len(chunks)):
+        events = runner.run(
+            question, chunks[:count], max_new_tokens=max_new_tokens, decode=False, should_stop=should_stop, keep_logits=True
+        )
+        logits = drain(events).next_token_logits
+        assert logits is not None
+        if is_confident(confidence_signals(logits), config.adaptive_signal, config.adaptive_threshold):
+            return list(chunks[:count])
+    return list(chunks)

@@ -26,7 +26,6 @@ from ..kv.pieces import exact_pieces
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys
 from ..types import Chunk
-from .context import confidence_signals, is_confident
 from .drafting import (
     AnswerDraft,
     DraftSource,
@@ -403,67 +402,6 @@ class PromptRunner:
                 rebuild()
                 replay = list(produced)
 
-    def complete(
-        self,
-        prompt: str,
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop: Sequence[str] = (),
-        chat: bool = False,
-        should_stop: StopCheck | None = None,
-    ) -> tuple[str, int, int]:
-        """Free-form completion of *prompt* (no chunk states): (text, prompt tokens, generated)."""
-        pieces = list(
-            stream_text(
-                self.engine,
-                prompt,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=seed,
-                stop=stop,
-                chat=chat,
-                should_stop=should_stop,
-            )
-        )
-        text = "".join(piece for piece in pieces if isinstance(piece, str))
-        counts = pieces[-1]
-        assert isinstance(counts, tuple)
-        return text, counts[0], counts[1]
-
-    def context_chunks(
-        self,
-        question: str,
-        chunks: Sequence[Chunk],
-        *,
-        max_new_tokens: int,
-        should_stop: StopCheck | None = None,
-    ) -> list[Chunk]:
-        """The retrieved *chunks* the prompt uses: all of them with ``context="fixed"``;
-        with ``context="adaptive"`` the shortest leading run whose prompt makes the first
-        answer token confident (see :mod:`percache_core.serving.context`), else all. Each tried
-        prompt restores its prefix from the tree and keeps its new states, so each step
-        prefills one chunk and the question; the choice depends on the logits only, so it
-        is the same with or without a cache."""
-        config = self.config
-        if config.context != "adaptive":
-            return list(chunks)
-        for count in range(1, len(chunks)):
-            events = self.run(
-                question,
-                chunks[:count],
-                max_new_tokens=max_new_tokens,
-                decode=False,
-                should_stop=should_stop,
-                keep_logits=True,
-            )
-            logits = drain(events).next_token_logits
-            assert logits is not None
-            if is_confident(confidence_signals(logits), config.adaptive_signal, config.adaptive_threshold):
-                return list(chunks[:count])
-        return list(chunks)
-
     def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
         """Prefill [system, *chunks] and keep its states, with no question and no decode
         (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
@@ -563,48 +501,6 @@ def drain(events: Generator[Any, None, T]) -> T:
             next(events)
         except StopIteration as done:
             return done.value
-
-
-def stream_text(
-    engine: Engine,
-    prompt: str,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop: Sequence[str] = (),
-    chat: bool = False,
-    should_stop: StopCheck | None = None,
-) -> Generator[str | tuple[int, int], None, None]:
-    """Complete *prompt* on *engine* without chunk states (plain LLM calls), yielding the
-    shown text pieces as they are decoded and finally ``(prompt tokens, generated tokens)``.
-
-    With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
-    tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
-    """
-    with engine.lock:
-        tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
-        tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
-        engine.reset()
-        engine.eval(tokens, should_stop)
-        if engine.n_past != len(tokens):
-            raise Preempted("completion pre-empted by a user question")
-        generated = [0]
-
-        def count_token(token: int) -> None:
-            if not engine.is_end_of_generation(token):
-                generated[0] += 1
-
-        sampling = Sampling(temperature, top_p, seed)
-        yield from decode_text(
-            engine,
-            engine.generate(max_new_tokens=max_new_tokens, sampling=sampling),
-            StopStringFilter(stop),
-            should_stop,
-            count_token,
-        )
-        yield (len(tokens), generated[0])
 
 
 def decode_text(

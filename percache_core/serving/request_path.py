@@ -41,6 +41,7 @@ from ..qa.binding import answer_metadata, chunk_sources
 from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
 from ..types import Answer, Chunk, QAEntry, QAHit
+from .context import context_chunks
 from .generation import RunResult
 from .prompting import PromptLayout, TextPrompt
 
@@ -257,7 +258,7 @@ class RequestPath:
         runner = parts.runtime.runner
         if config.context != "fixed":
             clock = time.perf_counter()
-            chunks = runner.context_chunks(question, chunks, max_new_tokens=max_new_tokens)
+            chunks = context_chunks(runner, question, chunks, max_new_tokens=max_new_tokens)
             timings["adaptive_context"] = time.perf_counter() - clock
         clock = time.perf_counter()
         layout = runner.lay_out(question, chunks, max_new_tokens=max_new_tokens)
