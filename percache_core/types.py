@@ -45,18 +45,53 @@ class QAEntry:
     created_at: float = 0.0
     last_used_at: float = 0.0
 
+    # The entry's life, kept in its metadata (stored as JSON with it), read through these.
+
+    @property
+    def origin(self) -> str | None:
+        """Where the entry came from: ``"user"`` (a user's question), ``"predicted"``,
+        ``"followup"``, ``"refresh"``, ``"shared"`` (another client's, through Redis), a
+        framework adapter's name, or None (a caller's own ``remember`` without one)."""
+        return self.metadata.get("origin")
+
+    @property
+    def remembered(self) -> bool:
+        """True for a caller's own answer (``remember``): never stale, never replaced by
+        the model's."""
+        return bool(self.metadata.get("remembered", False))
+
+    @property
+    def stale(self) -> bool:
+        """True when new information may change the answer (a remembered one never is)."""
+        return bool(self.metadata.get("stale", False)) and not self.remembered
+
+    @property
+    def state(self) -> str:
+        """``"pending"`` (no answer yet), ``"stale"`` or ``"answered"``."""
+        if self.answer is None:
+            return "pending"
+        return "stale" if self.stale else "answered"
+
+    @property
+    def scope(self) -> dict[str, Any] | None:
+        """The scope the entry was stored under (None: the whole knowledge)."""
+        return self.metadata.get("scope") or None
+
+    @property
+    def binding(self) -> str | None:
+        """What the answer is bound to (model, template, settings), or None."""
+        return self.metadata.get("binding")
+
     @property
     def servable(self) -> bool:
-        """True when the entry holds an answer that may be returned to a user (a caller's
-        remembered answer is never stale: only its caller replaces or removes it)."""
-        stale = self.metadata.get("stale", False) and not self.metadata.get("remembered", False)
-        return self.answer is not None and not stale
+        """True when the entry holds an answer that may be returned to a user."""
+        return self.state == "answered"
 
     @property
     def from_shared_tier(self) -> bool:
         """True when the entry was taken in from the shared tier: never served as it is
         without the model (an older signed envelope may have been put back in Redis)."""
-        return self.metadata.get("origin") == "shared"
+        return self.origin == "shared"
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class PerCacheSemanticCache(BaseCache):
         """Drop every entry this cache stored (other PerCache entries stay)."""
         bank = self._percache.qa_bank
         for entry in bank.entries:
-            if entry.metadata.get("origin") == _ORIGIN:
+            if entry.origin == _ORIGIN:
                 bank.drop(entry.id)
 
     async def alookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:

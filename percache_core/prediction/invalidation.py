@@ -41,7 +41,7 @@ class Invalidation:
         entries = [
             e
             for e in parts.qa_bank.entries
-            if e.answer is not None and not e.metadata.get("stale") and not e.metadata.get("remembered")
+            if e.state == "answered" and not e.remembered
         ]
         if not entries:
             return 0

@@ -151,7 +151,7 @@ class Scheduler:
         *own_pipeline*, as for ``warm(answer=...)``, only summarising and predicting)."""
         parts, config = self.parts, self.parts.config
         entries = parts.qa_bank.entries if config.qa_bank and own_pipeline else []
-        if any(e.metadata.get("stale") and not e.metadata.get("remembered") for e in entries):
+        if any(e.stale for e in entries):
             return True
         if config.prediction and len(parts.knowledge):
             if self.abstract.pending(parts.knowledge.chunks) or self.activity.new_history:
@@ -350,15 +350,13 @@ class Scheduler:
 
     def _refresh_stale(self, should_stop: Callable[[], bool]) -> None:
         qa_bank = self.parts.qa_bank
-        for entry in [e for e in qa_bank.entries if e.metadata.get("stale")]:
-            if entry.metadata.get("remembered"):
-                continue  # a caller's answer: only its caller replaces it
-            scope = _scope(entry)
+        for entry in [e for e in qa_bank.entries if e.stale]:  # a caller's remembered answer never is
+            scope = entry.scope
             result, chunks = self._run(
                 entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
             )
             if result.text:
-                metadata = self._entry_metadata(result, chunks, scope, entry.metadata.get("origin", "refresh"))
+                metadata = self._entry_metadata(result, chunks, scope, entry.origin or "refresh")
                 qa_bank.correct(
                     entry.id, result.text, chunk_ids=result.layout.chunk_ids, stale=False, **metadata
                 )
@@ -454,12 +452,12 @@ class Scheduler:
         assert report is not None
         if self.strategy() == PREFILL_DECODE and parts.config.qa_bank:
             for entry in [e for e in parts.qa_bank.entries if e.answer is None and not e.metadata.get("stale")]:
-                scope = _scope(entry)
+                scope = entry.scope
                 result, chunks = self._run(
                     entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
                 )
                 if result.text:
-                    metadata = self._entry_metadata(result, chunks, scope, entry.metadata.get("origin", "predicted"))
+                    metadata = self._entry_metadata(result, chunks, scope, entry.origin or "predicted")
                     parts.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, **metadata)
                     report.pending_decoded += 1
         if not parts.config.chunk_states:
@@ -504,10 +502,6 @@ class Scheduler:
             "abstract_lines": len(self.abstract.lines),
             **{name: asdict(account) for name, account in self.accounts.items()},
         }
-
-
-def _scope(entry: Any) -> dict[str, Any] | None:
-    return entry.metadata.get("scope") or None
 
 
 def _progress_bar(enabled: bool, steps: int) -> Any:

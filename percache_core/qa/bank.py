@@ -127,9 +127,9 @@ def keeps_existing(old: QAEntry, answer: str | None, metadata: Mapping[str, Any]
     metadata = metadata or {}
     if old.answer is not None and answer is None:
         return True
-    if old.metadata.get("remembered") and not metadata.get("remembered"):
+    if old.remembered and not metadata.get("remembered"):
         return True
-    return old.servable and old.metadata.get("origin") == "user" and metadata.get("origin") not in ("user", None)
+    return old.servable and old.origin == "user" and metadata.get("origin") not in ("user", None)
 
 
 class QABank:

@@ -164,7 +164,7 @@ class RequestPath:
         if not self.config.qa_bank:
             return None
         entry = self.parts.qa_bank.find(question, scope=scope, binding=binding)
-        if entry is None or not entry.metadata.get("remembered"):
+        if entry is None or not entry.remembered:
             return None
         self.parts.qa_bank.record_hit(entry.id)
         return QAHit(entry, 1.0)
@@ -353,7 +353,7 @@ class RequestPath:
         record their sources (caller-remembered answers) are judged by their caller."""
         sources = entry.metadata.get("sources")
         if sources is None:
-            return bool(entry.metadata.get("remembered"))
+            return entry.remembered
         retrieved = self.parts.knowledge.retrieve(
             entry.question, top_k, question_embedding=entry.embedding, where=scope
         )

@@ -209,7 +209,7 @@ class SharedTier:
             return True
 
         def share(entry: QAEntry) -> None:
-            if entry.metadata.get("origin") != "shared":
+            if entry.origin != "shared":
                 self.put_qa(entry)
 
         self.bind_qa(embedder_name, receive)

@@ -5,6 +5,7 @@ import pytest
 
 from percache_core.qa.bank import QABank
 from percache_core.storage import Store
+from percache_core.types import QAEntry
 
 
 def unit(*values: float) -> np.ndarray:
@@ -93,3 +94,19 @@ def test_search_returns_top_candidates_in_order(bank):
     hits = bank.search(unit(1, 0, 0), top_n=3, similarity_threshold=0.5)
     assert [h.entry.answer for h in hits] == ["a0", "a1", "a2"]
     assert hits[0].similarity >= hits[1].similarity >= hits[2].similarity
+
+
+def test_an_entrys_life_reads_as_typed_fields():
+    def entry(answer, **metadata):
+        return QAEntry("e1", "When?", np.zeros(2, dtype=np.float32), answer, metadata=metadata)
+
+    assert entry(None).state == "pending" and not entry(None).servable
+    assert entry("Friday", origin="user").state == "answered" and entry("Friday").servable
+    stale = entry("Friday", stale=True, origin="predicted", scope={"thread": "a"}, binding="m1")
+    assert (stale.state, stale.stale, stale.servable, stale.origin) == ("stale", True, False, "predicted")
+    assert (stale.scope, stale.binding) == ({"thread": "a"}, "m1")
+    remembered = entry("Friday", stale=True, remembered=True)  # the caller's: never stale
+    assert (remembered.state, remembered.stale, remembered.remembered, remembered.servable) == (
+        "answered", False, True, True
+    )
+    assert entry("x", origin="shared").from_shared_tier and entry("x", scope={}).scope is None
