@@ -372,14 +372,29 @@ class Store:
 
     def changes(self, since: int, prefix: str = "") -> Changes:
         """Records written and keys removed after version *since* (by any process)."""
+        version, complete, rows, removed = self._since(
+            since, prefix, "key, value, vector, size, hits, last_used, version"
+        )
+        written = [record for record in map(_as_record_or_none, rows) if record is not None]
+        return Changes(version, written, removed, complete=complete)
+
+    def changed_keys(self, since: int) -> tuple[int, list[str], list[str], bool]:
+        """Like :meth:`changes` without reading the values (cheaper): the version now, the
+        keys written and the keys removed after version *since*, and whether the removals
+        are complete (False when tombstones that old were pruned)."""
+        version, complete, rows, removed = self._since(since, "", "key")
+        return version, [row[0] for row in rows], removed, complete
+
+    def _since(self, since: int, prefix: str, columns: str) -> tuple[int, bool, list[tuple[Any, ...]], list[str]]:
+        """In one read transaction: the version now, whether removals since *since* are all
+        known, the *columns* of the records written since (oldest first) and the keys removed."""
         pattern = _like(prefix)
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 version, floor = self._db.execute("SELECT version, floor FROM counter WHERE id = 0").fetchone()
                 rows = self._db.execute(
-                    "SELECT key, value, vector, size, hits, last_used, version FROM records "
-                    "WHERE version > ? AND key LIKE ? ESCAPE '\\' ORDER BY version",
+                    f"SELECT {columns} FROM records WHERE version > ? AND key LIKE ? ESCAPE '\\' ORDER BY version",
                     (since, pattern),
                 ).fetchall()
                 removed = self._db.execute(
@@ -387,8 +402,7 @@ class Store:
                 ).fetchall()
             finally:
                 self._db.execute("COMMIT")
-        written = [record for record in map(_as_record_or_none, rows) if record is not None]
-        return Changes(int(version), written, [row[0] for row in removed], complete=since >= floor)
+        return int(version), since >= floor, rows, [row[0] for row in removed]
 
     def count(self, prefix: str = "") -> int:
         """How many records have keys starting with *prefix*."""
@@ -396,21 +410,6 @@ class Store:
             return int(
                 self._db.execute("SELECT count(*) FROM records WHERE key LIKE ? ESCAPE '\\'", (_like(prefix),)).fetchone()[0]
             )
-
-    def changed_keys(self, since: int) -> tuple[int, list[str], list[str]]:
-        """The version now, the keys written after version *since* and the keys removed
-        after it (without reading the values: cheaper than :meth:`changes`)."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                version, floor = self._db.execute("SELECT version, floor FROM counter WHERE id = 0").fetchone()
-                written = self._db.execute("SELECT key FROM records WHERE version > ?", (since,)).fetchall()
-                removed = self._db.execute("SELECT key FROM removed WHERE version > ?", (since,)).fetchall()
-            finally:
-                self._db.execute("COMMIT")
-        if since < floor:  # tombstones that old were pruned: removals are not known
-            removed.append(("",))
-        return int(version), [row[0] for row in written], [row[0] for row in removed]
 
     def total_size(self, prefix: str = "") -> int:
         """Bytes of every record with *prefix* (as accounted by its writer)."""

@@ -296,8 +296,8 @@ class KnowledgeBank:
         """Append what this bank just wrote without reading it back, when nothing else was
         written or removed since version *since* (one version per record written, so the
         count tells) and no chunk is one the index holds (else False: :meth:`sync` reads it)."""
-        version, written, removed = self._store.changed_keys(since)
-        if removed or version != since + len(items) or sorted(written) != sorted(key for key, _, _ in items):
+        version, written, removed, complete = self._store.changed_keys(since)
+        if removed or not complete or version != since + len(items) or sorted(written) != sorted(k for k, _, _ in items):
             return False
         if any(self._index.row(chunk.id) is not None for chunk in chunks):
             return False
@@ -375,10 +375,10 @@ class KnowledgeBank:
             return self._neighbours[key]
 
     def embedding_matrix(self) -> tuple[list[Chunk], np.ndarray]:
-        """Every chunk and its embedding row (a snapshot)."""
+        """Every chunk and its embedding row (a copy)."""
         with self._lock:
             self.sync()
-            return list(self._index.chunks), self._index.matrix.copy()
+            return list(self._index.chunks), self._index.matrix
 
     def close(self) -> None:
         """Write the index snapshot when the knowledge is large and changed, and close the

@@ -45,7 +45,6 @@ def bm25_tokens(text: str) -> list[str]:
     return [word for word in _WORD.findall(text.lower()) if word not in _STOPWORDS]
 
 
-
 class BM25Index:
     """BM25 postings of texts given as word lists, in the order they are added (row ids
     0, 1, ...). Thread-safe.
@@ -103,8 +102,7 @@ class BM25Index:
     def _compact(self) -> None:
         """Fold the rows added since into the packed base (arrays take a fraction of the
         memory of lists of Python ints); geometric, so each posting is moved O(log n) times."""
-        packed = self._pack()
-        self._base_offsets, self._base_rows, self._base_counts = packed["offsets"], packed["rows"], packed["counts"]
+        self._base_offsets, self._base_rows, self._base_counts = self._postings_arrays()
         self._base_length_count = len(self._lengths)
         self._added, self._arrays = {}, {}
 
@@ -112,9 +110,17 @@ class BM25Index:
         """Every posting in arrays: ``words`` (in id order), ``offsets`` (word id -> slice
         of ``rows`` and ``counts``) and ``lengths`` (words per row)."""
         with self._lock:
-            return self._pack()
+            offsets, rows, counts = self._postings_arrays()
+            return {
+                "words": list(self._words),
+                "offsets": offsets,
+                "rows": rows,
+                "counts": counts,
+                "lengths": np.array(self._lengths, dtype=np.int32),
+            }
 
-    def _pack(self) -> dict[str, Any]:
+    def _postings_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Base and added postings as one packed (offsets, rows, counts)."""
         added_words: list[int] = []
         added_rows: list[int] = []
         added_counts: list[int] = []
@@ -129,13 +135,7 @@ class BM25Index:
         order = np.argsort(words, kind="stable")  # a word's base rows come before its added ones
         offsets = np.zeros(len(self._frequencies) + 1, dtype=np.int64)
         np.cumsum(np.bincount(words, minlength=len(self._frequencies)), out=offsets[1:])
-        return {
-            "words": list(self._words),
-            "offsets": offsets,
-            "rows": rows[order],
-            "counts": counts[order],
-            "lengths": np.array(self._lengths, dtype=np.int32),
-        }
+        return offsets, rows[order], counts[order]
 
     @classmethod
     def from_packed(

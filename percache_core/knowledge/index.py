@@ -1,7 +1,7 @@
-"""What hybrid retrieval reads: the chunks in rows, their embeddings as one matrix, BM25
+"""What hybrid retrieval reads: the chunks in rows, their embeddings in blocks of rows, BM25
 postings and metadata lookups, all growing by appends (a personal corpus is mostly added to).
 
-A question costs one matrix-vector product, the BM25 postings of its words and two
+A question costs one matrix-vector product per block, the BM25 postings of its words and two
 partial sorts; nothing scans the chunks in Python. Rankings are the ones of a full stable
 sort (ties go to the earlier row), so the order does not depend on how the index was
 built.
@@ -230,7 +230,6 @@ class ChunkIndex:
         fused = reciprocal_rank_fusion(rankings, k=rrf_k)
         best = sorted(fused, key=lambda row: (-fused[row], row))[:k]
         return [(row, fused[row]) for row in best]
-
 
 
 def _hashable(value: Any) -> bool:

@@ -1,7 +1,7 @@
 """The knowledge's retrieval index written beside its store, so that a large knowledge
 reopens without reading every chunk record and tokenizing every text again.
 
-A snapshot is the index as it was at one store version (chunks, embedding matrix, BM25
+A snapshot is the index as it was at one store version (chunks, embedding blocks, BM25
 postings, documents), in one ``.npz`` file of arrays (no pickles: read back as data).
 It only ever saves time: the knowledge takes in what was written after that version as
 additions, and reads the records as before when anything was removed or rewritten since,
@@ -94,7 +94,3 @@ def read_snapshot(store: Store) -> Snapshot | None:
     except Exception as error:  # damaged or foreign: the records are read instead
         logger.warning("knowledge index snapshot %s not used: %s", path, error)
         return None
-
-
-def remove_snapshot(store: Store) -> None:
-    store.delete_file(FILE_NAME)

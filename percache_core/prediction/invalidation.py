@@ -38,11 +38,7 @@ class Invalidation:
         parts = self.parts
         if not new_chunks:
             return 0
-        entries = [
-            e
-            for e in parts.qa_bank.entries
-            if e.state == "answered" and not e.remembered
-        ]
+        entries = [e for e in parts.qa_bank.entries if e.state == "answered" and not e.remembered]
         if not entries:
             return 0
         chunks, matrix = parts.knowledge.embedding_matrix()

@@ -164,7 +164,7 @@ class QABank:
         self._partition = np.zeros(16, dtype=np.int32)  # row -> partition code
         self._partition_rows: Counter[int] = Counter()  # partition code -> rows
         self._unservable_rows = 0
-        self._partition_codes: dict[str, int] = {partition_key(None, None): 0}
+        self._partition_codes: dict[str, int] = {_NO_PARTITION: 0}
         self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
         self._version = -1
         self.bytes = 0
