@@ -31,7 +31,7 @@ from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.serving.context import SIGNALS, confidence_signals, is_confident
-from percache_core.serving.generation import drain
+from percache_core.serving.streaming import drain
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .e2e_harness import rouge_l, squad_f1
@@ -52,7 +52,7 @@ def study_user(user: Any, pc: PerCache, top_k: int, max_new_tokens: int) -> list
                 query["question"], chunks[:k], max_new_tokens=max_new_tokens, decode=False, keep_logits=True
             )
             measured = confidence_signals(drain(events).next_token_logits)
-            answer = pc.generate(query["question"], chunks[:k], max_new_tokens=max_new_tokens)
+            answer = pc.caller.generate(query["question"], chunks[:k], max_new_tokens=max_new_tokens)
             steps.append(
                 {**measured, "answer": answer.text, "score": score(answer.text, query.get("answer", ""))}
             )

@@ -61,7 +61,7 @@ def drop_deeper_states(pc: PerCache, depth: int) -> None:
     """Keep only chunk-state nodes of depth <= *depth* (system = 1, first chunk = 2)."""
     for node in sorted(pc.tree.nodes, key=lambda n: -n.depth):
         if node.depth > depth:
-            pc.states.drop(node.key)
+            pc.states.delete(node.key)
 
 
 def exact_mode(args, engine, embedder, pairs) -> dict:

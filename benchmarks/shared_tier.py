@@ -59,7 +59,7 @@ def config(url: str | None, **changes) -> PerCacheConfig:
 def writer(url: str, data: str, count: int) -> None:
     with PerCache.open(tempfile.mkdtemp(), config=config(url)) as pc:
         for question, chunks in prompts(Path(data), count):
-            pc.generate(question, chunks)
+            pc.caller.generate(question, chunks)
 
 
 def client(url: str, data: str, count: int, queue) -> None:
@@ -70,7 +70,7 @@ def client(url: str, data: str, count: int, queue) -> None:
         time.sleep(0.5)  # let the catalog sync
         started = time.perf_counter()
         for question, chunks in work:
-            pc.generate(question, chunks)
+            pc.caller.generate(question, chunks)
         queue.put((len(work), time.perf_counter() - started))
 
 
@@ -93,18 +93,18 @@ def main() -> None:
         with PerCache.open(tempfile.mkdtemp(), config=config(None)) as alone:
             alone.preload()
             for question, chunks in work:
-                ttft["local miss"].append(alone.generate(question, chunks).ttft_s)
+                ttft["local miss"].append(alone.caller.generate(question, chunks).ttft_s)
         with PerCache.open(tempfile.mkdtemp(), config=config(url)) as reader:
             reader.preload()
             time.sleep(0.5)
             for question, chunks in work:
-                shared_hit = reader.generate(question, chunks)
-                local_hit = reader.generate(question, chunks)
+                shared_hit = reader.caller.generate(question, chunks)
+                local_hit = reader.caller.generate(question, chunks)
                 ttft["shared-tier hit"].append(shared_hit.ttft_s)
                 ttft["local hit"].append(local_hit.ttft_s)
             fresh = prompts(args.data, 2 * args.prompts)[args.prompts :]  # never populated
             for question, chunks in fresh:
-                reader.generate(question, chunks)
+                reader.caller.generate(question, chunks)
             bloom = reader.shared.bloom
             stats = reader.stats()["shared"]
         full = BloomFilter(bloom.capacity, bloom.false_positive_rate)  # the same filter, filled to capacity

@@ -126,7 +126,7 @@ def references(folder: Path, documents: list[dict], rows: list[dict], config: di
             key = (row["question"], tuple(row["chunk_ids"]))
             if key not in answers:
                 chunks = [pc.knowledge.get_chunk(chunk_id) for chunk_id in key[1]]
-                answers[key] = pc.generate(row["question"], chunks).text
+                answers[key] = pc.caller.generate(row["question"], chunks).text
     return answers
 
 
@@ -156,7 +156,7 @@ def fill_shared_tier(url: str, documents: list[dict], questions: list[str], conf
             for question in questions:
                 pc.answer(question)
             for index in range(entries):
-                pc.remember(f"Which crate holds item {index}?", f"Crate {index % 97} holds item {index}.")
+                pc.caller.remember(f"Which crate holds item {index}?", f"Crate {index % 97} holds item {index}.")
 
 
 def kill_during(target, folder: Path, config: dict, rng: random.Random, wait: tuple[float, float]) -> float:

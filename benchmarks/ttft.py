@@ -94,7 +94,7 @@ def ttft_trials(args, engine, embedder, folder: Path) -> dict:
                 ("2-path", [a, b, z]),
                 ("full-path", [a, b, c]),
             ):
-                answer = pc.generate(question, path)
+                answer = pc.caller.generate(question, path)
                 cases[name].append(answer.ttft_s)
                 reused[name].append(answer.reused_tokens)
                 if name == "miss":
@@ -131,7 +131,7 @@ def qa_hit_latency(args, engine, embedder, folder: Path) -> dict:
     with PerCache.open(folder / "qa", config=PerCacheConfig(), engine=engine, embedder=embedder) as pc:
         embeddings = embedder.embed(questions)
         for question, embedding in zip(questions, embeddings):
-            pc.qa_bank.remember(question, embedding, "stored answer")
+            pc.qa_bank.put(question, embedding, "stored answer")
         latencies, hits = [], 0
         for question in questions:
             answer = pc.answer(question)
@@ -158,14 +158,14 @@ def check_at_scale(args, folder: Path) -> dict:
     bank = QABank(Store(folder / "big"), dimension=dimension, budget_bytes=10**10)
     started = time.perf_counter()
     for i, vector in enumerate(vectors):
-        bank.remember(f"synthetic question {i}", vector, "answer")
+        bank.put(f"synthetic question {i}", vector, "answer")
     fill_s = time.perf_counter() - started
     times, found = [], 0
     for i in rng.integers(0, args.qa_entries, 200):
         query = vectors[i] + 0.01 * rng.standard_normal(dimension).astype(np.float32)
         query /= np.linalg.norm(query)
         started = time.perf_counter()
-        hit = bank.lookup(query, similarity_threshold=0.85)
+        hit = bank.nearest(query, similarity_threshold=0.85)
         times.append(time.perf_counter() - started)
         found += hit is not None and hit.entry.question == f"synthetic question {i}"
     bank.close()

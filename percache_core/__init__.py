@@ -7,6 +7,7 @@
 Importing this package loads no model and touches no file.
 """
 
+from .callers import CallerPipeline
 from .config import PerCacheConfig
 from .errors import (
     CacheClosedError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Answer",
     "AnswerStream",
+    "CallerPipeline",
     "CacheClosedError",
     "CacheFolderError",
     "Chunk",

@@ -7,7 +7,11 @@ them; none of them sees the facade. ``config`` is the one current configuration:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .config import PerCacheConfig
 from .knowledge.bank import KnowledgeBank
@@ -19,6 +23,8 @@ from .qa.prompt_answers import PromptAnswers
 from .runtime import ModelRuntime
 from .storage import Store
 from .usage import UsageCounters
+
+QUESTION_EMBEDDINGS_KEPT = 64
 
 
 @dataclass
@@ -34,6 +40,25 @@ class CacheParts:
     activity: UserActivity
     usage: UsageCounters
     meta: Store  # small records: the embedder's name, the knowledge abstract
+    _question_embeddings: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict, repr=False)
+    _embedding_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def embed_question(self, question: str) -> np.ndarray:
+        """*question*'s embedding, computed once for the last ``QUESTION_EMBEDDINGS_KEPT``
+        questions: a caller's lookup and its remember of the same question (and every other
+        step of one request) embed it once."""
+        with self._embedding_lock:
+            vector = self._question_embeddings.get(question)
+            if vector is not None:
+                self._question_embeddings.move_to_end(question)
+                return vector
+        vector = self.embedder.embed([question])[0]
+        vector.setflags(write=False)  # shared by the steps of a request
+        with self._embedding_lock:
+            self._question_embeddings[question] = vector
+            while len(self._question_embeddings) > QUESTION_EMBEDDINGS_KEPT:
+                self._question_embeddings.popitem(last=False)
+        return vector
 
     def binding(self, *, top_k: int | None = None, max_new_tokens: int | None = None) -> str:
         """The binding of answers the cache's own pipeline gives with these settings (see

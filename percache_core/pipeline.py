@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .callers import CallerPipeline, similarity_override
 from .config import PerCacheConfig
 from .errors import CacheClosedError, CacheFolderError
-from .inputs import as_chunks, positive_override, validated_question, validated_scope
+from .inputs import positive_override, validated_question, validated_scope
 from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
-from .kv.engine import Engine, Sampling
+from .kv.engine import Engine
 from .kv.tiers import TieredStateStore
 from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
@@ -32,13 +32,12 @@ from .prediction.worker import IdleWorker
 from .qa.bank import QABank
 from .qa.prompt_answers import PromptAnswers
 from .runtime import ModelRuntime
-from .serving.generation import PromptRunner, drain
-from .serving.prompting import TextPrompt
-from .serving.request_path import RequestPath, stored_answer
-from .serving.streaming import AnswerStream
+from .serving.generation import PromptRunner
+from .serving.request_path import RequestPath
+from .serving.streaming import AnswerStream, delivered
 from .shared.redis_tier import open_shared_tier
 from .storage import Store, private_folder
-from .types import Answer, Chunk, QAEntry, RetrievedChunk
+from .types import Answer, Chunk, RetrievedChunk
 from .usage import UsageCounters
 
 logger = logging.getLogger(__name__)
@@ -109,7 +108,10 @@ class PerCache:
         self.embedder, self.knowledge, self.qa_bank = embedder, self.parts.knowledge, qa_bank
         self.usage = self.parts.usage
         self.request_path = RequestPath(self.parts)
-        self.scheduler = Scheduler(self.parts)
+        self.scheduler = Scheduler(self.parts, self.request_path)
+        self.caller = CallerPipeline(self.parts, self.request_path, self._ensure_open)
+        """The verbs for apps that run their own pipeline (lookup, complete, generate,
+        remember, forget): see :class:`~percache_core.callers.CallerPipeline`."""
         self._worker: IdleWorker | None = None
 
     @classmethod
@@ -165,7 +167,6 @@ class PerCache:
             self.shared.close()
         self._closed = True
         parts = self.parts
-        parts.prompt_answers.flush()
         parts.qa_bank.close()
         parts.knowledge.close()
         parts.meta.close()
@@ -225,7 +226,7 @@ class PerCache:
         self-checks (a few seconds once per engine: the exact prefill piece size, the
         draft-verification bound, whether drafts pay), not on first use."""
         self._ensure_open()
-        self.embedder.embed(["warm-up"])
+        self.parts.embed_question("warm-up")
         self.parts.runtime.preload()
         logger.info("engine self-check: %s", self.parts.runtime.self_check_report())
 
@@ -243,7 +244,7 @@ class PerCache:
         self.parts.activity.touch()
         chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
         if chunks and self.config.qa_bank:
-            self.scheduler.invalidation.mark_stale(chunks, self.knowledge.last_replaced)
+            self.scheduler.invalidation.documents_added(chunks, self.knowledge.last_replaced)
         return chunks
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
@@ -263,7 +264,7 @@ class PerCache:
         ids = validated_document_ids(doc_ids)
         with self.parts.activity.user_turn():  # an idle round stops first
             removing = [chunk for chunk in self.knowledge.chunks if chunk.doc_id in ids]
-            self.scheduler.invalidation.forget_documents(removing, ids)
+            self.scheduler.invalidation.documents_deleted(removing, ids)
             if removing:
                 self.parts.prompt_answers.clear()  # a key does not say which texts its prompt held
             # the chunks go last: a failure (or kill) before leaves the documents, so a
@@ -296,201 +297,18 @@ class PerCache:
         """
         self._ensure_open()
         question = validated_question(question)
-        threshold = self._similarity_threshold(similarity_threshold)
+        threshold = similarity_override(similarity_threshold, self.config.similarity_threshold)
         top_k = positive_override("top_k", top_k, self.config.top_k)
         max_new_tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
         scope_dict = validated_scope(scope)
-
-        def events() -> Generator[str, None, Answer]:
-            with self.parts.activity.user_turn():
-                answer = yield from self.request_path.answer(
-                    question,
-                    similarity_threshold=threshold,
-                    top_k=top_k,
-                    max_new_tokens=max_new_tokens,
-                    scope=scope_dict,
-                )
-            return answer
-
-        return _delivered(events(), stream)
+        events = self.request_path.answer(
+            question, similarity_threshold=threshold, top_k=top_k, max_new_tokens=max_new_tokens, scope=scope_dict
+        )
+        return delivered(self.parts.activity.in_user_turn(events), stream)
 
     def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
         """``answer(question, stream=True, **overrides)``."""
         return self.answer(question, stream=True, **overrides)  # type: ignore[return-value]
-
-    def generate(
-        self,
-        question: str,
-        chunks: Sequence[Chunk | str],
-        *,
-        max_new_tokens: int | None = None,
-        binding: str | None = None,
-        scope: Mapping[str, Any] | None = None,
-        stream: bool = False,
-    ) -> Answer | AnswerStream:
-        """Answer *question* from the given *chunks* (in this order) through the chunk-state
-        tree, without retrieval: for callers that retrieve on their own.
-
-        Stored answers of similar questions under *binding* (default: this cache's own)
-        and *scope* are drafts the model verifies (exact mode), and the answer is stored
-        there, so a repeat or a paraphrase with the same answer is served as
-        ``source="qa_bank"``; the output is always the cache-off output. Strings are
-        wrapped as chunks with a content-derived id. With ``context="adaptive"`` the
-        prompt gets the shortest leading run of *chunks* that makes the model confident.
-        """
-        self._ensure_open()
-        question = validated_question(question)
-        chunk_list = as_chunks(chunks)
-        tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
-        scope_dict = validated_scope(scope)
-        binding = binding or self.binding(tokens)
-        started = time.perf_counter()
-
-        def events() -> Generator[str, None, Answer]:
-            with self.parts.activity.user_turn():
-                embedding = self.embedder.embed([question])[0]
-                answer = yield from self.request_path.run(
-                    question,
-                    chunk_list,
-                    embedding=embedding,
-                    binding=binding,
-                    scope=scope_dict,
-                    max_new_tokens=tokens,
-                    started=started,
-                    timings={},
-                )
-            return answer
-
-        return _delivered(events(), stream)
-
-    def complete_text(
-        self,
-        prompt: str,
-        *,
-        documents: Sequence[str] = (),
-        max_new_tokens: int | None = None,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] | None = None,
-        prompt_lookup: bool = False,
-        trim: bool = False,
-        stream: bool = False,
-    ) -> Answer | AnswerStream:
-        """Continue a finished prompt string (a framework's template, a chat template) as
-        the model does without a cache, reusing stored states of its leading part.
-
-        The prompt is tokenized whole and prefilled as one call would be: it is cut only
-        where one of *documents* (texts in the prompt: retrieved chunks, chat messages) ends
-        and the engine's self-check proved that the cut changes nothing, and the state there
-        is kept. So the output never depends on the cache, and it is stock llama.cpp's text
-        (``trim=True`` drops the white space around it, as for a chat reply). A prompt run
-        before with the same settings is answered from its stored answer without the model.
-        *sampling* (default: the configured one), *stop* (replaces the configured stop
-        strings) and ``max_new_tokens`` apply to this call. No QA-bank entry: the question's
-        answer is the caller's to keep.
-
-        >>> pc.complete_text("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
-        ...                  documents=["Lunch is at noon."])  # doctest: +SKIP
-        """
-        self._ensure_open()
-        if not isinstance(prompt, str) or not prompt:
-            raise TypeError("prompt must be a non-empty string")
-        if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
-            raise TypeError("documents must be a sequence of strings")
-        tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
-        spec = TextPrompt(prompt, tuple(documents))
-
-        def events() -> Generator[str, None, Answer]:
-            with self.parts.activity.user_turn():
-                answer = yield from self.request_path.complete(
-                    prompt,
-                    spec=spec,
-                    stop=stop,
-                    max_new_tokens=tokens,
-                    sampling=sampling,
-                    prompt_lookup=prompt_lookup,
-                    trim=trim,
-                )
-            return answer
-
-        return _delivered(events(), stream)
-
-    def lookup(
-        self,
-        question: str,
-        *,
-        similarity_threshold: float | None = None,
-        scope: Mapping[str, Any] | None = None,
-        binding: str | None = None,
-        asked: str | None = None,
-    ) -> Answer | None:
-        """The QA bank's answer for *question* under *binding* (default: this cache's own)
-        and *scope*, or None: for callers that generate on their own and then call
-        :meth:`remember` with the same binding (a key of whatever decides their answers:
-        model, prompt, settings, the retrieved context). When *question* is such a key
-        (a whole prompt), give the user's question as *asked*: it is what idle prediction
-        learns from.
-
-        Exact mode (the default) only returns the answer stored for the same question
-        text: the same inputs give the same output. Semantic mode returns the best entry
-        at or above tau that the verifier accepts (approximate).
-        """
-        self._ensure_open()
-        question = validated_question(question)
-        threshold = self._similarity_threshold(similarity_threshold)
-        scope_dict = validated_scope(scope)
-        started = time.perf_counter()
-        binding = binding or self.binding()
-        with self.parts.activity.user_turn():
-            embedding = self.embedder.embed([question])[0]
-            hit = self.request_path.lookup(question, embedding, threshold, scope_dict, binding, asked)
-        if hit is None:
-            return None
-        answer = stored_answer(question, hit, started, {})
-        answer.approximate = self.config.qa_mode != "exact"
-        self.request_path.count(answer)
-        return answer
-
-    def remember(
-        self,
-        question: str,
-        answer: str,
-        *,
-        chunk_ids: Sequence[str] = (),
-        scope: Mapping[str, Any] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        binding: str | None = None,
-    ) -> QAEntry:
-        """Store *answer* (a caller's own) for *question* under *binding* (default: this
-        cache's own) and *scope*; it replaces an earlier answer to the same question there.
-        The model's own answers never replace a remembered one, and new documents never
-        make it stale: ``answer()`` of the same question (same scope, default settings)
-        returns it as given, ``source="remembered"``, without the model. Replace it with
-        ``remember`` again; it goes with ``delete_documents`` of a document in *chunk_ids*."""
-        self._ensure_open()
-        question = validated_question(question)
-        if not isinstance(answer, str):
-            raise TypeError(f"answer must be a string, got {type(answer).__name__}")
-        scope_dict = validated_scope(scope)
-        extra = dict(metadata or {})
-        extra["remembered"] = True
-        if scope_dict:
-            extra["scope"] = scope_dict
-        extra["binding"] = binding or self.binding()
-        embedding = self.embedder.embed([question])[0]
-        return self.qa_bank.remember(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)
-
-    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """*chunks* reordered so that the longest stored chunk-state path comes first (this
-        changes the prompt, and so possibly the answer)."""
-        self._ensure_open()
-        return self.runner.stored_order(chunks)
-
-    def _similarity_threshold(self, value: float | None) -> float:
-        if value is None:
-            return self.config.similarity_threshold
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"similarity_threshold must be in [0, 1], got {value}")
-        return float(value)
 
     # -- idle time ------------------------------------------------------------------------
 
@@ -612,8 +430,3 @@ class PerCache:
         summary["engine_self_check"] = self.parts.runtime.self_check_report()
         return summary
 
-
-def _delivered(events: Generator[str, None, Answer], stream: bool) -> Answer | AnswerStream:
-    """The stream of *events* (produced by a thread of its own), or (not streaming) its
-    answer, produced in the calling thread."""
-    return AnswerStream(events) if stream else drain(events)

@@ -20,7 +20,7 @@ from .config import PerCacheConfig
 from .kv.engine import Engine
 from .kv.pieces import exact_pieces, known_pieces
 from .kv.slicing import slices_work
-from .kv.state_store import StateStore, drop_document_states
+from .kv.state_store import StateStore, delete_document_states
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
 from .serving.drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
@@ -72,6 +72,10 @@ class ModelRuntime:
                 )
             return self._engine
 
+    def runs_on(self, engine: Engine) -> bool:
+        """Whether *engine* is this runtime's (loads nothing)."""
+        return self._engine is engine
+
     @property
     def engine_loaded(self) -> bool:
         return self._engine is not None
@@ -121,10 +125,10 @@ class ModelRuntime:
         if self._states is not None:
             self._states.local.min_free_bytes = config.min_free_disk_bytes
 
-    def forget_chunks(self, chunk_ids: set[str]) -> int:
+    def delete_chunk_states(self, chunk_ids: set[str]) -> int:
         """Delete the stored states that may hold these chunks' text, of every fingerprint
-        (see :func:`~percache_core.kv.state_store.drop_document_states`); the count."""
-        dropped = drop_document_states(self._folder / "states", chunk_ids)
+        (see :func:`~percache_core.kv.state_store.delete_document_states`); the count."""
+        dropped = delete_document_states(self._folder / "states", chunk_ids)
         if self._states is not None:
             self._states.sync()
         return dropped

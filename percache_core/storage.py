@@ -18,6 +18,7 @@ A write that fails (disk full, read-only, locked too long) raises
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sqlite3
@@ -31,11 +32,13 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .errors import CacheFolderError, StorageWriteError
+from .eviction import LFU, EvictionPolicy, UseCounts
 
 DATABASE_NAME = "percache.sqlite3"
 APPLICATION_ID = 0x50434348  # "PCCH": marks a database as PerCache's
 SCHEMA_VERSION = 1
 BLOB_FOLDER = "blobs"
+logger = logging.getLogger(__name__)
 _TOMBSTONES_KEPT = 5000
 _LOCK_TIMEOUT_S = 30.0
 
@@ -152,8 +155,10 @@ class Store:
     >>> store.close()
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], *, policy: EvictionPolicy = LFU) -> None:
         self.folder = Path(folder)
+        self.policy = policy  # the order in which records over a budget go
+        self._uses = UseCounts()  # uses noted and not yet written
         self.path = self.folder / DATABASE_NAME
         self._lock = threading.RLock()
         try:
@@ -292,9 +297,9 @@ class Store:
         removed: list[str] = []
         if total <= limit:
             return removed
+        self._write_uses(self._uses.take())  # the order sees every use noted so far
         rows = self._db.execute(
-            "SELECT key, size FROM records AS r WHERE key LIKE ? ESCAPE '\\' ORDER BY "
-            "EXISTS (SELECT 1 FROM records AS c WHERE c.parent = r.key), hits, last_used, key",
+            f"SELECT key, size FROM records AS r WHERE key LIKE ? ESCAPE '\\' ORDER BY {self.policy.order_by}",
             (pattern,),
         ).fetchall()
         for key, size in rows:
@@ -318,15 +323,24 @@ class Store:
             for key in self.keys(prefix):
                 self._remove(key)
 
-    def add_hits(self, uses: dict[str, tuple[int, float]]) -> None:
-        """Add ``(hits, last used)`` to records (LFU counters of every process add up)."""
-        if not uses:
-            return
-        with self.transaction():
-            self._db.executemany(
-                "UPDATE records SET hits = hits + ?, last_used = max(last_used, ?) WHERE key = ?",
-                [(hits, used, key) for key, (hits, used) in uses.items()],
-            )
+    def note_use(self, key: str, when: float | None = None) -> None:
+        """Count one use of *key* for eviction (see :mod:`percache_core.eviction`); written
+        with the next eviction, :meth:`flush_uses` or :meth:`close`, added to what other
+        processes counted."""
+        self._uses.note(key, when)
+
+    def flush_uses(self) -> None:
+        """Write the uses noted since the last write."""
+        uses = self._uses.take()
+        if uses:
+            with self.transaction():
+                self._write_uses(uses)
+
+    def _write_uses(self, uses: dict[str, tuple[int, float]]) -> None:
+        self._db.executemany(
+            "UPDATE records SET hits = hits + ?, last_used = max(last_used, ?) WHERE key = ?",
+            [(hits, used, key) for key, (hits, used) in uses.items()],
+        )
 
     # -- reading --------------------------------------------------------------------------
 
@@ -336,14 +350,14 @@ class Store:
         ).fetchone()
         return None if row is None else _as_record_or_none(row)
 
-    def record(self, key: str) -> Record | None:
+    def get_record(self, key: str) -> Record | None:
         """The record under *key*, or None."""
         with self._lock:
             return self._record(key)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value under *key*, or *default* when absent."""
-        record = self.record(key)
+        record = self.get_record(key)
         return default if record is None else record.value
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -498,7 +512,13 @@ class Store:
             self._db.execute("UPDATE counter SET floor = ? WHERE id = 0", (cut,))
 
     def close(self) -> None:
-        """Close the database."""
+        """Write the uses noted, forget the oldest removals when there are many, and close
+        the database. A failed write here is logged (the counters only order eviction)."""
+        try:
+            self.flush_uses()
+            self.prune_tombstones()
+        except StorageWriteError as error:
+            logger.warning("use counters of %s not written: %s", self.folder, error)
         with self._lock:
             self._db.close()
 

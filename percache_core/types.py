@@ -128,6 +128,10 @@ class Answer:
             exact answers, ``qa_bank`` ones included, never do.
         draft_tokens_accepted: answer tokens verified from drafts instead of decoded one
             at a time (stored answers and prompt lookup).
+        predicted: served from what idle work stored before the question was asked (a
+            predicted question's QA entry, or the stored answer of a prompt idle work ran).
+        idle_reused_chunks: of the ``reused_chunks``, those whose states idle work stored
+            (the knowledge prefill, predicted questions).
     """
 
     text: str
@@ -146,3 +150,5 @@ class Answer:
     timings: dict[str, float] = field(default_factory=dict)
     approximate: bool = False
     draft_tokens_accepted: int = 0
+    predicted: bool = False
+    idle_reused_chunks: int = 0

@@ -23,6 +23,10 @@ class _Totals:
     storage_failures: int = 0
     draft_tokens_accepted: int = 0
     remembered: int = 0
+    predicted: int = 0  # answers served from what idle work stored (QA entries, prompt answers)
+    idle_state_answers: int = 0  # answers that restored at least one state idle work stored
+    idle_reused_chunks: int = 0
+    restored_depth: dict[int, int] = field(default_factory=dict)  # reused chunks -> answers
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
     )
@@ -58,6 +62,12 @@ class UsageCounters:
             totals.prefilled_tokens += answer.prefilled_tokens
             totals.generated_tokens += answer.generated_tokens
             totals.draft_tokens_accepted += answer.draft_tokens_accepted
+            totals.predicted += answer.predicted
+            totals.idle_state_answers += answer.idle_reused_chunks > 0
+            totals.idle_reused_chunks += answer.idle_reused_chunks
+            if source != "qa_bank":
+                depth = totals.restored_depth
+                depth[answer.reused_chunks] = depth.get(answer.reused_chunks, 0) + 1
             totals.latency_s[source] += answer.latency_s
 
     def count_rejection(self) -> None:
@@ -95,6 +105,12 @@ class UsageCounters:
                 "stale_dropped": c.stale_dropped,
                 "storage_failures": c.storage_failures,
                 "draft_tokens_accepted": c.draft_tokens_accepted,
+                "served_from_prediction": {
+                    "answers": c.predicted,
+                    "answers_restoring_idle_states": c.idle_state_answers,
+                    "idle_chunks_restored": c.idle_reused_chunks,
+                    "restored_depth": {str(k): v for k, v in sorted(c.restored_depth.items())},
+                },
                 "mean_latency_s": {
                     source: total / max(1, count)
                     for (source, total), count in zip(

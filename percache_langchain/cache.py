@@ -52,10 +52,10 @@ class PerCacheSemanticCache(BaseCache):
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
         key, binding, question = self._key(prompt, llm_string)
-        answer = self._percache.lookup(key, similarity_threshold=self._threshold, binding=binding, asked=question)
+        answer = self._percache.caller.lookup(key, similarity_threshold=self._threshold, binding=binding, asked=question)
         if answer is None or answer.entry_id is None:
             return None
-        entry = self._percache.qa_bank.get(answer.entry_id)
+        entry = self._percache.caller.entry(answer.entry_id)
         if entry is None or "lc_generations" not in entry.metadata:
             return None
         with warnings.catch_warnings():
@@ -66,7 +66,7 @@ class PerCacheSemanticCache(BaseCache):
         if not return_val:
             return
         key, binding, _ = self._key(prompt, llm_string)
-        self._percache.remember(
+        self._percache.caller.remember(
             key,
             return_val[0].text,
             binding=binding,
@@ -75,10 +75,7 @@ class PerCacheSemanticCache(BaseCache):
 
     def clear(self, **kwargs: Any) -> None:
         """Drop every entry this cache stored (other PerCache entries stay)."""
-        bank = self._percache.qa_bank
-        for entry in bank.entries:
-            if entry.origin == _ORIGIN:
-                bank.drop(entry.id)
+        self._percache.caller.forget(origin=_ORIGIN)
 
     async def alookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
         return await asyncio.to_thread(self.lookup, prompt, llm_string)

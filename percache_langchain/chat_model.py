@@ -104,15 +104,15 @@ class PerCacheChatLlamaCPP(BaseChatModel):
 
     @property
     def _model_name(self) -> str:
-        return self.percache.engine.model_name
+        return self.percache.caller.text_model.model_name
 
     def prompt(self, messages: list[BaseMessage]) -> str:
         """The prompt string the model continues for *messages*."""
-        return chat_text(self.percache.engine, message_pairs(messages), template=self.chat_template)
+        return chat_text(self.percache.caller.text_model, message_pairs(messages), template=self.chat_template)
 
     def _pieces(self, messages: list[BaseMessage], stop: list[str] | None) -> AnswerStream:
         stops = list(stop if stop is not None else self.stop or [])
-        if self.chat_template is None and self.percache.engine.chat_template is None:
+        if self.chat_template is None and self.percache.caller.text_model.chat_template is None:
             stops += PLAIN_CHAT_STOPS  # the model has no chat template: turns are plain lines
         # states are kept after each message, so that the next turn (and a new session with
         # the same system message) restores everything before its new message

@@ -1,7 +1,7 @@
 """``PerCacheLlamaCPP``: a LangChain LLM on PerCache's llama.cpp engine.
 
 The prompt string, whatever template made it, is continued exactly as the model does
-without a cache (``PerCache.complete_text``): tokenized whole and prefilled as one call
+without a cache (``pc.caller.complete``): tokenized whole and prefilled as one call
 would, restoring the stored state of its longest known leading part. States are kept where
 a document that a ``PerCacheRetriever`` of the same PerCache returned ends in the prompt;
 that choice never changes the text. An identical prompt is answered without the model.
@@ -50,7 +50,7 @@ def complete(
     (chat replies); without it the text is llama.cpp's as decoded."""
     documents = [d.page_content for d in recorder_for(percache).documents_in(prompt)]
     documents += [text for text in keep_after if text.strip()]
-    return percache.complete_text(
+    return percache.caller.complete(
         prompt,
         documents=documents,
         max_new_tokens=settings["max_new_tokens"],

@@ -183,8 +183,8 @@ class PerCacheLlamaCPP(CustomLLM):
         stream never keeps the model from other calls); through the cache of *scope* (the
         caller's :func:`cache_scope`) when it runs on this LLM's engine."""
         sampling = Sampling(self.temperature, self.top_p, self.seed)
-        if scope is not None and scope.percache.engine is self.engine:
-            stream = scope.percache.complete_text(
+        if scope is not None and scope.percache.caller.runs_on(self.engine):
+            stream = scope.percache.caller.complete(
                 prompt,
                 documents=scope.documents,
                 max_new_tokens=self.max_new_tokens,

@@ -36,7 +36,7 @@ def chunk_nodes(percache: PerCache, chunk_ids: tuple[str, ...]) -> list[NodeWith
     """Nodes for stored chunk ids (the source nodes of a QA-bank hit)."""
     nodes = []
     for chunk_id in chunk_ids:
-        chunk = percache.knowledge.get_chunk(chunk_id) or percache.knowledge.get_chunk(f"{chunk_id}#c000")
+        chunk = percache.caller.chunk(chunk_id)
         if chunk is not None:
             nodes.append(
                 NodeWithScore(

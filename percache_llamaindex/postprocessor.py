@@ -43,5 +43,5 @@ class PerCacheNodePostprocessor(BaseNodePostprocessor):
         if not self.reorder or not nodes:
             return nodes
         by_id = {node.node.node_id: node for node in nodes}
-        ordered = self._percache.stored_order(chunks)
+        ordered = self._percache.caller.stored_order(chunks)
         return [by_id[chunk.id] for chunk in ordered]

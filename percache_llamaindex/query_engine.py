@@ -229,13 +229,13 @@ class PerCacheQueryEngine(BaseQueryEngine):
             return False
         chunks = node_chunks(nodes)
         binding = self._binding(chunks)
-        if self._percache.qa_bank.find(question, binding=binding) is not None:
+        if self._percache.caller.find(question, binding=binding) is not None:
             return False
         response = self._synthesize(bundle, nodes, chunks, binding, time.perf_counter())
         if isinstance(response, StreamingResponse):
             for _ in response.response_gen:  # the answer is stored when the stream ends
                 pass
-        return self._percache.qa_bank.find(question, binding=binding) is not None
+        return self._percache.caller.find(question, binding=binding) is not None
 
     def _binding(self, chunks: list[Chunk]) -> str:
         """What decides this engine's answer besides the question: the LLM, the response
@@ -259,7 +259,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         chunks = node_chunks(nodes)
         binding = self._binding(chunks)
         question = query_bundle.query_str
-        hit = self._percache.lookup(question, binding=binding)
+        hit = self._percache.caller.lookup(question, binding=binding)
         if hit is not None:
             return self._stored_response(hit, nodes)
         return self._synthesize(query_bundle, nodes, chunks, binding, started)
@@ -322,7 +322,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
     def _remember(self, question: str, text: str | None, nodes: list[NodeWithScore], binding: str) -> None:
         if self._percache.config.qa_bank and text and text.strip():
             ids = [n.node.node_id for n in nodes]
-            self._percache.remember(question, text, chunk_ids=ids, binding=binding)
+            self._percache.caller.remember(question, text, chunk_ids=ids, binding=binding)
 
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         return await asyncio.to_thread(self._query, query_bundle)

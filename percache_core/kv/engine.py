@@ -67,17 +67,11 @@ class Sampling:
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """A model with one token sequence, its KV state and its logits."""
+class TextModel(Protocol):
+    """The text side of a model: tokenizer and chat template. Laying out a prompt and
+    formatting a chat need only this."""
 
-    lock: threading.Lock
-    n_ctx: int  # the most tokens the sequence can hold
-    n_past: int  # tokens in the sequence now
     n_vocab: int
-
-    def fingerprint(self, extra: str = "") -> str:
-        """A digest of everything that changes state bytes and logits, plus *extra*."""
-        ...
 
     @property
     def model_name(self) -> str: ...
@@ -96,6 +90,19 @@ class Engine(Protocol):
     def token_bytes(self, token: int, *, special: bool = False) -> bytes: ...
 
     def is_end_of_generation(self, token: int) -> bool: ...
+
+
+@runtime_checkable
+class KVSequence(Protocol):
+    """The sequence side of a model: one token sequence, its KV state and its logits."""
+
+    lock: threading.Lock
+    n_ctx: int  # the most tokens the sequence can hold
+    n_past: int  # tokens in the sequence now
+
+    def fingerprint(self, extra: str = "") -> str:
+        """A digest of everything that changes state bytes and logits, plus *extra*."""
+        ...
 
     def warm_up(self) -> None: ...
 
@@ -150,3 +157,10 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(TextModel, KVSequence, Protocol):
+    """A loaded model: its :class:`TextModel` side (tokenizer, chat template) and its
+    :class:`KVSequence` side (eval, logits, states). ``LlamaEngine`` is one, and
+    ``FakeEngine`` in tests."""

@@ -55,33 +55,17 @@ def _saved_positions(data: bytes) -> tuple[int, np.ndarray] | None:
     return first, np.frombuffer(body, dtype=np.uint64)
 
 
-class FakeEngine:
-    """A byte-level, deterministic engine with one sequence.
+class FakeTextModel:
+    """A byte-level tokenizer with Gemma-like chat markup: the text side of
+    :class:`FakeEngine`, usable alone where only tokens are needed.
 
-    Args:
-        n_ctx: the most tokens the sequence holds.
-        answer_tokens: the mean answer length in tokens (the end-of-generation token is
-            the greedy choice at about one position in this many, so answers end).
-        name: part of the fingerprint (two fakes with different names never share states).
+    >>> FakeTextModel().tokenize("hi")
+    [108, 109]
     """
 
-    def __init__(self, *, n_ctx: int = 4096, answer_tokens: int = 12, name: str = "fake") -> None:
-        self.lock = threading.Lock()
-        self.n_ctx = n_ctx
-        self.n_past = 0
-        self.n_vocab = _VOCAB
-        self.n_batch = 512
-        self.n_swa = 0
-        self.answer_tokens = answer_tokens
+    def __init__(self, name: str = "fake") -> None:
         self.name = name
-        self._hashes: list[int] = []  # rolling hash after each position
-        self.calls: dict[str, int] = {"eval": 0, "eval_with_logits": 0, "load_state": 0, "generate": 0}
-
-    # -- identity -------------------------------------------------------------------------
-
-    def fingerprint(self, extra: str = "") -> str:
-        payload = f"fake-engine|{self.name}|{self.n_ctx}|{self.answer_tokens}|{extra}"
-        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+        self.n_vocab = _VOCAB
 
     @property
     def model_name(self) -> str:
@@ -125,6 +109,35 @@ class FakeEngine:
 
     def is_end_of_generation(self, token: int) -> bool:
         return token in (EOS, END_TURN)
+
+
+class FakeEngine(FakeTextModel):
+    """A byte-level, deterministic engine with one sequence (its text side:
+    :class:`FakeTextModel`).
+
+    Args:
+        n_ctx: the most tokens the sequence holds.
+        answer_tokens: the mean answer length in tokens (the end-of-generation token is
+            the greedy choice at about one position in this many, so answers end).
+        name: part of the fingerprint (two fakes with different names never share states).
+    """
+
+    def __init__(self, *, n_ctx: int = 4096, answer_tokens: int = 12, name: str = "fake") -> None:
+        super().__init__(name)
+        self.lock = threading.Lock()
+        self.n_ctx = n_ctx
+        self.n_past = 0
+        self.n_batch = 512
+        self.n_swa = 0
+        self.answer_tokens = answer_tokens
+        self._hashes: list[int] = []  # rolling hash after each position
+        self.calls: dict[str, int] = {"eval": 0, "eval_with_logits": 0, "load_state": 0, "generate": 0}
+
+    # -- identity -------------------------------------------------------------------------
+
+    def fingerprint(self, extra: str = "") -> str:
+        payload = f"fake-engine|{self.name}|{self.n_ctx}|{self.answer_tokens}|{extra}"
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
     def warm_up(self) -> None:
         return None

@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import EngineError, ModelNotFoundError, missing_dependency
 from ..models import file_sha256
 from .engine import Sampling
+from .llama_text import LlamaTextModel
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ def batch_bounds(n_tokens: int, n_batch: int) -> list[tuple[int, int]]:
     return [(n_tokens * i // calls, n_tokens * (i + 1) // calls) for i in range(calls)]
 
 
-class LlamaEngine:
+class LlamaEngine(LlamaTextModel):
     """A GGUF model in a llama.cpp context with a single sequence (id 0): the
-    :class:`~percache_core.kv.engine.Engine` that PerCache runs on.
+    :class:`~percache_core.kv.engine.Engine` that PerCache runs on. Its text side
+    (tokenizer, chat template) is :class:`~percache_core.kv.llama_text.LlamaTextModel`;
+    this class adds the sequence side (eval, logits, states).
 
     The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,
     so a streaming generator may release it from another thread) around any sequence of
@@ -101,7 +104,6 @@ class LlamaEngine:
         verbose: bool = False,
     ) -> None:
         lc = _import_llama_cpp()
-        self._lc = lc
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise ModelNotFoundError(f"model file not found: {self.model_path}")
@@ -114,7 +116,7 @@ class LlamaEngine:
         self._model = lc.llama_model_load_from_file(str(self.model_path).encode("utf-8"), model_params)
         if not self._model:
             raise ModelNotFoundError(f"llama.cpp could not load the model file {self.model_path}")
-        self._vocab = lc.llama_model_get_vocab(self._model)
+        super().__init__(lc, self._model, self.model_path)
 
         threads = n_threads or os.cpu_count() or 1
         context_params = lc.llama_context_default_params()
@@ -136,7 +138,6 @@ class LlamaEngine:
 
         self.n_ctx = lc.llama_n_ctx(self._ctx)
         self.n_batch = n_batch
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self.n_past = 0
         self._settings = {
             "llama_cpp_python": getattr(lc, "__version__", "unknown"),
@@ -167,82 +168,6 @@ class LlamaEngine:
             {"model_sha256": self._model_sha256, "extra": extra, **self._settings}, sort_keys=True
         )
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-    @property
-    def model_name(self) -> str:
-        return self.model_path.name
-
-    # -- tokens ---------------------------------------------------------------------------
-
-    def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]:
-        """Token ids of *text*; with *special*, markup such as ``<start_of_turn>`` in the
-        text becomes special tokens (for chat-template prompts)."""
-        data = text.encode("utf-8")
-        capacity = len(data) + 8
-        buffer = (self._lc.llama_token * capacity)()
-        count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
-        if count < 0:
-            capacity = -count
-            buffer = (self._lc.llama_token * capacity)()
-            count = self._lc.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
-        if count < 0:
-            raise EngineError(f"tokenization failed for a text of {len(data)} bytes")
-        return list(buffer[:count])
-
-    @property
-    def chat_template(self) -> str | None:
-        """The chat template stored in the GGUF file, if any."""
-        template = self._lc.llama_model_chat_template(self._model, None)
-        return template.decode("utf-8", "replace") if template else None
-
-    def chat_prompt(self, user_message: str) -> str:
-        """*user_message* as one user turn in the model's chat template, ready for the
-        assistant's reply (tokenize it with ``special=True`` and no extra BOS)."""
-        return self.format_chat([("user", user_message)])
-
-    def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
-        """(role, content) messages in the GGUF file's chat template, or in *template* (a
-        llama.cpp built-in name such as ``"gemma"``, or template text it recognises):
-        llama.cpp's own rendering, ending with the assistant's turn opened. Raises
-        EngineError when there is no template or llama.cpp cannot apply it."""
-        chosen = template.encode("utf-8") if template else self._lc.llama_model_chat_template(self._model, None)
-        if not chosen:
-            raise EngineError(f"{self.model_name} has no chat template")
-        if not messages:
-            raise ValueError("no messages to format")
-        encoded = [(role.encode("utf-8"), content.encode("utf-8")) for role, content in messages]
-        array = (self._lc.llama_chat_message * len(encoded))()
-        for slot, (role, content) in zip(array, encoded):
-            slot.role, slot.content = role, content
-        size = 2 * sum(len(content) for _, content in encoded) + 1024
-        buffer = ctypes.create_string_buffer(size)
-        count = self._lc.llama_chat_apply_template(chosen, array, len(encoded), True, buffer, size)
-        if count > size:
-            buffer = ctypes.create_string_buffer(count)
-            count = self._lc.llama_chat_apply_template(chosen, array, len(encoded), True, buffer, count)
-        if count < 0:
-            raise EngineError("llama.cpp could not apply the chat template")
-        return buffer.raw[:count].decode("utf-8", "replace")
-
-    def tokenize_chat(self, prompt: str) -> list[int]:
-        """Tokens of a chat-template prompt: markup as special tokens, BOS added only if the
-        template did not write it."""
-        bos = self._lc.llama_vocab_bos(self._vocab)
-        bos_text = self.token_bytes(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
-        starts_with_bos = bool(bos_text) and prompt.startswith(bos_text)
-        return self.tokenize(prompt, not starts_with_bos, special=True)
-
-    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
-        """The bytes a token stands for (may be part of a UTF-8 character)."""
-        buffer = ctypes.create_string_buffer(64)
-        count = self._lc.llama_token_to_piece(self._vocab, token, buffer, 64, 0, special)
-        if count < 0:
-            buffer = ctypes.create_string_buffer(-count)
-            count = self._lc.llama_token_to_piece(self._vocab, token, buffer, -count, 0, special)
-        return buffer.raw[:count]
-
-    def is_end_of_generation(self, token: int) -> bool:
-        return bool(self._lc.llama_vocab_is_eog(self._vocab, token))
 
     def warm_up(self) -> None:
         """Run one small prefill so that the first real question is not slowed by set-up."""

@@ -49,14 +49,13 @@ class StateStore:
         self.min_free_bytes = min_free_bytes
         self._store = Store(Path(folder) / fingerprint[:24])
         self.corrupt_dropped = 0
-        self._used: dict[str, tuple[int, float]] = {}  # hit counters not yet written
 
-    def remove_orphans(self, tree: ChunkStateTree) -> None:
+    def delete_orphans(self, tree: ChunkStateTree) -> None:
         """Delete state files that no record names (left by a crash between the two writes);
         files younger than a few minutes may be another process's write in progress."""
         try:
             for name in self._store.file_names(older_than_s=_ORPHAN_AGE_S):
-                if name not in tree and self._store.record(_NODE + name) is None:
+                if name not in tree and self._store.get_record(_NODE + name) is None:
                     self._store.delete_file(name)
         except (OSError, StorageWriteError):
             pass
@@ -90,6 +89,7 @@ class StateStore:
                 n_tokens=value["n_tokens"],
                 label=value["label"],
                 size=record.size,
+                idle=bool(value.get("idle", False)),
             )
             node.hits = max(node.hits, record.hits)
             node.last_used_at = max(node.last_used_at, record.last_used)
@@ -116,6 +116,7 @@ class StateStore:
             "label": node.label,
             "digest": blob_digest(data),
             "fingerprint": self.fingerprint,
+            "idle": node.idle,
         }
         try:
             evicted = self._store.put(
@@ -143,7 +144,7 @@ class StateStore:
 
     def get(self, key: str) -> bytes | None:
         """The verified state bytes of node *key*, or None (a bad file is deleted)."""
-        record = self._store.record(_NODE + key)
+        record = self._store.get_record(_NODE + key)
         if record is None:
             return None
         data = self._store.read_file(key)
@@ -165,15 +166,8 @@ class StateStore:
         return data
 
     def record_use(self, node: StateNode) -> None:
-        """Note one restore of *node*; counters are written by ``flush`` (off the answer
-        path) and add up over processes."""
-        hits, _ = self._used.get(node.key, (0, 0.0))
-        self._used[node.key] = (hits + 1, node.last_used_at)
-
-    def flush(self) -> None:
-        """Write the restore counters noted since the last flush."""
-        used, self._used = self._used, {}
-        self._store.add_hits({_NODE + key: use for key, use in used.items()})
+        """Note one restore of *node* (for eviction: :mod:`percache_core.eviction`)."""
+        self._store.note_use(_NODE + node.key, node.last_used_at)
 
     def delete(self, key: str) -> None:
         """Remove node *key* (record first, so no record ever points to a missing file)."""
@@ -186,15 +180,10 @@ class StateStore:
 
     def close(self) -> None:
         """Write restore counters and close the store."""
-        try:
-            self.flush()
-            self._store.prune_tombstones()
-        except StorageWriteError as error:
-            logger.warning("chunk-state counters not written: %s", error)
         self._store.close()
 
 
-def drop_document_states(folder: str | Path, removed_chunk_ids: set[str]) -> int:
+def delete_document_states(folder: str | Path, removed_chunk_ids: set[str]) -> int:
     """Delete, in every fingerprint's store under *folder*, the nodes that may hold the text
     of removed chunks; the count. A node's record names only its last segment, so only
     states known to hold none of them are kept: the system prompt alone, and [system, chunk]

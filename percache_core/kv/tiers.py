@@ -52,7 +52,7 @@ class TieredStateStore:
         self._version = 0
         self.evictions = 0
         self.sync()
-        local.remove_orphans(self.tree)
+        local.delete_orphans(self.tree)
         if shared is not None:
             shared.bind_states(local.fingerprint)
 
@@ -109,7 +109,7 @@ class TieredStateStore:
         if self.shared is not None:
             self.shared.put_state(node, data)
 
-    def drop(self, key: str) -> None:
+    def delete(self, key: str) -> None:
         """Remove a prefix from the local tier."""
         self.tree.remove(key)
         self.local.delete(key)
@@ -132,7 +132,13 @@ class TieredStateStore:
     def _put_local(self, node: StateNode, data: bytes, budget_bytes: int) -> None:
         evicted = self.local.put(node, data, budget_bytes=budget_bytes, protected=self.tree.pinned_keys())
         self.tree.insert(
-            node.key, node.parent_key, depth=node.depth, n_tokens=node.n_tokens, label=node.label, size=node.size
+            node.key,
+            node.parent_key,
+            depth=node.depth,
+            n_tokens=node.n_tokens,
+            label=node.label,
+            size=node.size,
+            idle=node.idle,
         )
         self._forget(evicted)
 

@@ -67,6 +67,7 @@ class StateNode:
         label: what the last segment is (a chunk id, or "system").
         size: bytes of the stored state.
         hits: times the node was restored (its LFU frequency).
+        idle: stored by idle work (prediction, knowledge prefill) rather than by an answer.
     """
 
     key: str
@@ -78,6 +79,7 @@ class StateNode:
     hits: int = 0
     last_used_at: float = field(default_factory=time.time)
     children: int = 0
+    idle: bool = False
 
 
 class ChunkStateTree:
@@ -141,13 +143,13 @@ class ChunkStateTree:
             return nodes[::-1]
 
     def insert(
-        self, key: str, parent_key: str, *, depth: int, n_tokens: int, label: str, size: int
+        self, key: str, parent_key: str, *, depth: int, n_tokens: int, label: str, size: int, idle: bool = False
     ) -> StateNode:
         """Add a node (or return the existing one with that key)."""
         with self._lock:
             if key in self._nodes:
                 return self._nodes[key]
-            node = StateNode(key, parent_key, depth, n_tokens, label, size)
+            node = StateNode(key, parent_key, depth, n_tokens, label, size, idle=idle)
             self._nodes[key] = node
             self.bytes += size
             parent = self._nodes.get(parent_key)

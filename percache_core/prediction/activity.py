@@ -10,15 +10,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..qa.bank import normalized_question
 from ..types import QAHit
+
+R = TypeVar("R")
 
 FOLLOWUPS_KEPT = 256
 
@@ -89,6 +91,12 @@ class UserActivity:
             with self._lock:
                 self._waiting -= 1
             self.touch()
+
+    def in_user_turn(self, events: Generator[str, None, R]) -> Generator[str, None, R]:
+        """*events* (a lazily started answer) run as a user's turn (:meth:`user_turn`), from
+        its first step to its end, in whichever thread consumes it."""
+        with self.user_turn():
+            return (yield from events)
 
     def waiting(self) -> bool:
         """True while a user's question is waiting for or using the model."""

@@ -13,7 +13,7 @@ from ..knowledge.abstract import KnowledgeAbstract
 from ..parts import CacheParts
 from ..types import Chunk
 
-_STALE_CHECK_ROWS = 128  # QA entries scored against every chunk at once in mark_stale
+_STALE_CHECK_ROWS = 128  # QA entries scored against every chunk at once in documents_added
 
 
 class Invalidation:
@@ -25,7 +25,7 @@ class Invalidation:
         self.abstract = abstract
         self._lock = round_lock
 
-    def mark_stale(
+    def documents_added(
         self, new_chunks: Sequence[Chunk], replaced_documents: set[str] | frozenset[str] = frozenset()
     ) -> int:
         """Mark answered entries for which new information now ranks in the top-k as stale.
@@ -63,7 +63,7 @@ class Invalidation:
                         break
         return marked
 
-    def forget_documents(self, removed: Sequence[Chunk], doc_ids: set[str]) -> tuple[int, int]:
+    def documents_deleted(self, removed: Sequence[Chunk], doc_ids: set[str]) -> tuple[int, int]:
         """Before documents are deleted (their chunks *removed*): drop the QA entries
         answered from them, the chunk states that may hold their text, and the knowledge
         abstract (its facts are not traced to chunks, so it is summarised again from the
@@ -75,9 +75,9 @@ class Invalidation:
             entries = 0
             for entry in parts.qa_bank.entries:
                 if gone.intersection(entry.chunk_ids):
-                    entries += parts.qa_bank.drop(entry.id)
+                    entries += parts.qa_bank.delete(entry.id)
             states = 0
             if removed:
-                states = parts.runtime.forget_chunks({c.id for c in removed})
+                states = parts.runtime.delete_chunk_states({c.id for c in removed})
                 self.abstract.clear()
         return entries, states

@@ -35,12 +35,11 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..knowledge.abstract import KnowledgeAbstract
 from ..parts import CacheParts
-from ..qa.binding import answer_metadata
 from ..serving.completion import complete_plain
-from ..serving.context import context_chunks
-from ..serving.generation import Preempted, RunResult, drain
-from ..serving.request_path import keep_prompt_answer, prompt_answer_key
-from ..types import Chunk
+from ..serving.generation import Preempted, RunResult
+from ..serving.request_path import RequestPath
+from ..serving.streaming import drain
+from ..types import QAEntry
 from .invalidation import Invalidation
 from .paths import PREFILL_BUDGET_SHARE, knowledge_prefill_paths
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, predictor_for, use_chat_template
@@ -62,7 +61,12 @@ class IdleAccount:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     llm_calls: int = 0
+    questions_predicted: int = 0
     questions_populated: int = 0
+    answers_stored: int = 0
+    pending_stored: int = 0
+    chunks_prefilled: int = 0
+    pairs_prefilled: int = 0
 
 
 @dataclass
@@ -89,6 +93,9 @@ class WarmReport:
     decode_tokens: int = 0
     preempted: bool = False
     out_of_time: bool = False
+    # what the user's questions since the previous round were served from idle work's
+    # results (see ``stats()["served_from_prediction"]``)
+    served_from_prediction: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,8 +121,9 @@ def population_strategy(config: PerCacheConfig, threshold: float | None = None) 
 class Scheduler:
     """Plans and runs idle work over one cache's *parts*."""
 
-    def __init__(self, parts: CacheParts) -> None:
+    def __init__(self, parts: CacheParts, request_path: RequestPath) -> None:
         self.parts = parts
+        self.request_path = request_path  # runs this cache's own prompt for idle work
         config = parts.config
         self.activity = parts.activity
         self.abstract = KnowledgeAbstract(
@@ -129,6 +137,7 @@ class Scheduler:
         self._report: WarmReport | None = None
         self._should_stop: Callable[[], bool] = parts.activity.waiting
         self.invalidation = Invalidation(parts, self.abstract, self._lock)
+        self._served_before: dict[str, Any] = {}
 
     # -- what the facade tells the scheduler ------------------------------------------------
 
@@ -239,7 +248,13 @@ class Scheduler:
                 account.prefill_tokens += report.prefill_tokens
                 account.decode_tokens += report.decode_tokens
                 account.llm_calls += report.knowledge.llm_calls + report.history.llm_calls
+                account.questions_predicted += len(report.predicted)
                 account.questions_populated += report.populated
+                account.answers_stored += report.answers_stored
+                account.pending_stored += report.pending_stored
+                account.chunks_prefilled += report.chunks_prefilled
+                account.pairs_prefilled += report.pairs_prefilled
+                report.served_from_prediction = self._served_since_last_round()
                 self._report = None
             return report
 
@@ -303,63 +318,50 @@ class Scheduler:
         )
         self._report.chunks_summarised += len(self.abstract.summarized) - before
 
-    def _run(
+    def _populate(
         self,
         question: str,
         embedding: np.ndarray,
         *,
         decode: bool,
+        origin: str,
         should_stop: Callable[[], bool],
         scope: dict[str, Any] | None = None,
-    ) -> tuple[RunResult, list[Chunk]]:
-        parts = self.parts
-        retrieved = parts.knowledge.retrieve(
-            question, parts.config.top_k, question_embedding=embedding, where=scope
-        )
-        chunks = context_chunks(
-            parts.runtime.runner,
+        replacing: QAEntry | None = None,
+    ) -> RunResult:
+        """Run this cache's own prompt for *question* through the request path (see
+        ``RequestPath.populate``), accounted in the round's report."""
+        result = self.request_path.populate(
             question,
-            [r.chunk for r in retrieved],
-            max_new_tokens=parts.config.max_new_tokens,
+            embedding,
+            scope=scope,
+            decode=decode,
+            origin=origin,
             should_stop=should_stop,
+            replacing=replacing,
         )
-        result = drain(
-            parts.runtime.runner.run(
-                question,
-                chunks,
-                max_new_tokens=parts.config.max_new_tokens,
-                decode=decode,
-                should_stop=should_stop,
-            )
-        )
-        if decode:  # the same prompt asked later is answered without the model
-            config = parts.config
-            key = prompt_answer_key(parts, result.layout, config.max_new_tokens, config.sampling, None)
-            keep_prompt_answer(parts, key, result)
         assert self._report is not None
         self._report.prefill_tokens += result.prefilled_tokens
         self._report.decode_tokens += result.generated_tokens
-        return result, chunks
+        return result
 
-    def _entry_metadata(
-        self, result: RunResult, chunks: list[Chunk], scope: dict[str, Any] | None, origin: str
-    ) -> dict[str, Any]:
-        """Metadata of an entry this cache's own pipeline answered (binding, tokens, sources)."""
-        binding = self.parts.binding()
-        return answer_metadata(result, chunks, binding=binding, scope=scope, origin=origin)
+    def _answer_again(self, entry: QAEntry, default_origin: str, should_stop: Callable[[], bool]) -> bool:
+        """Answer a stale or pending entry's question anew and put the answer in its place;
+        whether there was one."""
+        result = self._populate(
+            entry.question,
+            entry.embedding,
+            decode=True,
+            origin=entry.origin or default_origin,
+            should_stop=should_stop,
+            scope=entry.scope,
+            replacing=entry,
+        )
+        return bool(result.text)
 
     def _refresh_stale(self, should_stop: Callable[[], bool]) -> None:
-        qa_bank = self.parts.qa_bank
-        for entry in [e for e in qa_bank.entries if e.stale]:  # a caller's remembered answer never is
-            scope = entry.scope
-            result, chunks = self._run(
-                entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
-            )
-            if result.text:
-                metadata = self._entry_metadata(result, chunks, scope, entry.origin or "refresh")
-                qa_bank.correct(
-                    entry.id, result.text, chunk_ids=result.layout.chunk_ids, stale=False, **metadata
-                )
+        for entry in [e for e in self.parts.qa_bank.entries if e.stale]:  # a caller's remembered answer never is
+            if self._answer_again(entry, "refresh", should_stop):
                 assert self._report is not None
                 self._report.refreshed += 1
 
@@ -369,16 +371,11 @@ class Scheduler:
             return
         while self.activity.followups:
             question, embedding, scope = self.activity.followups[0]
-            result, chunks = self._run(question, embedding, decode=True, should_stop=should_stop, scope=scope)
+            result = self._populate(
+                question, embedding, decode=True, origin="follow-up", should_stop=should_stop, scope=scope
+            )
             self.activity.followups.popleft()
             if result.text:
-                self.parts.qa_bank.remember(
-                    question,
-                    embedding,
-                    result.text,
-                    chunk_ids=result.layout.chunk_ids,
-                    metadata=self._entry_metadata(result, chunks, scope, "follow-up"),
-                )
                 assert self._report is not None
                 self._report.followups_answered += 1
 
@@ -424,26 +421,19 @@ class Scheduler:
         decode = self.strategy() == PREFILL_DECODE
         for prediction, scope in predicted:
             self._tick(deadline)
-            result, chunks = self._run(
-                prediction.text, prediction.embedding, decode=decode, should_stop=should_stop, scope=scope
+            result = self._populate(
+                prediction.text,
+                prediction.embedding,
+                decode=decode,
+                origin=f"predicted-{prediction.origin}",
+                should_stop=should_stop,
+                scope=scope,
             )
             report.populated += 1
             bar.set_postfix(populated=report.populated)
-            if not parts.config.qa_bank:
-                continue
-            answer = result.text if decode else None
-            if decode and not answer:
-                continue
-            parts.qa_bank.remember(
-                prediction.text,
-                prediction.embedding,
-                answer,
-                chunk_ids=result.layout.chunk_ids,
-                metadata=self._entry_metadata(result, chunks, scope, f"predicted-{prediction.origin}"),
-            )
-            if answer is None:
+            if parts.config.qa_bank and not decode:
                 report.pending_stored += 1
-            else:
+            elif parts.config.qa_bank and result.text:
                 report.answers_stored += 1
 
     def _convert(self, should_stop: Callable[[], bool]) -> None:
@@ -451,15 +441,8 @@ class Scheduler:
         report = self._report
         assert report is not None
         if self.strategy() == PREFILL_DECODE and parts.config.qa_bank:
-            for entry in [e for e in parts.qa_bank.entries if e.answer is None and not e.metadata.get("stale")]:
-                scope = entry.scope
-                result, chunks = self._run(
-                    entry.question, entry.embedding, decode=True, should_stop=should_stop, scope=scope
-                )
-                if result.text:
-                    metadata = self._entry_metadata(result, chunks, scope, entry.origin or "predicted")
-                    parts.qa_bank.correct(entry.id, result.text, chunk_ids=result.layout.chunk_ids, **metadata)
-                    report.pending_decoded += 1
+            for entry in [e for e in parts.qa_bank.entries if e.state == "pending"]:
+                report.pending_decoded += self._answer_again(entry, "predicted", should_stop)
         if not parts.config.chunk_states:
             return
         runner = parts.runtime.runner
@@ -476,6 +459,7 @@ class Scheduler:
                     max_new_tokens=parts.config.max_new_tokens,
                     decode=False,
                     should_stop=should_stop,
+                    idle=True,
                 )
             )
             report.prefill_tokens += result.prefilled_tokens
@@ -492,6 +476,16 @@ class Scheduler:
                 report.pairs_prefilled += 1
 
     # -- reporting ------------------------------------------------------------------------
+
+    def _served_since_last_round(self) -> dict[str, Any]:
+        served = self.parts.usage.summary()["served_from_prediction"]
+        since = {
+            name: value - self._served_before.get(name, 0)
+            for name, value in served.items()
+            if isinstance(value, int)
+        }
+        self._served_before = served
+        return since
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StorageWriteError
 from ..storage import Record, Store
 from ..types import QAEntry, QAHit
 
@@ -143,11 +142,11 @@ class QABank:
 
     >>> import tempfile
     >>> bank = QABank(Store(tempfile.mkdtemp()), dimension=2)
-    >>> entry = bank.remember("When is the rehearsal?", np.array([1.0, 0.0]), "Friday at 3 pm")
-    >>> hit = bank.lookup(np.array([0.96, 0.28]), similarity_threshold=0.9)
+    >>> entry = bank.put("When is the rehearsal?", np.array([1.0, 0.0]), "Friday at 3 pm")
+    >>> hit = bank.nearest(np.array([0.96, 0.28]), similarity_threshold=0.9)
     >>> hit.entry.answer, round(hit.similarity, 2)
     ('Friday at 3 pm', 0.96)
-    >>> bank.lookup(np.array([0.0, 1.0]), similarity_threshold=0.9) is None
+    >>> bank.nearest(np.array([0.0, 1.0]), similarity_threshold=0.9) is None
     True
     """
 
@@ -165,7 +164,6 @@ class QABank:
         self._partition_rows: Counter[int] = Counter()  # partition code -> rows
         self._unservable_rows = 0
         self._partition_codes: dict[str, int] = {_NO_PARTITION: 0}
-        self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
         self._version = -1
         self.bytes = 0
         self.evictions = 0
@@ -269,7 +267,6 @@ class QABank:
         self._entries.pop()
         self.bytes -= self._sizes.pop()
         del self._index[entry.id]
-        self._uses.pop(entry.id, None)
         return entry
 
     def _partition_code(self, key: str) -> int:
@@ -341,7 +338,7 @@ class QABank:
             return None
         return entry
 
-    def lookup(
+    def nearest(
         self,
         embedding: np.ndarray,
         *,
@@ -360,16 +357,15 @@ class QABank:
         return hits[0]
 
     def record_hit(self, entry_id: str) -> None:
-        """Count one use of an entry (for LFU eviction); written on ``flush``."""
+        """Count one use of an entry (for eviction: :mod:`percache_core.eviction`)."""
         with self._lock:
             entry = self.get(entry_id)
             if entry is not None:
                 entry.hits += 1
                 entry.last_used_at = time.time()
-                hits, _ = self._uses.get(entry_id, (0, 0.0))
-                self._uses[entry_id] = (hits + 1, entry.last_used_at)
+                self._store.note_use(_PREFIX + entry_id, entry.last_used_at)
 
-    def remember(
+    def put(
         self,
         question: str,
         embedding: np.ndarray,
@@ -412,7 +408,6 @@ class QABank:
                     return False
                 return True
 
-            self.flush()
             evicted = self._store.put(
                 _PREFIX + entry.id,
                 _value(entry),
@@ -454,7 +449,6 @@ class QABank:
                 created_at=old.created_at,
                 last_used_at=old.last_used_at,
             )
-            self.flush()
             with self._store.transaction():  # a failed write (e.g. TypeError) deletes nothing
                 if new_id != entry_id:
                     self._store.delete(_PREFIX + entry_id)
@@ -475,7 +469,7 @@ class QABank:
         if self.listener is not None:
             self.listener(entry)
 
-    def drop(self, entry_id: str) -> bool:
+    def delete(self, entry_id: str) -> bool:
         """Remove an entry; return whether it existed."""
         with self._lock:
             existed = self._store.delete(_PREFIX + entry_id)
@@ -490,18 +484,6 @@ class QABank:
             self._store.clear(_PREFIX)
             self.sync()
 
-    def flush(self) -> None:
-        """Write the hit counters counted since the last flush (added to what other
-        processes counted)."""
-        with self._lock:
-            uses, self._uses = self._uses, {}
-        self._store.add_hits({_PREFIX + entry_id: use for entry_id, use in uses.items()})
-
     def close(self) -> None:
-        """Write counters and close the underlying store (never rewrites entries)."""
-        try:
-            self.flush()
-            self._store.prune_tombstones()
-        except StorageWriteError as error:
-            logger.warning("QA-bank hit counters not written: %s", error)
+        """Write use counters and close the underlying store (never rewrites entries)."""
         self._store.close()

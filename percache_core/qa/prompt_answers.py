@@ -20,7 +20,7 @@ Redis is still that answer (see :mod:`percache_core.shared.redis_tier`).
 >>> from percache_core.storage import Store
 >>> answers = PromptAnswers(Store(tempfile.mkdtemp()), budget_bytes=10_000)
 >>> key = prompt_key("engine-1", [[2, 10, 11], [12]], {"max_new_tokens": 8})
->>> answers.remember(key, PromptAnswer("Friday.", (7, 8, 1), prompt_tokens=4, generated_tokens=2))
+>>> answers.put(key, PromptAnswer("Friday.", (7, 8, 1), prompt_tokens=4, generated_tokens=2))
 >>> answers.find(key).text
 'Friday.'
 >>> answers.find(prompt_key("engine-1", [[2, 10, 11], [12]], {"max_new_tokens": 9})) is None
@@ -32,8 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,6 +53,7 @@ class PromptAnswer:
     prompt_tokens: int
     generated_tokens: int
     chunk_ids: tuple[str, ...] = ()
+    idle: bool = False  # produced by idle work (a predicted or refreshed question)
 
 
 def prompt_key(model: str, pieces: Sequence[Sequence[int]], decoding: Mapping[str, Any]) -> str:
@@ -88,8 +87,6 @@ class PromptAnswers:
         self._store = store
         self.shared = shared
         self.budget_bytes = budget_bytes
-        self._lock = threading.Lock()
-        self._uses: dict[str, tuple[int, float]] = {}  # hits not yet written
         self.evictions = 0
 
     def find(self, key: str) -> PromptAnswer | None:
@@ -104,12 +101,10 @@ class PromptAnswers:
                     logger.warning("shared prompt answer not kept locally: %s", error)
         if answer is None:
             return None
-        with self._lock:
-            hits, _ = self._uses.get(key, (0, 0.0))
-            self._uses[key] = (hits + 1, time.time())
+        self._store.note_use(PREFIX + key)
         return answer
 
-    def remember(self, key: str, answer: PromptAnswer) -> None:
+    def put(self, key: str, answer: PromptAnswer) -> None:
         """Store *answer* under *key* (replacing what was there) within the budget, and share
         it. Raises :class:`~percache_core.errors.StorageWriteError` when the local write
         fails."""
@@ -124,6 +119,7 @@ class PromptAnswers:
             "prompt_tokens": answer.prompt_tokens,
             "generated_tokens": answer.generated_tokens,
             "chunk_ids": list(answer.chunk_ids),
+            "idle": answer.idle,
         }
         evicted = self._store.put(PREFIX + key, value, budget=(PREFIX, self.budget_bytes))
         self.evictions += len(evicted or ())
@@ -131,8 +127,6 @@ class PromptAnswers:
 
     def clear(self) -> None:
         """Remove every stored prompt answer."""
-        with self._lock:
-            self._uses.clear()
         self._store.clear(PREFIX)
 
     def __len__(self) -> int:
@@ -141,15 +135,6 @@ class PromptAnswers:
     @property
     def bytes(self) -> int:
         return self._store.total_size(PREFIX)
-
-    def flush(self) -> None:
-        """Write the use counters counted since the last flush (eviction is by use)."""
-        with self._lock:
-            uses, self._uses = self._uses, {}
-        try:
-            self._store.add_hits({PREFIX + key: use for key, use in uses.items()})
-        except StorageWriteError as error:
-            logger.warning("prompt-answer use counters not written: %s", error)
 
 
 def _answer(value: Any) -> PromptAnswer | None:
@@ -164,6 +149,7 @@ def _answer(value: Any) -> PromptAnswer | None:
             prompt_tokens=int(value["prompt_tokens"]),
             generated_tokens=int(value["generated_tokens"]),
             chunk_ids=tuple(str(c) for c in value.get("chunk_ids", ())),
+            idle=bool(value.get("idle", False)),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..config import CONTEXT_MODES, SIGNALS
 from ..types import Chunk
-from .generation import PromptRunner, StopCheck, drain
+from .generation import PromptRunner, StopCheck
+from .streaming import drain
 
 __all__ = ["CONTEXT_MODES", "SIGNALS", "confidence_signals", "context_chunks", "is_confident"]
 _HIGHER_IS_CONFIDENT = {"top_probability": True, "margin": True, "entropy": False}

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,11 +47,11 @@ from .prompting import (
     system_text,
 )
 from .stopping import StopStringFilter
+from .streaming import drain
 
 logger = logging.getLogger(__name__)
 
 StopCheck = Callable[[], bool]
-T = TypeVar("T")
 
 
 class Preempted(PerCacheError):
@@ -76,6 +75,7 @@ class RunResult:
     next_token_logits: np.ndarray | None = None  # after the prompt, when asked for (keep_logits)
     moved_tokens: int = 0  # chunk tokens taken from independent states (approximate reuse)
     approximate: bool = False  # some chunk was reused approximately: may differ from cache-off
+    idle_reused_chunks: int = 0  # of the restored chunks, those whose states idle work stored
 
     @property
     def reused_chunks(self) -> int:
@@ -99,6 +99,7 @@ class _Prefill:
     keep_logits: bool = False
     approximate: bool = False  # compose chunks from independent states (reuse="approximate")
     recompute_tokens: int = 0  # of each composed chunk, prefilled live
+    idle: bool = False  # the states kept are idle work's (StateNode.idle)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class PromptRunner:
         keep_logits: bool = False,
         approximate: bool = False,
         trim: bool = True,
+        idle: bool = False,
     ) -> Generator[str, None, RunResult]:
         """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
 
@@ -166,6 +168,8 @@ class PromptRunner:
         ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
         not complete, no new state is kept. With *trim* the white space around the answer
         is dropped; without, the text is llama.cpp's as decoded, up to the first stop string.
+        *idle* marks the states it keeps as idle work's (``StateNode.idle``), so that
+        answers can tell what prediction saved them.
         """
         started = time.perf_counter() if started is None else started
         states = self.states if self.config.chunk_states else None
@@ -182,7 +186,7 @@ class PromptRunner:
                 segments, decode = segments[:-1], False
             result = RunResult(layout)
             decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts, trim)
-            prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens)
+            prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens, idle)
             with states.pinned(keys) if states is not None else nullcontext():
                 yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding, prefill)
             if states is not None and states.bytes > config.chunk_state_budget_bytes:
@@ -238,6 +242,9 @@ class PromptRunner:
         clock = time.perf_counter()
         depth, reused = self._restore_or_reset(keys)
         result.depth, result.reused_tokens = depth, reused
+        result.idle_reused_chunks = sum(
+            1 for key in keys[1:depth] if (node := self.states.tree.get(key)) is not None and node.idle
+        )
         timings["restore"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -255,7 +262,7 @@ class PromptRunner:
             # The prefill is complete, so its states are whole whatever happened while
             # decoding; they are written after the answer so that they do not delay it.
             clock = time.perf_counter()
-            self._keep_states(result.layout, keys, new_states)
+            self._keep_states(result.layout, keys, new_states, idle=prefill.idle)
             timings["store_states"] = time.perf_counter() - clock
 
     def _prefill(
@@ -405,7 +412,7 @@ class PromptRunner:
     def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
         """Prefill [system, *chunks] and keep its states, with no question and no decode
         (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
-        events = self.run("", chunks, max_new_tokens=1, prefix_only=True, should_stop=should_stop)
+        events = self.run("", chunks, max_new_tokens=1, prefix_only=True, should_stop=should_stop, idle=True)
         return drain(events).prefilled_tokens
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
@@ -466,14 +473,16 @@ class PromptRunner:
                 loaded = data is not None and self.engine.append_slice(data, node.n_tokens)
             if not loaded:
                 logger.warning("chunk state %s could not be restored: treated as a miss", node.key)
-                self.states.drop(node.key)
+                self.states.delete(node.key)
                 self.restore_failures += 1
                 break
             self.states.record_use(node)
             restored = node
         return restored
 
-    def _keep_states(self, layout: PromptLayout, keys: list[str], new_states: list[_NewState]) -> None:
+    def _keep_states(
+        self, layout: PromptLayout, keys: list[str], new_states: list[_NewState], *, idle: bool = False
+    ) -> None:
         """Store the states of new prefixes, parents first (as complete nodes: file, record,
         tree). A failed write (disk full, read-only) is logged and counted, and the deeper
         ones are not stored (their slices would lack a parent); the answer is kept."""
@@ -481,7 +490,7 @@ class PromptRunner:
         for new in new_states:
             index = new.index
             label = segments[index].chunk_id or segments[index].kind
-            node = StateNode(keys[index], new.parent_key, index + 1, new.n_tokens, label, len(new.data))
+            node = StateNode(keys[index], new.parent_key, index + 1, new.n_tokens, label, len(new.data), idle=idle)
             try:
                 self.states.put(node, new.data, budget_bytes=self.config.chunk_state_budget_bytes)
             except StorageWriteError as error:
@@ -492,15 +501,6 @@ class PromptRunner:
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""
         self.states.evict_to(self.config.chunk_state_budget_bytes)
-
-
-def drain(events: Generator[Any, None, T]) -> T:
-    """Run a generator to its end and return its return value (for runs nobody streams)."""
-    while True:
-        try:
-            next(events)
-        except StopIteration as done:
-            return done.value
 
 
 def decode_text(

@@ -24,9 +24,10 @@ import bisect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from ..errors import ContextOverflowError, EngineError
+from ..kv.engine import TextModel
 from ..kv.pieces import PieceRule
 from ..types import Chunk
 
@@ -34,22 +35,6 @@ TEMPLATE_VERSION = "completion-v1"
 
 SegmentKind = Literal["system", "chunk", "question", "text"]
 Tokenizer = Callable[[str, bool], list[int]]  # (text, add_bos) -> token ids
-
-
-class TextTokenizer(Protocol):
-    """What ``lay_out_text`` needs of an engine."""
-
-    def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]: ...
-
-    def tokenize_chat(self, prompt: str) -> list[int]: ...
-
-    def token_bytes(self, token: int, *, special: bool = False) -> bytes: ...
-
-
-class ChatFormatter(Protocol):
-    """What ``chat_text`` needs of an engine."""
-
-    def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -155,7 +140,7 @@ def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
 
 
 def lay_out_text(
-    prompt: TextPrompt, engine: TextTokenizer, *, max_prompt_tokens: int, rule: PieceRule | None
+    prompt: TextPrompt, engine: TextModel, *, max_prompt_tokens: int, rule: PieceRule | None
 ) -> PromptLayout:
     """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, one
     BOS) and cut only where a state is worth keeping: at the last position *rule* allows
@@ -242,7 +227,7 @@ def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_t
 PLAIN_CHAT_STOPS = ("\nuser:", "\nsystem:", "\nassistant:")  # a new turn in ``role: content`` lines
 
 
-def chat_text(engine: ChatFormatter, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
+def chat_text(engine: TextModel, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
     """(role, content) *messages* as one prompt for the assistant's reply: in *template*
     (a llama.cpp built-in name or template text) or the GGUF file's chat template; for a
     model without one (and no *template*), as ``role: content`` lines ending with

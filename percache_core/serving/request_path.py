@@ -1,10 +1,16 @@
 """The request path: embed -> QA candidates -> retrieve -> lay out -> prompt answer, or
-run (drafts verified) -> store.
+run (drafts verified) -> store. The one way through which every prompt runs:
+
+- :meth:`RequestPath.answer`: a user's question with this cache's own RAG prompt;
+- :meth:`RequestPath.generate`: the same prompt over chunks a caller retrieved;
+- :meth:`RequestPath.complete`: a caller's own finished prompt (no QA entry);
+- :meth:`RequestPath.populate`: idle work's run of this cache's prompt for a predicted,
+  stale, pending or follow-up question (the scheduler keeps no path of its own).
 
 A prompt identical to one answered before (same pieces, engine and decoding settings) is
 answered from the stored prompt answers without the model (:mod:`percache_core.qa.prompt_answers`):
 the model gives that answer to that prompt, so this is exact in every mode. A question a
-caller answered with ``remember()`` (the same text, scope and binding) gets the caller's
+caller answered with ``pc.caller.remember()`` (the same text, scope and binding) gets the caller's
 answer without the model (``source="remembered"``): the one case where an answer differs
 from the model's, because the caller said so.
 
@@ -42,8 +48,9 @@ from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
 from ..types import Answer, Chunk, QAEntry, QAHit
 from .context import context_chunks
-from .generation import RunResult
+from .generation import RunResult, StopCheck
 from .prompting import PromptLayout, TextPrompt
+from .streaming import drain
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +98,7 @@ class RequestPath:
             timings[name] = timings.get(name, 0.0) + now - clock
             clock = now
 
-        embedding = parts.embedder.embed([question])[0]
+        embedding = parts.embed_question(question)
         lap("embed")
         binding = parts.binding(top_k=top_k, max_new_tokens=max_new_tokens)
         remembered = self.remembered(question, scope, binding)
@@ -132,31 +139,6 @@ class RequestPath:
         if answer.source != "qa_bank":
             answer.similarity = best
         return answer
-
-    def lookup(
-        self,
-        question: str,
-        embedding: np.ndarray,
-        similarity_threshold: float,
-        scope: dict[str, Any] | None,
-        binding: str,
-        asked: str | None = None,
-    ) -> QAHit | None:
-        """The stored answer a caller that generates on its own may serve, counted as a
-        hit: in exact mode the one stored for this very question text (not one taken in
-        from the shared tier: see :mod:`percache_core.shared.redis_tier`), in semantic mode
-        the best verified one at or above *similarity_threshold*. *asked* (default
-        *question*) is what the user asked, for history prediction."""
-        if self.config.qa_mode == "exact":
-            entry = self.parts.qa_bank.find(question, scope=scope, binding=binding)
-            hit = None
-            if entry is not None and not entry.from_shared_tier:
-                self.parts.qa_bank.record_hit(entry.id)
-                hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
-        else:
-            hit, _ = self.semantic_hit(question, embedding, similarity_threshold, scope, binding)
-        self.parts.activity.record_question(asked or question, embedding, hit, scope)
-        return hit
 
     def remembered(self, question: str, scope: dict[str, Any] | None, binding: str) -> QAHit | None:
         """The answer a caller stored with ``remember()`` for this question text, under
@@ -204,6 +186,7 @@ class RequestPath:
             prompt_lookup=prompt_lookup,
             trim=trim,
             should_stop=self.parts.activity.background_stop(),  # idle work yields to users
+            idle=self.parts.activity.background_stop() is not None,
         )
         answer = generated_answer(question, result, started, dict(result.timings))
         self.remember_prompt_answer(key, result)
@@ -218,8 +201,9 @@ class RequestPath:
 
     def remember_prompt_answer(self, key: str | None, result: RunResult) -> None:
         """Keep what a run of a user's (with ``store_answers``) or idle work's prompt produced."""
-        if self.config.store_answers or self.parts.activity.background_stop() is not None:
-            keep_prompt_answer(self.parts, key, result)
+        idle = self.parts.activity.background_stop() is not None
+        if self.config.store_answers or idle:
+            keep_prompt_answer(self.parts, key, result, idle=idle)
 
     def candidates(self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None) -> list[QAHit]:
         """Exact mode: the stored answers offered as drafts (same binding and scope)."""
@@ -232,6 +216,26 @@ class RequestPath:
             similarity_threshold=config.draft_similarity,
             scope=scope,
             binding=binding,
+        )
+
+    def generate(
+        self, question: str, chunks: list[Chunk], *, binding: str, scope: dict[str, Any] | None, max_new_tokens: int
+    ) -> Generator[str, None, Answer]:
+        """:meth:`run` for chunks a caller retrieved (``pc.caller.generate``): the question
+        is embedded when the run starts."""
+        started = time.perf_counter()
+        embedding = self.parts.embed_question(question)
+        return (
+            yield from self.run(
+                question,
+                chunks,
+                embedding=embedding,
+                binding=binding,
+                scope=scope,
+                max_new_tokens=max_new_tokens,
+                started=started,
+                timings={},
+            )
         )
 
     def run(
@@ -277,6 +281,7 @@ class RequestPath:
             answer_drafts=drafts,
             approximate=config.reuse == "approximate",
             should_stop=parts.activity.background_stop(),  # idle work yields to users
+            idle=parts.activity.background_stop() is not None,
         )
         clock = time.perf_counter()
         timings.update(result.timings)
@@ -289,18 +294,83 @@ class RequestPath:
             answer.similarity = served.similarity
             answer.matched_question = served.entry.question
             answer.entry_id = served.entry.id
+            answer.predicted = is_predicted(served.entry)
         elif config.qa_bank and config.store_answers and answer.text and not answer.approximate:
-            metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin="user")
             try:
-                parts.qa_bank.remember(
-                    question, embedding, answer.text, chunk_ids=answer.chunk_ids, metadata=metadata
-                )
+                self.store_answer(question, embedding, result, chunks, binding=binding, scope=scope, origin="user")
             except StorageWriteError as error:
                 parts.usage.count_storage_failure()
                 logger.warning("answer not stored in the QA bank (%s); it is returned all the same", error)
             timings["store_qa"] = time.perf_counter() - clock
         answer.latency_s = time.perf_counter() - started
         return self._finish(answer)
+
+    def populate(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        *,
+        scope: dict[str, Any] | None,
+        decode: bool,
+        origin: str,
+        should_stop: StopCheck,
+        replacing: QAEntry | None = None,
+    ) -> RunResult:
+        """Idle work's run of this cache's own prompt for *question* (a predicted, stale,
+        pending or follow-up question): retrieve as :meth:`answer` does, prefill through the
+        chunk states and, with *decode*, decode; keep the prompt's answer for an identical
+        prompt later, and store the question in the QA bank (pending without *decode*),
+        *replacing* the entry it refreshes. Pre-empted by *should_stop* (a user waits)."""
+        parts, config = self.parts, self.config
+        runner = parts.runtime.runner
+        retrieved = parts.knowledge.retrieve(question, config.top_k, question_embedding=embedding, where=scope)
+        chunks = context_chunks(
+            runner, question, [r.chunk for r in retrieved], max_new_tokens=config.max_new_tokens, should_stop=should_stop
+        )
+        result = drain(
+            runner.run(
+                question, chunks, max_new_tokens=config.max_new_tokens, decode=decode, should_stop=should_stop, idle=True
+            )
+        )
+        if decode:  # the same prompt asked later is answered without the model
+            key = prompt_answer_key(parts, result.layout, config.max_new_tokens, config.sampling, None)
+            keep_prompt_answer(parts, key, result, idle=True)
+        if config.qa_bank and (result.text or not decode):
+            self.store_answer(
+                question,
+                embedding,
+                result,
+                chunks,
+                binding=parts.binding(),
+                scope=scope,
+                origin=origin,
+                replacing=replacing,
+            )
+        return result
+
+    def store_answer(
+        self,
+        question: str,
+        embedding: np.ndarray,
+        result: RunResult,
+        chunks: Sequence[Chunk],
+        *,
+        binding: str,
+        scope: dict[str, Any] | None,
+        origin: str,
+        replacing: QAEntry | None = None,
+    ) -> QAEntry:
+        """Store what this cache's own prompt produced for *question* (its text, or a
+        pending entry for a prefill-only run) in the QA bank, with the metadata drafts and
+        staleness checks need; *replacing* is the entry it supersedes (a refresh or a
+        conversion). Whether an entry stored before stays is
+        :func:`~percache_core.qa.bank.keeps_existing`'s to say."""
+        text = result.text or None
+        metadata = answer_metadata(result, chunks, binding=binding, scope=scope, origin=origin)
+        bank = self.parts.qa_bank
+        if replacing is not None and replacing.id in bank:
+            return bank.correct(replacing.id, text, chunk_ids=result.layout.chunk_ids, stale=False, **metadata)
+        return bank.put(question, embedding, text, chunk_ids=result.layout.chunk_ids, metadata=metadata)
 
     def draft_tokens(self, entry: QAEntry) -> list[int]:
         """The token ids of an entry's answer: as decoded (model entries), else the
@@ -340,7 +410,7 @@ class RequestPath:
                 )
                 continue
             if not self.sources_unchanged(candidate.entry, scope, top_k or self.config.top_k):
-                self.parts.qa_bank.drop(candidate.entry.id)
+                self.parts.qa_bank.delete(candidate.entry.id)
                 self.parts.usage.count_stale_drop()
                 continue
             self.parts.qa_bank.record_hit(candidate.entry.id)
@@ -385,6 +455,7 @@ def stored_answer(question: str, hit: QAHit, started: float, timings: dict[str, 
         entry_id=hit.entry.id,
         timings=timings,
         approximate=True,
+        predicted=is_predicted(hit.entry),
     )
 
 
@@ -410,9 +481,10 @@ def prompt_answer_key(
     return prompt_key(parts.runtime.model_id(), [s.tokens for s in layout.segments], decoding)
 
 
-def keep_prompt_answer(parts: CacheParts, key: str | None, result: RunResult) -> None:
+def keep_prompt_answer(parts: CacheParts, key: str | None, result: RunResult, *, idle: bool = False) -> None:
     """Store what an exact run of a prompt produced under *key*, for the next identical
-    prompt; a failed write is logged and counted (the answer stands)."""
+    prompt (*idle*: idle work ran it); a failed write is logged and counted (the answer
+    stands)."""
     if key is None or result.approximate:
         return
     answer = PromptAnswer(
@@ -421,9 +493,10 @@ def keep_prompt_answer(parts: CacheParts, key: str | None, result: RunResult) ->
         prompt_tokens=result.layout.n_tokens,
         generated_tokens=result.generated_tokens,
         chunk_ids=result.layout.chunk_ids,
+        idle=idle,
     )
     try:
-        parts.prompt_answers.remember(key, answer)
+        parts.prompt_answers.put(key, answer)
     except StorageWriteError as error:
         parts.usage.count_storage_failure()
         logger.warning("prompt answer not stored (%s); the answer is returned all the same", error)
@@ -444,6 +517,7 @@ def prompt_answered(question: str, stored: PromptAnswer, started: float, timings
         latency_s=elapsed,
         matched_question=question,
         timings=timings,
+        predicted=stored.idle,
     )
 
 
@@ -462,4 +536,12 @@ def generated_answer(question: str, result: RunResult, started: float, timings: 
         timings=timings,
         draft_tokens_accepted=result.drafts.accepted,
         approximate=result.approximate,
+        idle_reused_chunks=result.idle_reused_chunks,
     )
+
+
+def is_predicted(entry: QAEntry) -> bool:
+    """Whether idle work stored *entry* before anyone asked its question (a predicted
+    question, or a follow-up of a served one)."""
+    origin = entry.origin or ""
+    return origin.startswith("predicted") or origin == "follow-up"

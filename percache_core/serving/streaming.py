@@ -136,3 +136,18 @@ class AnswerStream:
     def close(self) -> None:
         """Abandon the stream: decoding stops at the next piece (nothing is stored)."""
         self._stream.close()
+
+
+def drain(events: Generator[Any, None, R]) -> R:
+    """Run a generator to its end and return its return value (for runs nobody streams)."""
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
+
+
+def delivered(events: Generator[str, None, Answer], stream: bool) -> Answer | AnswerStream:
+    """The stream of *events* (produced by a thread of its own), or (not streaming) its
+    answer, produced in the calling thread."""
+    return AnswerStream(events) if stream else drain(events)

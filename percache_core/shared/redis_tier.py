@@ -203,7 +203,7 @@ class SharedTier:
             written = entry.metadata["shared_written_ns"]
             if local is not None and local.metadata.get("shared_written_ns", -1) >= written:
                 return False  # a replay of an entry older than the one kept here
-            qa_bank.remember(
+            qa_bank.put(
                 entry.question, entry.embedding, entry.answer, chunk_ids=entry.chunk_ids, metadata=entry.metadata
             )
             return True

@@ -44,7 +44,7 @@ def test_adaptive_answers_equal_the_policy_without_caches_and_fixed_context(make
         assert answer.chunk_ids == reference.chunk_ids and answer.text == reference.text, question
         chosen = [c for c in fixed.knowledge.chunks if c.id in set(answer.chunk_ids)]
         chosen.sort(key=lambda c: list(answer.chunk_ids).index(c.id))
-        assert fixed.generate(question, chosen).text == answer.text, question
+        assert fixed.caller.generate(question, chosen).text == answer.text, question
         used.append(len(answer.chunk_ids))
         if len(answer.chunk_ids) > 1:  # the last step restored the prefix the previous one stored
             assert answer.reused_chunks == len(answer.chunk_ids) - 1

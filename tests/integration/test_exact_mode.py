@@ -141,7 +141,7 @@ def test_semantic_mode_never_serves_a_stale_entry(make_cache, corpus):
 def test_remembered_answers_are_never_replaced_by_the_models(make_cache):
     pc = make_cache("remember", max_new_tokens=16)
     question = "When is my dentist appointment?"
-    pc.remember(question, "Monday 14 April, 8:15 am.", binding=pc.binding())
+    pc.caller.remember(question, "Monday 14 April, 8:15 am.", binding=pc.binding())
     pc.answer(question)  # the model answers the same question under the same binding
     kept = [e for e in pc.qa_bank.entries if e.question == question]
     assert [e.answer for e in kept] == ["Monday 14 April, 8:15 am."]
@@ -157,10 +157,10 @@ def test_a_remembered_answer_survives_new_documents_and_is_answered_as_given(mak
         ]
     )
     question = "What colour is the van?"
-    pc.remember(question, "The van is red.")
+    pc.caller.remember(question, "The van is red.")
     pc.add_documents([{"id": "n1", "text": "The garage code is 4417."}])  # unrelated, in every top-k
     pc.warm(progress=False)
-    hit = pc.lookup(question)
+    hit = pc.caller.lookup(question)
     assert hit is not None and hit.text == "The van is red."
     answer = pc.answer(question)
     assert (answer.text, answer.source, answer.generated_tokens) == ("The van is red.", "remembered", 0)

@@ -219,5 +219,5 @@ def test_history_predictions_are_asked_in_the_latest_questions_scope(make_cache)
     assert report.history.llm_calls == 1 and history
     assert all(e.metadata["scope"] == {"meeting": "pottery"} for e in history)
     assert all(chunk_id.startswith(("kiln", "glaze")) for e in history for chunk_id in e.chunk_ids)
-    assert pc.lookup(history[0].question) is None  # scoped entries serve only that scope
-    assert pc.lookup(history[0].question, scope={"meeting": "pottery"}) is not None
+    assert pc.caller.lookup(history[0].question) is None  # scoped entries serve only that scope
+    assert pc.caller.lookup(history[0].question, scope={"meeting": "pottery"}) is not None

@@ -223,7 +223,7 @@ def test_node_postprocessor_records_and_reorders(make_cache):
     recorder = PerCacheNodePostprocessor(pc)
     assert recorder.postprocess_nodes(nodes) == nodes
     assert len(pc.knowledge) == 2
-    pc.generate("How much are tickets?", [c for c in reversed(pc.knowledge.chunks)])  # stores [n1, n0]
+    pc.caller.generate("How much are tickets?", [c for c in reversed(pc.knowledge.chunks)])  # stores [n1, n0]
     reordering = PerCacheNodePostprocessor(pc, reorder=True)
     assert [n.node.node_id for n in reordering.postprocess_nodes(nodes)] == ["n1", "n0"]
 

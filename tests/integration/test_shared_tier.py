@@ -170,13 +170,13 @@ def test_a_replayed_older_envelope_is_refused(standalone, make_cache):
     import redis
 
     writer = make_cache("w", **shared(standalone.url, "replay"))
-    first = writer.remember(QUESTION, "Monday at 9 am.")
+    first = writer.caller.remember(QUESTION, "Monday at 9 am.")
     client = redis.Redis.from_url(standalone.url)
     key = writer.shared._qa_key(first.id)
     old_envelope = client.get(key)
     reader = make_cache("r", **shared(standalone.url, "replay"))
     time.sleep(0.01)
-    writer.remember(QUESTION, "Tuesday at 10 am.")  # a newer signed envelope
+    writer.caller.remember(QUESTION, "Tuesday at 10 am.")  # a newer signed envelope
     wait_until(lambda: any(e.answer == "Tuesday at 10 am." for e in reader.qa_bank.entries))
     client.set(key, old_envelope)  # a peer replays the old, validly signed envelope
     client.xadd(writer.shared._qa_catalog(), {"k": first.id})
@@ -189,18 +189,18 @@ def test_a_fresh_client_never_serves_a_replayed_envelope(standalone, make_cache)
 
     writer = make_cache("w", **shared(standalone.url, "replay-fresh"))
     question = "What is the door code?"
-    first = writer.remember(question, "The door code is 1111 (v1).")
+    first = writer.caller.remember(question, "The door code is 1111 (v1).")
     key = writer.shared._qa_key(first.id)
     client = redis.Redis.from_url(standalone.url)
     old_envelope = client.get(key)
-    writer.remember(question, "The door code is 2222 (v2).")
+    writer.caller.remember(question, "The door code is 2222 (v2).")
     assert client.get(key) != old_envelope
     client.set(key, old_envelope)  # put back with plain Redis commands, before anyone reads v2
     client.xadd(writer.shared._qa_catalog(), {"k": first.id})
     for mode in ("exact", "semantic"):
         reader = make_cache(f"fresh-{mode}", qa_mode=mode, **shared(standalone.url, "replay-fresh"))
         wait_until(lambda reader=reader: len(reader.qa_bank) >= 1)
-        hit = reader.lookup(question)
+        hit = reader.caller.lookup(question)
         assert hit is None or "1111" not in hit.text
         answer = reader.answer(question)
         assert "1111" not in answer.text and answer.source != "remembered"

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
         prefix, count, budget = rest[0], int(rest[1]), int(rest[2])
         with open_cache(folder, fake, qa_bank_budget_bytes=budget) as pc:
             for i in range(count):
-                pc.remember(f"{prefix} question number {i}?", f"answer {i} " + "x" * 200)
+                pc.caller.remember(f"{prefix} question number {i}?", f"answer {i} " + "x" * 200)
         print(json.dumps({"done": count}), flush=True)
     elif action == "churn":  # documents and answers in a loop until killed
         with open_cache(folder, fake) as pc:

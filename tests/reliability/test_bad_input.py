@@ -19,10 +19,10 @@ QUESTION = "When is the presentation rehearsal for the launch talk?"
 
 def test_a_failed_remember_keeps_the_stored_answer(fake_cache):
     pc = fake_cache()
-    pc.remember("When is the review?", "Monday.")
+    pc.caller.remember("When is the review?", "Monday.")
     with pytest.raises(TypeError, match="JSON"):
-        pc.remember("When is the review?", "Tuesday.", metadata={"note": object()})
-    assert pc.lookup("When is the review?").text == "Monday."
+        pc.caller.remember("When is the review?", "Tuesday.", metadata={"note": object()})
+    assert pc.caller.lookup("When is the review?").text == "Monday."
 
 
 def test_add_documents_checks_everything_first_and_a_retry_does_the_work(fake_cache):
@@ -62,8 +62,8 @@ def test_an_interrupted_add_documents_leaves_nothing_and_a_retry_adds_once(tmp_p
         (lambda pc: pc.answer(QUESTION, top_k=0), ValueError),
         (lambda pc: pc.answer(QUESTION, max_new_tokens=0), ValueError),
         (lambda pc: pc.answer(QUESTION, top_k=True), ValueError),
-        (lambda pc: pc.generate(QUESTION, "hello"), TypeError),
-        (lambda pc: pc.generate(QUESTION, ["hello"], max_new_tokens=-1), ValueError),
+        (lambda pc: pc.caller.generate(QUESTION, "hello"), TypeError),
+        (lambda pc: pc.caller.generate(QUESTION, ["hello"], max_new_tokens=-1), ValueError),
         (lambda pc: pc.retrieve(QUESTION, k=0), ValueError),
         (lambda pc: pc.configure(temperature=math.inf), ValueError),
         (lambda pc: pc.configure(no_such_setting=1), TypeError),
@@ -151,7 +151,7 @@ def test_store_values_are_json_only(tmp_path):
 
 def test_a_failed_correct_keeps_the_entry(fake_cache):
     pc = fake_cache()
-    entry = pc.remember("When is the review?", "Monday.")
+    entry = pc.caller.remember("When is the review?", "Monday.")
     with pytest.raises(TypeError, match="JSON"):
         pc.qa_bank.correct(entry.id, "Tuesday.", scope={"note": object()})  # a new id: moves the entry
-    assert pc.lookup("When is the review?").text == "Monday."
+    assert pc.caller.lookup("When is the review?").text == "Monday."

@@ -60,7 +60,7 @@ def test_an_answered_user_entry_is_never_replaced_by_idle_work(fake_cache):
     assert stored.answer == answer.text and stored.metadata["origin"] == "user"
     embedding = pc.embedder.embed([QUESTION])[0]
     for answer_text, origin in ((None, "predicted-history"), ("Another text.", "predicted-history"), ("x", "follow-up")):
-        kept = pc.qa_bank.remember(
+        kept = pc.qa_bank.put(
             QUESTION, embedding, answer_text, metadata={**stored.metadata, "origin": origin}
         )
         assert kept.answer == answer.text and kept.metadata["origin"] == "user"

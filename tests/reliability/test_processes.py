@@ -61,14 +61,14 @@ def test_an_answer_one_process_stores_is_served_by_another_already_open(tmp_path
 def test_closing_an_older_process_never_writes_back_its_old_records(tmp_path):
     folder = tmp_path / "cache"
     old = fake_open(folder)
-    old.remember("When is the review?", "Monday.")
+    old.caller.remember("When is the review?", "Monday.")
     newer = fake_open(folder)
-    newer.remember("When is the review?", "Tuesday, moved.")
-    assert old.lookup("When is the review?").text == "Tuesday, moved."  # seen at the next lookup
+    newer.caller.remember("When is the review?", "Tuesday, moved.")
+    assert old.caller.lookup("When is the review?").text == "Tuesday, moved."  # seen at the next lookup
     old.close()
     newer.close()
     with fake_open(folder) as fresh:
-        assert fresh.lookup("When is the review?").text == "Tuesday, moved."
+        assert fresh.caller.lookup("When is the review?").text == "Tuesday, moved."
 
 
 def test_byte_budget_holds_over_three_processes(tmp_path):

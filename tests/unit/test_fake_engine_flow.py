@@ -10,7 +10,7 @@ import time
 import pytest
 
 from percache_core.kv.engine import Engine
-from percache_core.kv.fake_engine import FakeEngine
+from percache_core.kv.fake_engine import FakeEngine, FakeTextModel
 from percache_core.prediction.predictor import PredictedQuestion, PredictionTally
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"
@@ -58,12 +58,12 @@ def test_an_identical_prompt_is_answered_without_the_model(fake_cache):
     assert pc.answer(QUESTION, top_k=1).source != "qa_bank"
     other = fake_cache("other", engine=FakeEngine(name="other-model"))
     assert other.answer(QUESTION).source != "qa_bank"
-    # a streamed repeat too, and a caller's prompt (complete_text) likewise
+    # a streamed repeat too, and a caller's prompt (caller.complete) likewise
     assert "".join(pc.answer_stream(QUESTION)) == first.text
     prompt = "Context:\nThe boiler is repaired on Monday.\nQ: When?\nA:"
-    text = pc.complete_text(prompt).text
+    text = pc.caller.complete(prompt).text
     calls = dict(pc.engine.calls)
-    again = pc.complete_text(prompt)
+    again = pc.caller.complete(prompt)
     assert again.text == text and again.source == "qa_bank" and pc.engine.calls == calls
     # deleting documents empties them (a prompt's key does not say which texts it held)
     pc.delete_documents([pc.knowledge.chunks[0].doc_id])
@@ -162,9 +162,9 @@ def test_the_callers_calls_in_a_round_are_idle_work_not_a_users(fake_cache, monk
     texts: list[str] = []
 
     def answer(question: str) -> bool:  # a framework's pipeline: a lookup, then its own prompt streamed
-        assert pc.lookup(question, binding="app", asked=question) is None
+        assert pc.caller.lookup(question, binding="app", asked=question) is None
         prompt = f"Notes: none (call {len(texts)}).\nQ: {question}\nA:"  # a new prompt each time
-        texts.append("".join(pc.complete_text(prompt, stream=True)))
+        texts.append("".join(pc.caller.complete(prompt, stream=True)))
         return False
 
     report = pc.warm(progress=False, max_predictions=2, answer=answer)
@@ -299,10 +299,10 @@ def test_a_remembered_answer_is_the_callers_whatever_documents_arrive(fake_cache
             "The booking API is late because the vendor changed its schema.",
         ]
     )
-    pc.remember("What colour is the van?", "The van is red.")
+    pc.caller.remember("What colour is the van?", "The van is red.")
     pc.add_documents([{"id": "n1", "text": "The garage code is 4417."}])  # unrelated, ranks in the top-k
     pc.warm(progress=False)
-    hit = pc.lookup("What colour is the van?")
+    hit = pc.caller.lookup("What colour is the van?")
     assert hit is not None and hit.text == "The van is red."
     calls = dict(pc.engine.calls)
     answer = pc.answer("What colour is the van?")
@@ -312,5 +312,109 @@ def test_a_remembered_answer_is_the_callers_whatever_documents_arrive(fake_cache
     assert pc.stats()["remembered"] == 2
     # another question, or the same one in another scope, is the model's
     assert pc.answer("What colour is the van?", scope={"thread": "cars"}).source != "remembered"
-    pc.remember("What colour is the van?", "The van is blue now.")  # the caller replaces it
+    pc.caller.remember("What colour is the van?", "The van is blue now.")  # the caller replaces it
     assert pc.answer("What colour is the van?").text == "The van is blue now."
+
+
+def test_a_callers_verbs_cover_its_pipeline_and_embed_a_question_once(fake_cache):
+    pc = fake_cache()
+    embedded: list[str] = []
+    embed = pc.embedder.embed
+
+    def counting(texts):
+        embedded.extend(texts)
+        return embed(texts)
+
+    pc.embedder.embed = counting
+    question = "Who repairs the boiler?"
+    assert pc.caller.lookup(question, binding="app") is None
+    entry = pc.caller.remember(question, "Ana does.", binding="app", metadata={"origin": "my-app"})
+    assert embedded.count(question) == 1  # the lookup's embedding served the remember too
+    assert pc.caller.find(question, binding="app") == entry
+    assert pc.caller.find(question, binding="other app") is None
+    assert pc.caller.lookup(question, binding="app").text == "Ana does."
+    assert pc.caller.entry(entry.id).answer == "Ana does."
+    pc.caller.remember("Who books the room?", "Lee.", binding="app", metadata={"origin": "my-app"})
+    pc.caller.remember("Who pays?", "Finance.", binding="app", metadata={"origin": "another-app"})
+    assert pc.caller.forget(origin="my-app") == 2
+    assert pc.caller.lookup(question, binding="app") is None
+    assert pc.caller.find("Who pays?", binding="app") is not None
+    with pytest.raises(TypeError):
+        pc.caller.forget(entry_ids="one id")
+    # the engine's two sides, and a caller's prompt answered from its stored answer
+    assert pc.caller.runs_on(pc.engine) and not pc.caller.runs_on(FakeEngine())
+    assert pc.caller.text_model.tokenize("hello") == pc.engine.tokenize("hello")
+    first = pc.caller.complete("Context: the boiler is old.\n\nQuestion: who? Answer:")
+    repeat = pc.caller.complete("Context: the boiler is old.\n\nQuestion: who? Answer:")
+    assert repeat.text == first.text and repeat.source == "qa_bank"
+
+
+def test_the_engine_protocol_has_a_text_side_and_a_sequence_side():
+    from percache_core.kv.engine import KVSequence, TextModel
+
+    engine = FakeEngine()
+    assert isinstance(engine, TextModel) and isinstance(engine, KVSequence) and isinstance(engine, Engine)
+
+    text_side = FakeTextModel()
+    assert isinstance(text_side, TextModel) and not isinstance(text_side, KVSequence)
+    assert text_side.tokenize("Lunch?") == engine.tokenize("Lunch?")
+
+
+def test_idle_work_stores_its_answers_through_the_request_path(fake_cache, monkeypatch):
+    pc = fake_cache()
+    pc.answer(QUESTION)  # a question for history prediction
+    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    stored: list[str] = []
+    populate = pc.request_path.populate
+
+    def recording(question, *args, **kwargs):
+        stored.append(question)
+        return populate(question, *args, **kwargs)
+
+    pc.request_path.populate = recording
+    pc.configure(similarity_threshold=0.5, strategy_cutoff=0.9)  # prefill and decode
+    report = pc.warm(progress=False, max_predictions=2)
+    assert report.populated == 2 and stored == report.predicted
+    predicted = {e.question: e for e in pc.qa_bank.entries if e.origin.startswith("predicted")}
+    assert sorted(predicted) == sorted(report.predicted)
+    assert all(e.answer and e.metadata["tokens"] and e.binding == pc.binding() for e in predicted.values())
+    # a prefill-only round stores them pending, and a later decode round answers them in place
+    pc.configure(similarity_threshold=0.95)
+    pc.caller.forget(entry_ids=[e.id for e in predicted.values()])
+    report = pc.warm(progress=False, max_predictions=2)
+    pending = [e for e in pc.qa_bank.entries if e.state == "pending"]
+    assert report.pending_stored == len(pending) >= 1
+    assert {e.question for e in pending} <= set(report.predicted)
+    pc.configure(similarity_threshold=0.5)
+    report = pc.warm(progress=False, max_predictions=0)
+    assert report.pending_decoded == len(pending)
+    assert all(pc.qa_bank.get(e.id).state == "answered" for e in pending)  # answered in place
+
+
+def test_stats_say_what_prediction_populated_and_what_it_later_served(fake_cache, monkeypatch):
+    pc = fake_cache()
+    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    pc.configure(similarity_threshold=0.5, strategy_cutoff=0.9)  # predicted questions are answered
+    report = pc.warm(progress=False, max_predictions=1)
+    assert report.predicted == ["What is the booking reference?"] and report.chunks_prefilled > 0
+    idle = pc.stats()["idle"]["prefill_decode"]
+    assert idle["questions_predicted"] == 1 and idle["answers_stored"] == 1
+    assert idle["chunks_prefilled"] == report.chunks_prefilled
+    # the predicted question, asked: the prompt idle work ran is answered without the model
+    asked = pc.answer("What is the booking reference?")
+    assert asked.source == "qa_bank" and asked.predicted
+    # another question restores a [system, chunk] state the knowledge prefill stored
+    other = pc.answer(QUESTION)
+    assert other.source == "chunk_states" and 1 <= other.idle_reused_chunks <= other.reused_chunks
+    served = pc.stats()["served_from_prediction"]
+    assert served["answers"] == 1 and served["answers_restoring_idle_states"] == 1
+    assert served["restored_depth"] == {str(other.reused_chunks): 1}
+    assert pc.warm(progress=False, max_predictions=0).served_from_prediction["answers"] == 1
+    assert pc.warm(progress=False, max_predictions=0).served_from_prediction["answers"] == 0  # since the last round
+    # the marks survive reopening (stored with the states and the prompt answers)
+    idle_nodes = {node.key for node in pc.tree.nodes if node.idle}
+    assert idle_nodes and len(idle_nodes) < len(pc.tree)  # the users' own runs are not idle work's
+    pc.close()
+    again = fake_cache(documents=False)
+    assert again.answer("What is the booking reference?").predicted
+    assert {node.key for node in again.tree.nodes if node.idle} == idle_nodes

@@ -21,39 +21,39 @@ def bank(tmp_path):
 
 
 def test_lookup_returns_best_entry_at_or_above_threshold(bank):
-    bank.remember("a", unit(1, 0, 0), "answer a")
-    bank.remember("b", unit(0, 1, 0), "answer b")
-    hit = bank.lookup(unit(0.1, 1, 0), similarity_threshold=0.9)
+    bank.put("a", unit(1, 0, 0), "answer a")
+    bank.put("b", unit(0, 1, 0), "answer b")
+    hit = bank.nearest(unit(0.1, 1, 0), similarity_threshold=0.9)
     assert hit.entry.answer == "answer b"
     assert hit.similarity == pytest.approx(float(unit(0.1, 1, 0) @ unit(0, 1, 0)))
-    assert bank.lookup(unit(1, 1, 0), similarity_threshold=0.9) is None  # 0.707 < 0.9
-    assert bank.lookup(unit(1, 1, 0), similarity_threshold=0.7).entry.answer in {"answer a", "answer b"}
+    assert bank.nearest(unit(1, 1, 0), similarity_threshold=0.9) is None  # 0.707 < 0.9
+    assert bank.nearest(unit(1, 1, 0), similarity_threshold=0.7).entry.answer in {"answer a", "answer b"}
 
 
 def test_pending_and_stale_entries_are_never_served(bank):
-    pending = bank.remember("p", unit(1, 0, 0), None)
-    assert bank.lookup(unit(1, 0, 0), similarity_threshold=0.5) is None
+    pending = bank.put("p", unit(1, 0, 0), None)
+    assert bank.nearest(unit(1, 0, 0), similarity_threshold=0.5) is None
     bank.correct(pending.id, "now answered")
-    assert bank.lookup(unit(1, 0, 0), similarity_threshold=0.5).entry.answer == "now answered"
+    assert bank.nearest(unit(1, 0, 0), similarity_threshold=0.5).entry.answer == "now answered"
     bank.correct(pending.id, "old", stale=True)
-    assert bank.lookup(unit(1, 0, 0), similarity_threshold=0.5) is None
+    assert bank.nearest(unit(1, 0, 0), similarity_threshold=0.5) is None
 
 
 def test_same_question_replaces_and_drop_and_clear(bank):
-    first = bank.remember("When is it?", unit(1, 0, 0), "one")
-    second = bank.remember("when is it? ", unit(1, 0, 0), "two")
+    first = bank.put("When is it?", unit(1, 0, 0), "one")
+    second = bank.put("when is it? ", unit(1, 0, 0), "two")
     assert first.id == second.id and len(bank) == 1
-    assert bank.lookup(unit(1, 0, 0), similarity_threshold=0.9).entry.answer == "two"
-    assert bank.drop(second.id) and not bank.drop(second.id)
-    bank.remember("x", unit(0, 0, 1), "x")
+    assert bank.nearest(unit(1, 0, 0), similarity_threshold=0.9).entry.answer == "two"
+    assert bank.delete(second.id) and not bank.delete(second.id)
+    bank.put("x", unit(0, 0, 1), "x")
     bank.clear()
     assert len(bank) == 0 and bank.bytes == 0
 
 
 def test_persists_and_reloads_with_counters(tmp_path):
     bank = QABank(Store(tmp_path / "qa"), dimension=3)
-    entry = bank.remember("q", unit(1, 0, 0), "a", chunk_ids=["d#c000"], metadata={"thread": "t1"})
-    bank.lookup(unit(1, 0, 0), similarity_threshold=0.9)
+    entry = bank.put("q", unit(1, 0, 0), "a", chunk_ids=["d#c000"], metadata={"thread": "t1"})
+    bank.nearest(unit(1, 0, 0), similarity_threshold=0.9)
     bank.close()
     again = QABank(Store(tmp_path / "qa"), dimension=3)
     loaded = again[entry.id]
@@ -69,12 +69,12 @@ def test_persists_and_reloads_with_counters(tmp_path):
 
 def test_budget_evicts_least_frequently_used(tmp_path):
     bank = QABank(Store(tmp_path / "qa"), dimension=3, budget_bytes=10_000)
-    hot = bank.remember("hot", unit(1, 0, 0), "x" * 100)
+    hot = bank.put("hot", unit(1, 0, 0), "x" * 100)
     for _ in range(3):
-        bank.lookup(unit(1, 0, 0), similarity_threshold=0.99)
+        bank.nearest(unit(1, 0, 0), similarity_threshold=0.99)
     sizes = []
     for i in range(200):
-        entry = bank.remember(f"q{i}", unit(0, 1, i / 200), "y" * 100)
+        entry = bank.put(f"q{i}", unit(0, 1, i / 200), "y" * 100)
         sizes.append(bank._sizes[bank._index[entry.id]])
         assert bank.bytes <= bank.budget_bytes + max(sizes)
     assert hot.id in bank and bank.evictions > 0
@@ -83,14 +83,14 @@ def test_budget_evicts_least_frequently_used(tmp_path):
 
 def test_rejects_wrong_dimension_and_empty_question(bank):
     with pytest.raises(ValueError, match="3 values"):
-        bank.remember("q", np.ones(4), "a")
+        bank.put("q", np.ones(4), "a")
     with pytest.raises(ValueError, match="non-empty"):
-        bank.remember("  ", unit(1, 0, 0), "a")
+        bank.put("  ", unit(1, 0, 0), "a")
 
 
 def test_search_returns_top_candidates_in_order(bank):
     for i in range(5):
-        bank.remember(f"q{i}", unit(1, i * 0.2, 0), f"a{i}")
+        bank.put(f"q{i}", unit(1, i * 0.2, 0), f"a{i}")
     hits = bank.search(unit(1, 0, 0), top_n=3, similarity_threshold=0.5)
     assert [h.entry.answer for h in hits] == ["a0", "a1", "a2"]
     assert hits[0].similarity >= hits[1].similarity >= hits[2].similarity

@@ -46,7 +46,6 @@ def test_store_evicts_leaves_before_inner_nodes_least_used_first(tmp_path):
     branch = StateNode(node_key(path[0].key, [7]), path[0].key, 2, 15, "b", 25)
     store.put(branch, b"y" * 25, budget_bytes=10**9, protected=set())
     store.record_use(path[2])  # the deep leaf is used once, the branch never
-    store.flush()
     assert store.trim(85 - 1, set()) == [branch.key]
     tree = ChunkStateTree("root")
     store.apply(tree, store.changes(0))
@@ -82,3 +81,19 @@ def test_remove_keeps_children_reachable_by_key():
     tree.remove(keys[1])
     assert [n.depth for n in tree.match(keys)] == [3, 1]
     assert tree.bytes == 40
+
+
+def test_the_eviction_policy_is_one_object_the_store_orders_by(tmp_path):
+    from percache_core.eviction import LRU
+    from percache_core.storage import Store
+
+    lfu, lru = Store(tmp_path / "lfu"), Store(tmp_path / "lru", policy=LRU)
+    for store in (lfu, lru):
+        store.put("r:often", 1, size=10)
+        store.put("r:once", 2, size=10)
+        for _ in range(3):
+            store.note_use("r:often", when=100.0)
+        store.note_use("r:once", when=200.0)  # used last, but once
+        evicted = store.put("r:new", 3, size=10, budget=("r:", 20))
+        assert evicted == (["r:once"] if store is lfu else ["r:often"])
+        store.close()

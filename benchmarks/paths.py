@@ -1,0 +1,353 @@
+"""Paths that pay: how much of each real question's chunk tokens a stored prefix covers, per
+knowledge-prefill policy and chunk-state budget.
+
+Retrieval only (the cache's own hybrid retrieval with the real embedder, each question in
+its scope, ``top_k`` chunks in rank order); no LLM decode. Token counts are the bundled
+model's (each chunk segment tokenized as the prompt layout does), and the bytes a state
+costs per token and the prefill speed are measured on the loaded model at start. For each
+user, questions are taken in order; before each, idle time fills the chunk-state tree by
+the policy up to the prefill share of the budget (80%, as the knowledge prefill does); the
+question's longest stored prefix is restored (its coverage: the share of its chunk tokens
+inside it; "whole": every chunk); then its own path is kept, evicting least frequently used
+leaves down to the budget, as the runner does. States are slices: a node costs its own
+segment's tokens.
+
+Policies:
+
+- ``none``: only the paths questions ran before;
+- ``singles``: [chunk] for every chunk (chunks of recent questions first, then the latest
+  question's scope, then the rest), the knowledge prefill without pairs;
+- ``neighbours-N``: singles, then [chunk, neighbour] for each chunk's N nearest neighbours
+  (``KnowledgeBank.neighbours``: what retrieval ranks next when the chunk's own text is the
+  question, within the question's scope fields), nearest first (the default is N=2);
+- ``co-retrieved+neighbours-N``: as ``neighbours-N``, with the pairs of chunks earlier
+  questions retrieved together (each ordered pair of a question's chunks) first;
+- ``all-pairs``: singles, then every ordered pair inside a scope (the pairs ceiling).
+
+Writes JSON (``--out``) with, per policy and budget, the mean coverage and whole-path share
+per data set, states and bytes stored, and the idle prefill it costs (tokens, seconds at the
+measured speed); ``--compare`` also sets the per-question depth beside an e2e run's
+(``prefix_overlap`` of ``benchmarks.e2e``'s JSON) for the same users and questions.
+
+    .venv/bin/python -m benchmarks.paths --data ../shared/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from percache_core import PerCache, PerCacheConfig
+from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.kv.llama_cpp import LlamaEngine
+from percache_core.models import resolve_model_path
+from percache_core.prediction.paths import PREFILL_BUDGET_SHARE
+from percache_core.serving.prompting import chunk_text
+
+from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
+from .output import write_json
+
+GIB = 1024**3
+BUDGETS_GIB = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+POLICIES = (
+    "none",
+    "singles",
+    "neighbours-1",
+    "neighbours-2",
+    "neighbours-4",
+    "neighbours-8",
+    "co-retrieved+neighbours-2",
+    "co-retrieved+neighbours-4",
+    "all-pairs",
+)
+MAX_NEIGHBOURS = 8
+
+Path = tuple[str, ...]
+
+
+@dataclass
+class UserPaths:
+    """What the simulation needs of one user: chunk token counts and scopes, each chunk's
+    neighbours, and each question's retrieved path and scope, in order."""
+
+    name: str
+    dataset: str
+    tokens: dict[str, int]
+    scopes: dict[str, tuple]
+    order: list[str]
+    neighbours: dict[str, list[str]]
+    questions: list[Path]
+    question_scopes: list[tuple]
+
+
+@dataclass
+class _Node:
+    hits: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class SimulatedTree:
+    """Stored paths of chunk ids (the system prompt's state is always there and not
+    counted), each costing its last segment's tokens x bytes per token, evicted least
+    frequently used leaves first, as the state store does."""
+
+    budget_bytes: float
+    bytes_per_token: float
+    tokens: dict[str, int]
+    nodes: dict[Path, _Node] = field(default_factory=dict)
+    bytes: float = 0.0
+    clock: int = 0
+
+    def cost(self, path: Path) -> float:
+        return self.tokens[path[-1]] * self.bytes_per_token
+
+    def add(self, path: Path) -> int:
+        """Store *path* and its missing prefixes; the tokens that had to be prefilled."""
+        prefilled = 0
+        for depth in range(1, len(path) + 1):
+            prefix = path[:depth]
+            if prefix not in self.nodes:
+                self.clock += 1
+                self.nodes[prefix] = _Node(last_used=self.clock)
+                self.bytes += self.cost(prefix)
+                prefilled += self.tokens[prefix[-1]]
+        return prefilled
+
+    def restore(self, path: Path) -> int:
+        """The depth of the longest stored prefix of *path* (its nodes counted as used)."""
+        depth = 0
+        while depth < len(path) and path[: depth + 1] in self.nodes:
+            depth += 1
+            self.clock += 1
+            node = self.nodes[path[:depth]]
+            node.hits += 1
+            node.last_used = self.clock
+        return depth
+
+    def evict_to_budget(self, protected: Path) -> int:
+        """Evict least used leaves (never a prefix of *protected*) down to the budget."""
+        keep = {protected[:d] for d in range(1, len(protected) + 1)}
+        evicted = 0
+        while self.bytes > self.budget_bytes:
+            parents = {p[:-1] for p in self.nodes if len(p) > 1}
+            leaves = [p for p in self.nodes if p not in parents and p not in keep]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda p: (self.nodes[p].hits, self.nodes[p].last_used, p))
+            del self.nodes[victim]
+            self.bytes -= self.cost(victim)
+            evicted += 1
+        return evicted
+
+
+def policy_paths(policy: str, user: UserPaths, asked: list[Path], scope: tuple) -> Iterator[Path]:
+    """The paths *policy* prefills, in its order, given the questions *asked* so far and
+    the latest question's *scope* (as ``prediction.paths.knowledge_prefill_paths``)."""
+    if policy == "none":
+        return
+    ordered: dict[str, None] = {}
+    for path in reversed(asked):
+        ordered.update((c, None) for c in path if c not in ordered)
+    for chunk in user.order:
+        if scope and user.scopes[chunk] == scope:
+            ordered.setdefault(chunk, None)
+    for chunk in user.order:
+        ordered.setdefault(chunk, None)
+    for chunk in ordered:
+        yield (chunk,)
+    if policy.startswith("co-retrieved"):
+        for path in reversed(asked):
+            for first in path:
+                for second in path:
+                    if first != second:
+                        yield (first, second)
+    if policy == "all-pairs":
+        for chunk in ordered:
+            for other in user.order:
+                if other != chunk and user.scopes[other] == user.scopes[chunk]:
+                    yield (chunk, other)
+        return
+    if "neighbours-" in policy:
+        count = int(policy.rsplit("-", 1)[1])
+        for rank in range(count):
+            for chunk in ordered:
+                near = user.neighbours[chunk]
+                if rank < len(near):
+                    yield (chunk, near[rank])
+
+
+def simulate(policy: str, user: UserPaths, budget_bytes: float, bytes_per_token: float) -> dict[str, Any]:
+    """One user's questions under *policy* and *budget_bytes* (see the module docstring)."""
+    tree = SimulatedTree(budget_bytes, bytes_per_token, user.tokens)
+    limit = PREFILL_BUDGET_SHARE * budget_bytes
+    idle_tokens = 0
+    rows = []
+    asked: list[Path] = []
+    for path, scope in zip(user.questions, user.question_scopes):
+        for candidate in policy_paths(policy, user, asked, scope):  # idle time before the question
+            if tree.bytes >= limit:
+                break
+            if candidate not in tree.nodes:
+                idle_tokens += tree.add(candidate)
+        depth = tree.restore(path)
+        total = sum(user.tokens[c] for c in path)
+        rows.append(
+            {
+                "depth": depth,
+                "chunks": len(path),
+                "coverage": sum(user.tokens[c] for c in path[:depth]) / max(1, total),
+                "whole": depth == len(path),
+            }
+        )
+        tree.add(path)  # the question's own run keeps its states
+        tree.evict_to_budget(path)
+        asked.append(path)
+    return {
+        "coverage": statistics.fmean(r["coverage"] for r in rows),
+        "whole_path": statistics.fmean(r["whole"] for r in rows),
+        "prefix_overlap": statistics.fmean(r["depth"] / r["chunks"] for r in rows),
+        "states": len(tree.nodes),
+        "bytes": tree.bytes,
+        "idle_prefill_tokens": idle_tokens,
+        "depths": [r["depth"] for r in rows],
+    }
+
+
+def measure_model(engine: LlamaEngine) -> tuple[float, float]:
+    """(bytes a state slice costs per token, prefill tokens per second) of *engine*."""
+    tokens = engine.tokenize("The meeting moved the budget review to Friday. " * 40, True)[:512]
+    engine.reset()
+    engine.eval(tokens[:256])
+    start = engine.n_past
+    engine.eval(tokens[256:])
+    per_token = len(engine.save_slice(start)) / (engine.n_past - start)
+    engine.reset()
+    started = time.perf_counter()
+    engine.eval(tokens)
+    speed = len(tokens) / (time.perf_counter() - started)
+    engine.reset()
+    return per_token, speed
+
+
+def user_paths(user: Any, pc: PerCache, engine: LlamaEngine, top_k: int) -> UserPaths:
+    """Retrieve each of *user*'s questions and count each chunk's prompt tokens."""
+    pc.add_documents(user.documents, split=False)
+    chunks = pc.knowledge.chunks
+    return UserPaths(
+        name=user.name,
+        dataset=user.dataset,
+        tokens={c.id: len(engine.tokenize(chunk_text(c))) for c in chunks},
+        scopes={c.id: tuple(c.metadata.get(f) for f in SCOPE_FIELDS) for c in chunks},
+        order=[c.id for c in chunks],
+        neighbours={
+            c.id: [n.id for n in pc.knowledge.neighbours(c, MAX_NEIGHBOURS, scope_fields=SCOPE_FIELDS)]
+            for c in chunks
+        },
+        questions=[
+            tuple(r.chunk.id for r in pc.knowledge.retrieve(q["question"], top_k, where=query_scope(q)))
+            for q in user.queries
+        ],
+        question_scopes=[tuple((query_scope(q) or {}).get(f) for f in SCOPE_FIELDS) for q in user.queries],
+    )
+
+
+def compare_with_e2e(users: list[UserPaths], e2e_path: str, bytes_per_token: float) -> list[dict[str, Any]]:
+    """Per question, the simulated depth (default policy and budget) beside the e2e run's
+    (``prefix_overlap`` x chunks) for the users both have, and whether the paths agree."""
+    recorded = json.loads(open(e2e_path, encoding="utf-8").read())["queries"]
+    default = PerCacheConfig()
+    policy = f"neighbours-{default.knowledge_prefill_neighbours}"
+    rows = []
+    for user in users:
+        queries = recorded.get(f"{user.dataset}/{user.name}", {}).get("percache")
+        if not queries:
+            continue
+        simulated = simulate(policy, user, default.chunk_state_budget_bytes, bytes_per_token)["depths"]
+        for query, path, depth in zip(queries, user.questions, simulated):
+            rows.append(
+                {
+                    "user": f"{user.dataset}/{user.name}",
+                    "same_path": list(path) == query["chunk_ids"],
+                    "simulated_depth": depth,
+                    "e2e_depth": round(query["prefix_overlap"] * len(query["chunk_ids"])),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_user_arguments(parser, qmsum_users=5, squad_users=2, queries=12)
+    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--budgets-gib", nargs="+", type=float, default=list(BUDGETS_GIB))
+    parser.add_argument("--compare", help="an e2e JSON (benchmarks.e2e --out) to set the default policy beside")
+    parser.add_argument("--out", default="benchmarks/results/paths.json")
+    args = parser.parse_args(argv)
+    engine = LlamaEngine(resolve_model_path(None))
+    bytes_per_token, prefill_speed = measure_model(engine)
+    print(f"{bytes_per_token:,.0f} bytes per token, prefill {prefill_speed:,.0f} tokens/s", flush=True)
+    embedder = SentenceTransformerEmbedder()
+    config = PerCacheConfig(chunk_states=False, qa_bank=False, prediction=False, top_k=args.top_k)
+    users = []
+    for user in users_from_arguments(args):
+        with tempfile.TemporaryDirectory() as folder:
+            with PerCache.open(folder, config=config, embedder=embedder) as pc:
+                users.append(user_paths(user, pc, engine, args.top_k))
+        print(f"{user.dataset}/{user.name}: {len(users[-1].order)} chunks", flush=True)
+    results = []
+    for policy in args.policies:
+        for gib in args.budgets_gib:
+            per_user = {f"{u.dataset}/{u.name}": simulate(policy, u, gib * GIB, bytes_per_token) for u in users}
+            row: dict[str, Any] = {"policy": policy, "budget_gib": gib}
+            for dataset in sorted({u.dataset for u in users}):
+                runs = [r for name, r in per_user.items() if name.startswith(dataset + "/")]
+                row[dataset] = {
+                    "coverage": statistics.fmean(r["coverage"] for r in runs),
+                    "whole_path": statistics.fmean(r["whole_path"] for r in runs),
+                    "prefix_overlap": statistics.fmean(r["prefix_overlap"] for r in runs),
+                    "states_per_user": statistics.fmean(r["states"] for r in runs),
+                    "gib_per_user": statistics.fmean(r["bytes"] for r in runs) / GIB,
+                    "idle_prefill_tokens_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs),
+                    "idle_prefill_s_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs)
+                    / prefill_speed,
+                }
+            results.append(row)
+            print(
+                f"{policy:28s} {gib:5.1f} GiB  "
+                + "  ".join(f"{d}: cov {row[d]['coverage']:.3f} whole {row[d]['whole_path']:.3f} "
+                            f"{row[d]['gib_per_user']:.2f} GiB" for d in row if isinstance(row[d], dict)),
+                flush=True,
+            )
+    result: dict[str, Any] = {
+        "benchmark": "paths",
+        "settings": {"top_k": args.top_k, "queries_per_user": args.queries_per_user, "seed": args.seed},
+        "bytes_per_token": bytes_per_token,
+        "prefill_tokens_per_s": prefill_speed,
+        "users": {f"{u.dataset}/{u.name}": {"chunks": len(u.order), "tokens": sum(u.tokens.values())} for u in users},
+        "results": results,
+    }
+    if args.compare:
+        rows = compare_with_e2e(users, args.compare, bytes_per_token)
+        same = [r for r in rows if r["same_path"]]
+        result["e2e_agreement"] = {
+            "questions": len(rows),
+            "same_path": len(same),
+            "same_depth": sum(r["simulated_depth"] == r["e2e_depth"] for r in same),
+            "rows": rows,
+        }
+        print(f"e2e agreement: {result['e2e_agreement']['same_depth']} of {len(same)} same-path questions", flush=True)
+    engine.close()
+    print(f"written to {write_json(result, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

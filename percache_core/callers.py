@@ -1,0 +1,288 @@
+"""``CallerPipeline`` (``pc.caller``): a PerCache for apps that run their own pipeline.
+
+A LlamaIndex query engine, a LangChain chain or your own code builds its prompts and
+retrieves on its own; what it needs of a cache is a short verb list over the same parts
+and the same answering path (:class:`~percache_core.serving.request_path.RequestPath`)
+that ``PerCache.answer`` uses:
+
+- :meth:`~CallerPipeline.lookup`: a stored answer the caller may serve (counted as a hit);
+- :meth:`~CallerPipeline.complete`: continue the caller's finished prompt through the
+  chunk states (its output is the model's own, with or without the cache);
+- :meth:`~CallerPipeline.generate`: answer a question from chunks the caller retrieved;
+- :meth:`~CallerPipeline.remember` / :meth:`~CallerPipeline.forget`: store the caller's
+  answer, and delete what it stored.
+
+Every answer the caller keeps is bound to a *binding* (a key of whatever decides its
+answers: model, prompt template, settings, retrieved context), so two pipelines never share
+answers by accident.
+
+>>> with PerCache.open("cache") as pc:                    # doctest: +SKIP
+...     hit = pc.caller.lookup("When is the review?", binding="my-app-v1")
+...     text = hit.text if hit else my_pipeline("When is the review?")
+...     pc.caller.remember("When is the review?", text, binding="my-app-v1")
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .inputs import as_chunks, positive_override, validated_question, validated_scope
+from .kv.engine import Engine, Sampling, TextModel
+from .parts import CacheParts
+from .serving.prompting import TextPrompt
+from .serving.request_path import RequestPath, stored_answer
+from .serving.streaming import AnswerStream, delivered
+from .types import Answer, Chunk, QAEntry, QAHit
+
+
+class CallerPipeline:
+    """The verbs an app with its own pipeline uses (see the module docstring); reach it as
+    ``pc.caller``."""
+
+    def __init__(self, parts: CacheParts, request_path: RequestPath, ensure_open: Callable[[], None]) -> None:
+        self._parts = parts
+        self._path = request_path
+        self._ensure_open = ensure_open
+
+    # -- serving stored answers -------------------------------------------------------------
+
+    def lookup(
+        self,
+        question: str,
+        *,
+        binding: str | None = None,
+        scope: Mapping[str, Any] | None = None,
+        similarity_threshold: float | None = None,
+        asked: str | None = None,
+    ) -> Answer | None:
+        """The stored answer for *question* under *binding* (default: this cache's own
+        pipeline's) and *scope*, or None; a hit is counted. When *question* is a key of
+        the caller's (a whole prompt), give the user's question as *asked*: it is what idle
+        prediction learns from.
+
+        Exact mode (the default) only returns the answer stored for the same question
+        text: the same inputs give the same output. Semantic mode returns the best entry at
+        or above tau (*similarity_threshold* overrides it) that the verifier accepts
+        (approximate).
+        """
+        self._ensure_open()
+        question = validated_question(question)
+        config = self._parts.config
+        threshold = similarity_override(similarity_threshold, config.similarity_threshold)
+        scope_dict = validated_scope(scope)
+        started = time.perf_counter()
+        binding = binding or self._parts.binding()
+        with self._parts.activity.user_turn():
+            hit = self._hit(question, threshold, scope_dict, binding, asked)
+        if hit is None:
+            return None
+        answer = stored_answer(question, hit, started, {})
+        answer.approximate = config.qa_mode != "exact"
+        self._path.count(answer)
+        return answer
+
+    def _hit(
+        self,
+        question: str,
+        similarity_threshold: float,
+        scope: dict[str, Any] | None,
+        binding: str,
+        asked: str | None,
+    ) -> QAHit | None:
+        """In exact mode the entry stored for this very question text (not one taken in
+        from the shared tier: see :mod:`percache_core.shared.redis_tier`), in semantic mode
+        the best verified one at or above *similarity_threshold*; counted as a hit, and
+        *asked* (default *question*) recorded for history prediction."""
+        parts = self._parts
+        embedding = parts.embed_question(question)
+        hit = None
+        if parts.config.qa_mode == "exact":
+            entry = parts.qa_bank.find(question, scope=scope, binding=binding)
+            if entry is not None and not entry.from_shared_tier:
+                parts.qa_bank.record_hit(entry.id)
+                hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
+        else:
+            hit, _ = self._path.semantic_hit(question, embedding, similarity_threshold, scope, binding)
+        parts.activity.record_question(asked or question, embedding, hit, scope)
+        return hit
+
+    def find(
+        self, question: str, *, binding: str | None = None, scope: Mapping[str, Any] | None = None
+    ) -> QAEntry | None:
+        """The entry stored for exactly *question* under *binding* and *scope* (not counted
+        as a hit: for checking, e.g. whether a predicted question still needs an answer),
+        or None."""
+        self._ensure_open()
+        binding = binding or self._parts.binding()
+        return self._parts.qa_bank.find(validated_question(question), scope=validated_scope(scope), binding=binding)
+
+    def entry(self, entry_id: str) -> QAEntry | None:
+        """The QA entry with this id (``Answer.entry_id``), or None."""
+        self._ensure_open()
+        return self._parts.qa_bank.get(entry_id)
+
+    # -- running the caller's prompts -------------------------------------------------------
+
+    def complete(
+        self,
+        prompt: str,
+        *,
+        documents: Sequence[str] = (),
+        max_new_tokens: int | None = None,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] | None = None,
+        prompt_lookup: bool = False,
+        trim: bool = False,
+        stream: bool = False,
+    ) -> Answer | AnswerStream:
+        """Continue a finished prompt string (a framework's template, a chat template) as
+        the model does without a cache, reusing stored states of its leading part.
+
+        The prompt is tokenized whole and prefilled as one call would be: it is cut only
+        where one of *documents* (texts in the prompt: retrieved chunks, chat messages) ends
+        and the engine's self-check proved that the cut changes nothing, and the state there
+        is kept. So the output never depends on the cache, and it is stock llama.cpp's text
+        (``trim=True`` drops the white space around it, as for a chat reply). A prompt run
+        before with the same settings is answered from its stored answer without the model.
+        *sampling* (default: the configured one), *stop* (replaces the configured stop
+        strings) and ``max_new_tokens`` apply to this call. No QA-bank entry: the question's
+        answer is the caller's to :meth:`remember`.
+
+        >>> pc.caller.complete("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
+        ...                    documents=["Lunch is at noon."])  # doctest: +SKIP
+        """
+        self._ensure_open()
+        if not isinstance(prompt, str) or not prompt:
+            raise TypeError("prompt must be a non-empty string")
+        if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+            raise TypeError("documents must be a sequence of strings")
+        tokens = positive_override("max_new_tokens", max_new_tokens, self._parts.config.max_new_tokens)
+        spec = TextPrompt(prompt, tuple(documents))
+        events = self._path.complete(
+            prompt,
+            spec=spec,
+            stop=stop,
+            max_new_tokens=tokens,
+            sampling=sampling,
+            prompt_lookup=prompt_lookup,
+            trim=trim,
+        )
+        return delivered(self._parts.activity.in_user_turn(events), stream)
+
+    def generate(
+        self,
+        question: str,
+        chunks: Sequence[Chunk | str],
+        *,
+        max_new_tokens: int | None = None,
+        binding: str | None = None,
+        scope: Mapping[str, Any] | None = None,
+        stream: bool = False,
+    ) -> Answer | AnswerStream:
+        """Answer *question* with this cache's RAG prompt from the given *chunks* (in this
+        order) through the chunk-state tree, without retrieval: for callers that retrieve
+        on their own.
+
+        Stored answers of similar questions under *binding* (default: this cache's own)
+        and *scope* are drafts the model verifies (exact mode), and the answer is stored
+        there, so a repeat or a paraphrase with the same answer is served as
+        ``source="qa_bank"``; the output is always the cache-off output. Strings are
+        wrapped as chunks with a content-derived id. With ``context="adaptive"`` the
+        prompt gets the shortest leading run of *chunks* that makes the model confident.
+
+        >>> pc.caller.generate("When is lunch?", ["Lunch is at noon."]).text  # doctest: +SKIP
+        """
+        self._ensure_open()
+        question = validated_question(question)
+        chunk_list = as_chunks(chunks)
+        tokens = positive_override("max_new_tokens", max_new_tokens, self._parts.config.max_new_tokens)
+        scope_dict = validated_scope(scope)
+        binding = binding or self._parts.binding(max_new_tokens=tokens)
+        events = self._path.generate(question, chunk_list, binding=binding, scope=scope_dict, max_new_tokens=tokens)
+        return delivered(self._parts.activity.in_user_turn(events), stream)
+
+    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        """*chunks* reordered so that the longest stored chunk-state path comes first (this
+        changes the prompt, and so possibly the answer)."""
+        self._ensure_open()
+        return self._parts.runtime.runner.stored_order(chunks)
+
+    # -- the caller's own answers -----------------------------------------------------------
+
+    def remember(
+        self,
+        question: str,
+        answer: str,
+        *,
+        binding: str | None = None,
+        scope: Mapping[str, Any] | None = None,
+        chunk_ids: Sequence[str] = (),
+        metadata: Mapping[str, Any] | None = None,
+    ) -> QAEntry:
+        """Store *answer* (the caller's own) for *question* under *binding* (default: this
+        cache's own pipeline's) and *scope*; it replaces an earlier answer to the same
+        question there. The model's own answers never replace a remembered one, and new
+        documents never make it stale: ``pc.answer()`` of the same question (same scope,
+        default settings) returns it as given, ``source="remembered"``, without the model.
+        It goes with :meth:`forget`, and with ``delete_documents`` of a document in
+        *chunk_ids*.
+
+        >>> pc.caller.remember("When is the review?", "Monday.")   # doctest: +SKIP
+        """
+        self._ensure_open()
+        question = validated_question(question)
+        if not isinstance(answer, str):
+            raise TypeError(f"answer must be a string, got {type(answer).__name__}")
+        scope_dict = validated_scope(scope)
+        extra = dict(metadata or {})
+        extra["remembered"] = True  # never made stale, never replaced by the model's output
+        if scope_dict:
+            extra["scope"] = scope_dict
+        extra["binding"] = binding or self._parts.binding()
+        embedding = self._parts.embed_question(question)
+        return self._parts.qa_bank.put(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)
+
+    def forget(self, *, entry_ids: Sequence[str] = (), origin: str | None = None) -> int:
+        """Delete QA entries: those with these ids, and every entry whose ``origin`` is
+        *origin* (the ``metadata["origin"]`` the caller gave :meth:`remember`); the count.
+
+        >>> pc.caller.forget(origin="my-app")   # doctest: +SKIP
+        3
+        """
+        self._ensure_open()
+        if isinstance(entry_ids, str):
+            raise TypeError("entry_ids must be a sequence of ids, not one string")
+        bank = self._parts.qa_bank
+        doomed = set(entry_ids)
+        if origin is not None:
+            doomed |= {entry.id for entry in bank.entries if entry.origin == origin}
+        return sum(bank.delete(entry_id) for entry_id in doomed)
+
+    # -- what the caller's prompts are made for ---------------------------------------------
+
+    @property
+    def text_model(self) -> TextModel:
+        """The model's tokenizer and chat template (loads the model on first use): what a
+        chat adapter formats its messages with."""
+        return self._parts.runtime.engine
+
+    def runs_on(self, engine: Engine) -> bool:
+        """Whether this cache answers with *engine* (so the caller's model calls may go
+        through :meth:`complete`)."""
+        return self._parts.runtime.runs_on(engine)
+
+    def chunk(self, chunk_id: str) -> Chunk | None:
+        """The stored chunk *chunk_id* (a whole document's first chunk as ``id#c000``)."""
+        knowledge = self._parts.knowledge
+        return knowledge.get_chunk(chunk_id) or knowledge.get_chunk(f"{chunk_id}#c000")
+
+
+def similarity_override(value: float | None, default: float) -> float:
+    """A per-call tau, checked (in [0, 1]), or *default*."""
+    if value is None:
+        return default
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"similarity_threshold must be in [0, 1], got {value}")
+    return float(value)
