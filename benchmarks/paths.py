@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -47,7 +48,7 @@ from percache_core import PerCache, PerCacheConfig
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prediction.paths import PREFILL_BUDGET_SHARE
+from percache_core.prediction.budget import PREFILL_BUDGET_SHARE, sized_state_budget
 from percache_core.serving.prompting import chunk_text
 
 from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
@@ -216,8 +217,17 @@ def simulate(policy: str, user: UserPaths, budget_bytes: float, bytes_per_token:
         "states": len(tree.nodes),
         "bytes": tree.bytes,
         "idle_prefill_tokens": idle_tokens,
+        "budget_bytes": budget_bytes,
         "depths": [r["depth"] for r in rows],
     }
+
+
+def sized_budget(user: UserPaths, policy: str, bytes_per_token: float, free_disk: int) -> int:
+    """The budget ``chunk_state_budget_bytes=None`` gives *user*'s knowledge
+    (:mod:`percache_core.prediction.budget`) with *policy*'s neighbour count."""
+    neighbours = int(policy.rsplit("-", 1)[1]) if "neighbours-" in policy else 0
+    needed = round(sum(user.tokens.values()) * (1 + neighbours) * bytes_per_token)
+    return sized_state_budget(needed_bytes=needed, free_disk_bytes=free_disk)
 
 
 def measure_model(engine: LlamaEngine) -> tuple[float, float]:
@@ -259,17 +269,16 @@ def user_paths(user: Any, pc: PerCache, engine: LlamaEngine, top_k: int) -> User
 
 
 def compare_with_e2e(users: list[UserPaths], e2e_path: str, bytes_per_token: float) -> list[dict[str, Any]]:
-    """Per question, the simulated depth (default policy and budget) beside the e2e run's
+    """Per question, the simulated depth (the e2e run's policy and budget) beside the e2e run's
     (``prefix_overlap`` x chunks) for the users both have, and whether the paths agree."""
     recorded = json.loads(open(e2e_path, encoding="utf-8").read())["queries"]
-    default = PerCacheConfig()
-    policy = f"neighbours-{default.knowledge_prefill_neighbours}"
     rows = []
     for user in users:
         queries = recorded.get(f"{user.dataset}/{user.name}", {}).get("percache")
         if not queries:
             continue
-        simulated = simulate(policy, user, default.chunk_state_budget_bytes, bytes_per_token)["depths"]
+        # the e2e run's settings: two neighbours, 1 GiB
+        simulated = simulate("neighbours-2", user, GIB, bytes_per_token)["depths"]
         for query, path, depth in zip(queries, user.questions, simulated):
             rows.append(
                 {
@@ -302,10 +311,17 @@ def main(argv: list[str] | None = None) -> int:
             with PerCache.open(folder, config=config, embedder=embedder) as pc:
                 users.append(user_paths(user, pc, engine, args.top_k))
         print(f"{user.dataset}/{user.name}: {len(users[-1].order)} chunks", flush=True)
+    free_disk = shutil.disk_usage(tempfile.gettempdir()).free
     results = []
     for policy in args.policies:
-        for gib in args.budgets_gib:
-            per_user = {f"{u.dataset}/{u.name}": simulate(policy, u, gib * GIB, bytes_per_token) for u in users}
+        for gib in [*args.budgets_gib, "sized"]:
+            per_user = {
+                f"{u.dataset}/{u.name}": simulate(
+                    policy, u, sized_budget(u, policy, bytes_per_token, free_disk) if gib == "sized" else gib * GIB,
+                    bytes_per_token,
+                )
+                for u in users
+            }
             row: dict[str, Any] = {"policy": policy, "budget_gib": gib}
             for dataset in sorted({u.dataset for u in users}):
                 runs = [r for name, r in per_user.items() if name.startswith(dataset + "/")]
@@ -315,13 +331,14 @@ def main(argv: list[str] | None = None) -> int:
                     "prefix_overlap": statistics.fmean(r["prefix_overlap"] for r in runs),
                     "states_per_user": statistics.fmean(r["states"] for r in runs),
                     "gib_per_user": statistics.fmean(r["bytes"] for r in runs) / GIB,
+                    "budget_gib_per_user": statistics.fmean(r["budget_bytes"] for r in runs) / GIB,
                     "idle_prefill_tokens_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs),
                     "idle_prefill_s_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs)
                     / prefill_speed,
                 }
             results.append(row)
             print(
-                f"{policy:28s} {gib:5.1f} GiB  "
+                f"{policy:28s} {gib:>5} GiB  "
                 + "  ".join(f"{d}: cov {row[d]['coverage']:.3f} whole {row[d]['whole_path']:.3f} "
                             f"{row[d]['gib_per_user']:.2f} GiB" for d in row if isinstance(row[d], dict)),
                 flush=True,

@@ -27,12 +27,12 @@ from percache_core.config import MB
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prediction.paths import PREFILL_BUDGET_SHARE
+from percache_core.prediction.budget import BUDGET_FLOOR_BYTES, PREFILL_BUDGET_SHARE
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .output import write_json
 
-DEFAULT_BUDGET = PerCacheConfig().chunk_state_budget_bytes
+DEFAULT_BUDGET = BUDGET_FLOOR_BYTES  # the least a budget sized from the knowledge is (1 GiB)
 
 
 def measure_user(

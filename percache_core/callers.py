@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .inputs import as_chunks, positive_override, validated_question, validated_scope
+from .inputs import as_chunks, positive_override, similarity_override, validated_question, validated_scope
 from .kv.engine import Engine, Sampling, TextModel
 from .parts import CacheParts
 from .serving.prompting import TextPrompt
@@ -278,11 +278,3 @@ class CallerPipeline:
         knowledge = self._parts.knowledge
         return knowledge.get_chunk(chunk_id) or knowledge.get_chunk(f"{chunk_id}#c000")
 
-
-def similarity_override(value: float | None, default: float) -> float:
-    """A per-call tau, checked (in [0, 1]), or *default*."""
-    if value is None:
-        return default
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"similarity_threshold must be in [0, 1], got {value}")
-    return float(value)

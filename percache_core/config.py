@@ -103,7 +103,11 @@ class PerCacheConfig:
     entries are evicted beyond them):
         qa_bank_budget_bytes: for the QA bank's question entries, and again for its prompt
             answers (whole prompts answered before, served without the model).
-        chunk_state_budget_bytes: for the chunk states.
+        chunk_state_budget_bytes: for the chunk states; None (the default) sizes it from the
+            knowledge: the bytes the knowledge prefill's states take ([system, chunk] and
+            ``knowledge_prefill_neighbours`` pairs of every chunk, at the loaded model's
+            bytes per token) over its 80% share, at least 1 GiB and at most a quarter of
+            the free disk (see ``stats()["chunk_states"]``).
         min_free_disk_bytes: chunk states are not stored when the disk would keep less
             free space than this (answers are unaffected).
 
@@ -181,7 +185,7 @@ class PerCacheConfig:
     stop: tuple[str, ...] = field(default=DEFAULT_STOP)
 
     qa_bank_budget_bytes: int = 100 * MB
-    chunk_state_budget_bytes: int = 1024 * MB
+    chunk_state_budget_bytes: int | None = None
     min_free_disk_bytes: int = 256 * MB
 
     prediction_stride: int = 5
@@ -194,7 +198,7 @@ class PerCacheConfig:
     strategy_cutoff: float = 0.875
     knowledge_prediction_rounds: int = 2
     knowledge_prefill: bool = True
-    knowledge_prefill_neighbours: int = 2
+    knowledge_prefill_neighbours: int = 8
     abstract_batches_per_round: int = 8
     idle_after_s: float = 30.0
 
@@ -209,7 +213,6 @@ class PerCacheConfig:
             "n_batch": self.n_batch,
             "max_new_tokens": self.max_new_tokens,
             "qa_bank_budget_bytes": self.qa_bank_budget_bytes,
-            "chunk_state_budget_bytes": self.chunk_state_budget_bytes,
             "prediction_stride": self.prediction_stride,
             "history_size": self.history_size,
             "abstract_max_lines": self.abstract_max_lines,
@@ -219,8 +222,10 @@ class PerCacheConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads <= 0):
-            raise ValueError(f"n_threads must be a positive integer or None, got {self.n_threads!r}")
+        for name in ("n_threads", "chunk_state_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         for name in ("min_free_disk_bytes", "knowledge_prefill_neighbours"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -88,3 +88,15 @@ def positive_override(name: str, value: object, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+def similarity_override(value: float | None, default: float) -> float:
+    """A per-call tau, checked (in [0, 1]), or *default*.
+
+    >>> similarity_override(None, 0.85), similarity_override(0.9, 0.85)
+    (0.85, 0.9)
+    """
+    if value is None:
+        return default
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"similarity_threshold must be in [0, 1], got {value}")
+    return float(value)

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .callers import CallerPipeline, similarity_override
+from .callers import CallerPipeline
 from .config import PerCacheConfig
 from .errors import CacheClosedError, CacheFolderError
-from .inputs import positive_override, validated_question, validated_scope
+from .inputs import positive_override, similarity_override, validated_question, validated_scope
 from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
 from .kv.engine import Engine
@@ -228,6 +228,7 @@ class PerCache:
         self._ensure_open()
         self.parts.embed_question("warm-up")
         self.parts.runtime.preload()
+        self.parts.runtime.size_state_budget(self.knowledge.chunks)
         logger.info("engine self-check: %s", self.parts.runtime.self_check_report())
 
     # -- knowledge ------------------------------------------------------------------------
@@ -245,6 +246,8 @@ class PerCache:
         chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
         if chunks and self.config.qa_bank:
             self.scheduler.invalidation.documents_added(chunks, self.knowledge.last_replaced)
+        if chunks:
+            self.parts.runtime.size_state_budget(self.knowledge.chunks)  # with the model loaded only
         return chunks
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:

@@ -12,20 +12,24 @@ round trip at opening (:mod:`percache_core.kv.slicing`), and whole otherwise.
 
 from __future__ import annotations
 
+import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .config import PerCacheConfig
 from .kv.engine import Engine
 from .kv.pieces import exact_pieces, known_pieces
-from .kv.slicing import slices_work
+from .kv.slicing import slices_work, state_bytes_per_token
 from .kv.state_store import StateStore, delete_document_states
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
+from .prediction.budget import BUDGET_FLOOR_BYTES, knowledge_prefill_bytes, sized_state_budget
 from .serving.drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .serving.generation import PromptRunner
 from .serving.prompting import TEMPLATE_VERSION
+from .types import Chunk
 
 
 class ModelRuntime:
@@ -53,6 +57,8 @@ class ModelRuntime:
         self._lock = threading.Lock()
         self._states: TieredStateStore | None = None
         self._runner: PromptRunner | None = None
+        self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
+        self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
 
     @property
     def engine(self) -> Engine:
@@ -92,6 +98,35 @@ class ModelRuntime:
         return self._states
 
     @property
+    def state_budget_bytes(self) -> int:
+        """The chunk-state budget in force: ``chunk_state_budget_bytes``, or (None) the one
+        :meth:`size_state_budget` sized from the knowledge (1 GiB until then)."""
+        return self.config.chunk_state_budget_bytes or self._sized_budget
+
+    def size_state_budget(self, chunks: Sequence[Chunk]) -> int:
+        """Size the budget from the knowledge's *chunks* when none is configured (see
+        :mod:`percache_core.prediction.budget`); needs the engine loaded (it is not loaded
+        for this). Returns the budget in force."""
+        if self.config.chunk_state_budget_bytes is None and self.engine_loaded and self.config.chunk_states:
+            states = self.states
+            self._bytes_per_token = state_bytes_per_token(self.engine)
+            needed = knowledge_prefill_bytes(
+                chunks,
+                self.engine.tokenize,
+                bytes_per_token=self._bytes_per_token,
+                neighbours=self.config.knowledge_prefill_neighbours if self.config.knowledge_prefill else 0,
+                slices=states.slices,
+            )
+            try:
+                free = shutil.disk_usage(self._folder / "states").free + states.bytes
+            except OSError:
+                free = 0
+            self._sized_budget = sized_state_budget(needed_bytes=needed, free_disk_bytes=free)
+        if self._runner is not None:
+            self._runner.budget_bytes = self.state_budget_bytes
+        return self.state_budget_bytes
+
+    @property
     def tree(self) -> ChunkStateTree:
         return self.states.tree
 
@@ -115,6 +150,7 @@ class ModelRuntime:
                 )
                 states = TieredStateStore(local, self._shared, slices=slices)
                 self._runner = PromptRunner(engine, states, self.config)
+                self._runner.budget_bytes = self.state_budget_bytes
                 self._states = states
 
     def configure(self, config: PerCacheConfig) -> None:
@@ -122,6 +158,7 @@ class ModelRuntime:
         self.config = config
         if self._runner is not None:
             self._runner.config = config
+            self._runner.budget_bytes = self.state_budget_bytes
         if self._states is not None:
             self._states.local.min_free_bytes = config.min_free_disk_bytes
 
@@ -169,13 +206,17 @@ class ModelRuntime:
 
     def stats(self) -> dict[str, Any]:
         """Nodes, bytes, budget and failures of the chunk-state tier."""
-        budget = self.config.chunk_state_budget_bytes
+        budget = {
+            "budget_bytes": self.state_budget_bytes,
+            "budget": "configured" if self.config.chunk_state_budget_bytes else "sized from the knowledge",
+            "bytes_per_token": self._bytes_per_token,
+        }
         if self._states is None or self._runner is None:
-            return {"nodes": 0, "bytes": 0, "budget_bytes": budget}
+            return {"nodes": 0, "bytes": 0, **budget}
         return {
             "nodes": len(self._states.tree),
             "bytes": self._states.bytes,
-            "budget_bytes": budget,
+            **budget,
             "evictions": self._states.evictions,
             "restore_failures": self._runner.restore_failures,
             "storage_failures": self._runner.storage_failures,

@@ -59,7 +59,11 @@ def corpus() -> dict[str, Any]:
 
 @contextmanager
 def _cache_opener(
-    folder: Path, corpus: dict[str, Any], default_engine: Callable[[], Any], embedder: Any
+    folder: Path,
+    corpus: dict[str, Any],
+    default_engine: Callable[[], Any],
+    embedder: Any,
+    defaults: dict[str, Any] | None = None,
 ) -> Iterator[Callable[..., PerCache]]:
     """A function that opens caches under *folder* with the demo corpus loaded (closed at
     the end)."""
@@ -67,6 +71,8 @@ def _cache_opener(
 
     def open_cache(name: str = "cache", *, documents: bool = True, engine: Any = None, **config: Any) -> PerCache:
         config.setdefault("max_new_tokens", 24)
+        for setting, value in (defaults or {}).items():
+            config.setdefault(setting, value)
         pc = PerCache.open(
             folder / name, config=PerCacheConfig(**config), engine=engine or default_engine(), embedder=embedder
         )
@@ -87,7 +93,11 @@ def make_cache(
     tmp_path: Path, engine: LlamaEngine, embedder: SentenceTransformerEmbedder, corpus: dict[str, Any]
 ) -> Iterator[Callable[..., PerCache]]:
     """Open caches on the shared engine and embedder, with the demo corpus loaded."""
-    with _cache_opener(tmp_path, corpus, lambda: engine, embedder) as open_cache:
+    # two neighbour pairs per chunk (the default is 8): the same behaviour, a quarter of
+    # the idle prefill, so that the suite's idle rounds on the real model stay short
+    with _cache_opener(
+        tmp_path, corpus, lambda: engine, embedder, defaults={"knowledge_prefill_neighbours": 2}
+    ) as open_cache:
         yield open_cache
 
 

@@ -85,3 +85,35 @@ def _round_trip(engine: Engine) -> bool:
     if not identical:
         logger.info("a path rebuilt from state slices changed the logits: keeping whole states")
     return identical
+
+
+_bytes_per_token: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
+
+
+def state_bytes_per_token(engine: Engine) -> float:
+    """The bytes a stored state slice takes per token on *engine* (measured once per
+    engine over a 100-odd-token segment after a first one; the sequence is emptied). The
+    bundled Gemma 3 270M takes about 18 KB.
+
+    >>> from percache_core.kv.fake_engine import FakeEngine
+    >>> 0 < state_bytes_per_token(FakeEngine()) < 100
+    True
+    """
+    try:
+        return _bytes_per_token[engine]
+    except (KeyError, TypeError):
+        pass
+    with engine.lock:
+        try:
+            engine.reset()
+            engine.eval(engine.tokenize(_SEGMENTS[0], True))
+            start = engine.n_past
+            engine.eval(engine.tokenize(_SEGMENTS[1] * 8))
+            measured = len(engine.save_slice(start)) / (engine.n_past - start)
+        finally:
+            engine.reset()
+    try:
+        _bytes_per_token[engine] = measured
+    except TypeError:
+        pass
+    return measured

@@ -10,8 +10,7 @@ from typing import Any
 from ..knowledge.bank import matches_scope
 from ..parts import CacheParts
 from ..types import Chunk
-
-PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
+from .budget import PREFILL_BUDGET_SHARE
 
 
 def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) -> Iterator[list[Chunk]]:
@@ -34,7 +33,7 @@ def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) 
     for chunk in in_scope + list(chunks):
         ordered.setdefault(chunk.id, chunk)
     runner = parts.runtime.runner
-    limit = PREFILL_BUDGET_SHARE * config.chunk_state_budget_bytes
+    limit = PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes
     for chunk in ordered.values():
         if runner.states.bytes >= limit:
             return
@@ -42,10 +41,13 @@ def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) 
             yield [chunk]
     count = config.knowledge_prefill_neighbours
     scope_fields = list(scope or {})
+    nearest: dict[str, list[Chunk]] = {}  # each chunk's neighbours, retrieved once per walk
     for rank in range(count):
         for chunk in ordered.values():
             if runner.states.bytes >= limit:
                 return
-            neighbours = parts.knowledge.neighbours(chunk, count, scope_fields=scope_fields)
+            if chunk.id not in nearest:
+                nearest[chunk.id] = parts.knowledge.neighbours(chunk, count, scope_fields=scope_fields)
+            neighbours = nearest[chunk.id]
             if rank < len(neighbours) and not runner.path_is_stored("", [chunk, neighbours[rank]], 1):
                 yield [chunk, neighbours[rank]]

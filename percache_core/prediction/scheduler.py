@@ -40,8 +40,9 @@ from ..serving.generation import Preempted, RunResult
 from ..serving.request_path import RequestPath
 from ..serving.streaming import drain
 from ..types import QAEntry
+from .budget import PREFILL_BUDGET_SHARE
 from .invalidation import Invalidation
-from .paths import PREFILL_BUDGET_SHARE, knowledge_prefill_paths
+from .paths import knowledge_prefill_paths
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, predictor_for, use_chat_template
 
 PREFILL_ONLY = "prefill_only"
@@ -215,6 +216,7 @@ class Scheduler:
             try:
                 if (own_pipeline or parts.runtime.engine_loaded) and not should_stop():
                     parts.runtime.self_check()  # once per engine (seconds), here rather than in an answer
+                    parts.runtime.size_state_budget(parts.knowledge.chunks)
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
                 if own_pipeline:
                     self._step("refresh", bar, deadline, should_stop, self._refresh_stale)
@@ -447,7 +449,7 @@ class Scheduler:
             return
         runner = parts.runtime.runner
         for entry in parts.qa_bank.entries:
-            if runner.states.bytes >= PREFILL_BUDGET_SHARE * parts.config.chunk_state_budget_bytes:
+            if runner.states.bytes >= PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes:
                 break
             chunks = [c for c in (parts.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
             if not chunks or runner.path_is_stored(entry.question, chunks, parts.config.max_new_tokens):

@@ -24,6 +24,7 @@ from ..kv.engine import Engine, Sampling
 from ..kv.pieces import exact_pieces
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys
+from ..prediction.budget import BUDGET_FLOOR_BYTES
 from ..types import Chunk
 from .drafting import (
     AnswerDraft,
@@ -126,6 +127,9 @@ class PromptRunner:
         self.engine = engine
         self.states = states
         self.config = config
+        # the chunk-state budget in force (the configured one, or the one ModelRuntime
+        # sized from the knowledge)
+        self.budget_bytes = config.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES
         self.restore_failures = 0
         self.storage_failures = 0
 
@@ -189,7 +193,7 @@ class PromptRunner:
             prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens, idle)
             with states.pinned(keys) if states is not None else nullcontext():
                 yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding, prefill)
-            if states is not None and states.bytes > config.chunk_state_budget_bytes:
+            if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
 
@@ -451,7 +455,7 @@ class PromptRunner:
     def _restore(self, keys: list[str]) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys* (from any tier):
         (segments, tokens) restored."""
-        for node in self.states.candidates(keys, budget_bytes=self.config.chunk_state_budget_bytes):
+        for node in self.states.candidates(keys, budget_bytes=self.budget_bytes):
             chain = self.states.chain(node)
             if chain is None:
                 continue  # a slice whose ancestor was evicted: a shorter prefix may do
@@ -492,7 +496,7 @@ class PromptRunner:
             label = segments[index].chunk_id or segments[index].kind
             node = StateNode(keys[index], new.parent_key, index + 1, new.n_tokens, label, len(new.data), idle=idle)
             try:
-                self.states.put(node, new.data, budget_bytes=self.config.chunk_state_budget_bytes)
+                self.states.put(node, new.data, budget_bytes=self.budget_bytes)
             except StorageWriteError as error:
                 self.storage_failures += 1
                 logger.warning("chunk state not stored (%s); the answer is unaffected", error)
@@ -500,7 +504,7 @@ class PromptRunner:
 
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""
-        self.states.evict_to(self.config.chunk_state_budget_bytes)
+        self.states.evict_to(self.budget_bytes)
 
 
 def decode_text(

@@ -49,7 +49,7 @@ def test_a_state_llama_cpp_refuses_is_a_logged_miss(make_cache, caplog):
     pc.states.put(
         StateNode(node.key, node.parent_key, node.depth, node.n_tokens, node.label, len(junk)),
         junk,
-        budget_bytes=pc.config.chunk_state_budget_bytes,
+        budget_bytes=pc.parts.runtime.state_budget_bytes,
     )
     again = pc.answer(QUESTION)
     assert again.text == reference.text

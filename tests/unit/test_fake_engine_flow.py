@@ -418,3 +418,34 @@ def test_stats_say_what_prediction_populated_and_what_it_later_served(fake_cache
     again = fake_cache(documents=False)
     assert again.answer("What is the booking reference?").predicted
     assert {node.key for node in again.tree.nodes if node.idle} == idle_nodes
+
+
+def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_disk(fake_cache, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from percache_core import runtime
+    from percache_core.prediction.budget import BUDGET_FLOOR_BYTES, knowledge_tokens
+    from percache_core.serving.prompting import chunk_text
+
+    pc = fake_cache()
+    assert pc.parts.runtime.state_budget_bytes == BUDGET_FLOOR_BYTES  # no model loaded yet: nothing measured
+    tokens = knowledge_tokens(pc.knowledge.chunks, pc.engine.tokenize)
+    assert tokens == sum(len(pc.engine.tokenize(chunk_text(c))) for c in pc.knowledge.chunks)  # all sampled
+    monkeypatch.setattr(runtime, "state_bytes_per_token", lambda engine: 1_000_000.0)  # a model with huge states
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 1000 * GIB))
+    pc.warm(progress=False, max_predictions=0)
+    neighbours = pc.config.knowledge_prefill_neighbours
+    wanted = tokens * (1 + neighbours) * 1_000_000 / 0.8  # singles and pairs, slices, over the 80% share
+    stats = pc.stats()["chunk_states"]
+    assert stats["budget_bytes"] == pc.parts.runtime.runner.budget_bytes == int(wanted)
+    assert stats["budget"] == "sized from the knowledge" and stats["bytes_per_token"] == 1_000_000.0
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 8 * GIB))  # a quarter of the free disk
+    pc.add_documents(["The plumber comes on Tuesday between 8 and 10."])
+    assert pc.parts.runtime.state_budget_bytes == int(0.25 * (8 * GIB + pc.states.bytes))
+    pc.configure(chunk_state_budget_bytes=3 * GIB)  # a configured budget is the budget
+    assert pc.parts.runtime.runner.budget_bytes == pc.stats()["chunk_states"]["budget_bytes"] == 3 * GIB
+
+
+GIB = 1024**3

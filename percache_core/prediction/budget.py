@@ -1,0 +1,65 @@
+"""A chunk-state budget that matches the knowledge (``chunk_state_budget_bytes=None``).
+
+The knowledge prefill stores [system, chunk] for every chunk and then [system, chunk,
+neighbour] for ``knowledge_prefill_neighbours`` neighbours of each; how much of a
+question's chunk tokens a stored prefix covers grows with the pairs that fit
+(``benchmarks/paths.py``: on QMSum users, 0.36 at 1 GiB, 0.43 at 2, 0.49 at 4, 0.54 at 8).
+So the default budget is what those states take at the loaded model's bytes per token,
+over the prefill's share of the budget, within bounds: at least
+:data:`BUDGET_FLOOR_BYTES`, at most :data:`BUDGET_DISK_SHARE` of the free disk.
+
+>>> sized_state_budget(needed_bytes=2 * 1024**3, free_disk_bytes=100 * 1024**3) / 1024**3
+2.5
+>>> sized_state_budget(needed_bytes=64 * 1024**3, free_disk_bytes=40 * 1024**3) / 1024**3  # a quarter of the disk
+10.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..serving.prompting import chunk_text
+from ..types import Chunk
+
+BUDGET_FLOOR_BYTES = 1024**3
+BUDGET_DISK_SHARE = 0.25
+PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
+_TOKEN_SAMPLE = 32  # chunks tokenized to estimate the knowledge's tokens per character
+
+
+def knowledge_tokens(chunks: Sequence[Chunk], tokenize: Callable[[str], list[int]]) -> int:
+    """The prompt tokens of every chunk's segment, estimated from the tokens per
+    character of an even sample of :data:`_TOKEN_SAMPLE` chunks (exact when there are no
+    more)."""
+    if not chunks:
+        return 0
+    sample = list(chunks[:: max(1, len(chunks) // _TOKEN_SAMPLE)])[:_TOKEN_SAMPLE]
+    sample_chars = sum(len(chunk_text(c)) for c in sample)
+    sample_tokens = sum(len(tokenize(chunk_text(c))) for c in sample)
+    if len(sample) == len(chunks):
+        return sample_tokens
+    return round(sample_tokens / max(1, sample_chars) * sum(len(chunk_text(c)) for c in chunks))
+
+
+def knowledge_prefill_bytes(
+    chunks: Sequence[Chunk],
+    tokenize: Callable[[str], list[int]],
+    *,
+    bytes_per_token: float,
+    neighbours: int,
+    slices: bool,
+) -> int:
+    """The bytes the knowledge prefill's states of *chunks* take: one chunk's tokens for
+    each [system, chunk] and each pair with state slices (a node holds only its own
+    segment), two chunks' for a pair's whole state."""
+    tokens = knowledge_tokens(chunks, tokenize)
+    per_pair = 1 if slices else 2
+    return round(tokens * (1 + per_pair * neighbours) * bytes_per_token)
+
+
+def sized_state_budget(*, needed_bytes: int, free_disk_bytes: int) -> int:
+    """The budget that holds *needed_bytes* within the prefill's share, at least
+    :data:`BUDGET_FLOOR_BYTES`, at most :data:`BUDGET_DISK_SHARE` of *free_disk_bytes*
+    (the free disk plus what the states already take)."""
+    wanted = needed_bytes / PREFILL_BUDGET_SHARE
+    return int(max(BUDGET_FLOOR_BYTES, min(wanted, BUDGET_DISK_SHARE * free_disk_bytes)))
