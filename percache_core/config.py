@@ -131,7 +131,9 @@ class PerCacheConfig:
         knowledge_prefill_neighbours: after those, also the [system, chunk, neighbour]
             states of each chunk for this many neighbours, the chunks retrieval ranks next
             when the chunk's own text is the question: a prompt whose first two chunks are
-            such a pair restores both (the output is unchanged either way). 0: none.
+            such a pair restores both (the output is unchanged either way). Every chunk's
+            nearest first, then every chunk's second, ..., so a small budget holds the
+            nearest pairs. 0: none.
         abstract_batches_per_round: LLM summary calls per idle round at most.
         idle_after_s: the background worker starts a round after this long without a query.
 
