@@ -246,8 +246,6 @@ class PerCache:
         chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
         if chunks and self.config.qa_bank:
             self.scheduler.invalidation.documents_added(chunks, self.knowledge.last_replaced)
-        if chunks:
-            self.parts.runtime.size_state_budget(self.knowledge.chunks)  # with the model loaded only
         return chunks
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:

@@ -106,7 +106,9 @@ class ModelRuntime:
     def size_state_budget(self, chunks: Sequence[Chunk]) -> int:
         """Size the budget from the knowledge's *chunks* when none is configured (see
         :mod:`percache_core.prediction.budget`); needs the engine loaded (it is not loaded
-        for this). Returns the budget in force."""
+        for this). Called by ``preload()`` and at the start of each idle round (where the
+        knowledge prefill fills the budget), never on a user's path. Returns the budget
+        in force."""
         if self.config.chunk_state_budget_bytes is None and self.engine_loaded and self.config.chunk_states:
             states = self.states
             self._bytes_per_token = state_bytes_per_token(self.engine)
