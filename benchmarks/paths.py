@@ -48,7 +48,7 @@ from percache_core import PerCache, PerCacheConfig
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prediction.budget import PREFILL_BUDGET_SHARE, sized_state_budget
+from percache_core.prediction.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
 from percache_core.serving.prompting import chunk_text
 
 from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
@@ -226,7 +226,9 @@ def sized_budget(user: UserPaths, policy: str, bytes_per_token: float, free_disk
     """The budget ``chunk_state_budget_bytes=None`` gives *user*'s knowledge
     (:mod:`percache_core.prediction.budget`) with *policy*'s neighbour count."""
     neighbours = int(policy.rsplit("-", 1)[1]) if "neighbours-" in policy else 0
-    needed = round(sum(user.tokens.values()) * (1 + neighbours) * bytes_per_token)
+    needed = prefill_state_bytes(
+        sum(user.tokens.values()), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=True
+    )
     return sized_state_budget(needed_bytes=needed, free_disk_bytes=free_disk)
 
 

@@ -52,7 +52,18 @@ def knowledge_prefill_bytes(
     """The bytes the knowledge prefill's states of *chunks* take: one chunk's tokens for
     each [system, chunk] and each pair with state slices (a node holds only its own
     segment), two chunks' for a pair's whole state."""
-    tokens = knowledge_tokens(chunks, tokenize)
+    return prefill_state_bytes(
+        knowledge_tokens(chunks, tokenize), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=slices
+    )
+
+
+def prefill_state_bytes(tokens: int, *, bytes_per_token: float, neighbours: int, slices: bool) -> int:
+    """The bytes of the knowledge prefill's states for chunks of *tokens* prompt tokens in
+    all.
+
+    >>> prefill_state_bytes(1000, bytes_per_token=18_000, neighbours=8, slices=True) / 1e6
+    162.0
+    """
     per_pair = 1 if slices else 2
     return round(tokens * (1 + per_pair * neighbours) * bytes_per_token)
 
