@@ -92,10 +92,13 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
         progress=lambda line: None,
     )
     first = evaluate(**settings, taus=[0.9])
-    second = evaluate(**settings)
+    repeated = ("naive", "percache")  # the run again, with the systems whose work differs most
+    second = evaluate(**{**settings, "systems": [s for s in systems if s.name in repeated]})
     for name in ("naive", "ragcache+meancache", "percache"):
         records = first["queries"]["qmsum/pat"][name]
         assert [r["qid"] for r in records] == ["q1", "q2", "q3"] and not any("error" in r for r in records)
+        if name not in repeated:
+            continue
         again = second["queries"]["qmsum/pat"][name]
         assert [(r["source"], r["answer"]) for r in records] == [(r["source"], r["answer"]) for r in again]
     totals = first["per_user"]["qmsum/pat"]

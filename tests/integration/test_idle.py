@@ -147,10 +147,10 @@ def test_background_worker_runs_only_when_idle_and_allowed(make_cache):
 
 @pytest.mark.parametrize("origin", ["history"])
 def test_history_prediction_follows_user_questions(make_cache, origin):
-    pc = make_cache(**IDLE)
+    pc = make_cache(**IDLE, knowledge_prefill=False)  # only the history view is under test
     pc.answer("When is my dentist appointment?")
     pc.answer("What is my flight booking reference?")
-    report = pc.warm(progress=False)
+    report = pc.warm(progress=False, knowledge_prediction=False)
     assert report.history.llm_calls >= 1
     assert pc.parts.activity.new_history == 0
     origins = {e.metadata.get("origin") for e in pc.qa_bank.entries}
