@@ -306,20 +306,29 @@ def evaluate(
     progress: Callable[[str], None] = print,
     partial: Path | None = None,
     skip_users: int = 0,
+    engine: LlamaEngine | None = None,
+    embedder: Any = None,
 ) -> dict[str, Any]:
     """Run every system on every user, then the sensitivity and ablation runs (see
     :func:`sensitivity_runs`) of PerCache on the first user. After each user, what is
-    done so far is written to *partial* (JSON), so a stopped run keeps its users."""
+    done so far is written to *partial* (JSON), so a stopped run keeps its users.
+
+    *engine* and *embedder* are loaded (the default model and MiniLM) unless given: a
+    caller that has them loaded already passes them, and an engine passed in is not
+    closed."""
     users: list[User] = []
     for dataset, count in (("qmsum", qmsum_users), ("squad11-dev", squad_users)):
         if count > 0:
             users += load_users(data, dataset, users=count, queries_per_user=queries_per_user, seed=seed)
     users = users[skip_users:]  # to go on with the users a stopped run did not reach
-    model_path = resolve_model_path(None)
-    engine = LlamaEngine(model_path)
+    owns_engine = engine is None
+    if engine is None:
+        engine = LlamaEngine(resolve_model_path(None))
+    model_path = engine.model_path
     engine.warm_up()
-    embedder = SentenceTransformerEmbedder()
-    embedder.embed(["warm-up"])
+    if embedder is None:
+        embedder = SentenceTransformerEmbedder()
+        embedder.embed(["warm-up"])
     per_user: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {}
     sweeps: list[dict[str, Any]] = []
@@ -366,7 +375,8 @@ def evaluate(
                     sweeps.append({"sweep": sweep, "value": value, "user": key, **totals})
                     progress(f"{label}: {_line(totals, started)}")
     finally:
-        engine.close()
+        if owns_engine:
+            engine.close()
     return {
         "benchmark": "e2e",
         "settings": {

@@ -77,8 +77,7 @@ def test_neighbour_pairs_count_second_chunks_within_the_meeting(tmp_path):
     assert result["users"][0]["chunks"] == 3
 
 
-@pytest.mark.model  # runs the real model in this process or a subprocess
-def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
+def test_tiny_run_is_complete_repeatable_and_reported(tmp_path, engine, embedder):
     write_data(tmp_path)
     systems = [s for s in SYSTEMS if s.name in ("naive", "ragcache+meancache", "percache")]
     settings = dict(
@@ -90,6 +89,8 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path):
         max_new_tokens=12,
         systems=systems,
         progress=lambda line: None,
+        engine=engine,  # the session's, loaded and self-checked once
+        embedder=embedder,
     )
     first = evaluate(**settings, taus=[0.9])
     repeated = ("naive", "percache")  # the run again, with the systems whose work differs most

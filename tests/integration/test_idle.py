@@ -6,6 +6,12 @@ import time
 import pytest
 
 IDLE = dict(prediction_stride=2, abstract_batch_chunks=5, max_new_tokens=24)
+# rounds that run only the steps under test (each step has its own tests): prediction and
+# its population without the knowledge prefill, the knowledge prefill without the abstract
+# and prediction, and the other steps (refresh, follow-ups) without either
+PREDICTION_ALONE = dict(IDLE, knowledge_prefill=False)
+PREFILL_ALONE = dict(IDLE, prediction=False)
+STEP_ALONE = dict(IDLE, prediction=False, knowledge_prefill=False)
 
 
 def all_nodes_restorable(pc) -> bool:
@@ -18,7 +24,7 @@ def all_nodes_restorable(pc) -> bool:
 
 
 def test_warm_round_predicts_and_populates_both_tiers_below_the_cutoff(make_cache):
-    pc = make_cache(similarity_threshold=0.85, **IDLE)
+    pc = make_cache(similarity_threshold=0.85, **PREDICTION_ALONE)
     report = pc.warm(progress=False)
     assert report.strategy == "prefill_decode" and not report.preempted
     assert report.chunks_summarised == 10 and pc.scheduler.abstract.lines
@@ -34,7 +40,7 @@ def test_warm_round_predicts_and_populates_both_tiers_below_the_cutoff(make_cach
 
 
 def test_prefill_only_above_the_cutoff_stores_pending_entries_that_are_never_served(make_cache):
-    pc = make_cache(similarity_threshold=0.9, **IDLE)
+    pc = make_cache(similarity_threshold=0.9, **PREDICTION_ALONE)
     report = pc.warm(progress=False)
     assert report.strategy == "prefill_only" and report.pending_stored == len(report.predicted) > 0
     assert report.decode_tokens > 0  # the abstract and the prediction itself decode
@@ -71,7 +77,7 @@ def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
 
 
 def test_refresh_regenerates_stale_entries_in_idle_time(make_cache):
-    pc = make_cache(**IDLE)
+    pc = make_cache(**STEP_ALONE)
     pc.answer("How much budget did finance approve for the Harbor design work?")
     pc.add_documents(
         [
@@ -91,7 +97,7 @@ def test_refresh_regenerates_stale_entries_in_idle_time(make_cache):
 
 
 def test_a_similar_question_served_from_the_bank_gets_its_own_answer_later(make_cache):
-    pc = make_cache(qa_mode="semantic", **IDLE)  # exact mode never serves another question's answer
+    pc = make_cache(qa_mode="semantic", **STEP_ALONE)  # exact mode never serves another question's answer
     pc.answer("How much budget did finance approve for the Harbor design work?")
     paraphrase = "How much money did finance approve for Harbor design?"
     assert pc.answer(paraphrase).source == "qa_bank"
@@ -130,7 +136,7 @@ def test_a_user_question_preempts_a_running_round(make_cache):
 
 
 def test_background_worker_runs_only_when_idle_and_allowed(make_cache):
-    pc = make_cache(**IDLE)
+    pc = make_cache(**PREDICTION_ALONE)
     allowed = threading.Event()
     worker = pc.start_worker(idle_after_s=0.3, should_run=allowed.is_set, round_seconds=120)
     time.sleep(1.0)
@@ -147,7 +153,7 @@ def test_background_worker_runs_only_when_idle_and_allowed(make_cache):
 
 @pytest.mark.parametrize("origin", ["history"])
 def test_history_prediction_follows_user_questions(make_cache, origin):
-    pc = make_cache(**IDLE, knowledge_prefill=False)  # only the history view is under test
+    pc = make_cache(**PREDICTION_ALONE)  # only the history view is under test
     pc.answer("When is my dentist appointment?")
     pc.answer("What is my flight booking reference?")
     report = pc.warm(progress=False, knowledge_prediction=False)
@@ -158,7 +164,7 @@ def test_history_prediction_follows_user_questions(make_cache, origin):
 
 
 def test_knowledge_prefill_gives_every_prompt_its_first_chunk_exactly(make_cache):
-    pc = make_cache("prefilled", similarity_threshold=0.95, **IDLE)
+    pc = make_cache("prefilled", **PREFILL_ALONE)
     report = pc.warm(progress=False, max_predictions=0)
     first_chunks = {chunk.id for chunk in pc.knowledge.chunks}
     stored = {node.label for node in pc.tree.nodes if node.depth == 2}
@@ -172,7 +178,7 @@ def test_knowledge_prefill_gives_every_prompt_its_first_chunk_exactly(make_cache
 
 
 def test_knowledge_prefill_pairs_give_a_prompt_its_first_two_chunks_exactly(make_cache):
-    pc = make_cache("pairs", similarity_threshold=0.95, **IDLE)
+    pc = make_cache("pairs", **PREFILL_ALONE)
     report = pc.warm(progress=False, max_predictions=0)
     assert report.pairs_prefilled >= 1 and all_nodes_restorable(pc)
     plain = make_cache("plain", chunk_states=False, qa_bank=False, prediction=False, max_new_tokens=24)
@@ -184,7 +190,7 @@ def test_knowledge_prefill_pairs_give_a_prompt_its_first_two_chunks_exactly(make
 
 def test_knowledge_prefill_stays_within_the_chunk_state_budget(make_cache):
     budget = 12 * 1024 * 1024
-    pc = make_cache(chunk_state_budget_bytes=budget, **IDLE)
+    pc = make_cache(chunk_state_budget_bytes=budget, **PREFILL_ALONE)
     report = pc.warm(progress=False, max_predictions=0)
     assert 0 < report.chunks_prefilled < len(pc.knowledge)
     assert pc.tree.bytes <= budget
