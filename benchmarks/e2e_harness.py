@@ -322,7 +322,7 @@ def evaluate(
             users += load_users(data, dataset, users=count, queries_per_user=queries_per_user, seed=seed)
     users = users[skip_users:]  # to go on with the users a stopped run did not reach
     owns_engine = engine is None
-    if engine is None:
+    if owns_engine:
         engine = LlamaEngine(resolve_model_path(None))
     model_path = engine.model_path
     engine.warm_up()
