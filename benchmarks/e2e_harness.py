@@ -3,6 +3,8 @@
 Every system is a configuration of the same pipeline (same retrieval, model, prompts and
 greedy decoding) and starts from an empty cache per user:
 
+    stock                 stock llama_cpp.Llama answering naive's prompt (what users run today;
+                          its own prefix reuse on), after the same retrieval
     naive                 no cache
     ragcache              chunk states only, reactive
     meancache             QA bank only (plain cosine), reactive
@@ -56,7 +58,9 @@ class System:
     predictive: bool
 
 
+STOCK = System("stock", {"qa_bank": False, "chunk_states": False}, False)  # retrieval only; Llama answers
 SYSTEMS = (
+    STOCK,
     System("naive", {"qa_bank": False, "chunk_states": False}, False),
     System("ragcache", {"qa_bank": False}, False),
     System("meancache", {"chunk_states": False, "verifier": "none"}, False),
@@ -136,12 +140,20 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
 
 
 class SystemRun:
-    """One system answering one user's questions from an empty cache in *folder*."""
+    """One system answering one user's questions from an empty cache in *folder*. The
+    stock system retrieves through its cache (caches off) and answers with *stock*."""
 
     def __init__(
-        self, system: System, config: PerCacheConfig, engine: LlamaEngine, embedder: Any, folder: Path
+        self,
+        system: System,
+        config: PerCacheConfig,
+        engine: LlamaEngine,
+        embedder: Any,
+        folder: Path,
+        stock: Any = None,
     ) -> None:
         self.system = system
+        self.stock = stock if system.name == STOCK.name else None
         self.folder = folder
         self.records: list[dict[str, Any]] = []
         self.idle = {
@@ -170,7 +182,8 @@ class SystemRun:
         """Answer one question and record it (a failure is recorded, never skipped)."""
         record: dict[str, Any] = {"qid": query["qid"], "question": query["question"]}
         try:
-            answer = self.pc.answer(query["question"], scope=query_scope(query))
+            ask = self.pc.answer if self.stock is None else self.stock_answer
+            answer = ask(query["question"], scope=query_scope(query))
             record.update(
                 answer=answer.text,
                 source=answer.source,
@@ -188,6 +201,41 @@ class SystemRun:
         except Exception as error:
             record.update(error=f"{type(error).__name__}: {error}")
         self.records.append(record)
+
+    def stock_answer(self, question: str, *, scope: dict[str, Any] | None) -> Any:
+        """Naive's prompt (same retrieval and layout) completed by stock ``llama_cpp.Llama``
+        as one string, greedy, with the same stop strings and token limit; an ``Answer``
+        whose latency counts the retrieval and the completion."""
+        from percache_core.types import Answer
+
+        started = time.perf_counter()
+        parts, config = self.pc.parts, self.pc.config
+        embedding = parts.embed_question(question)
+        retrieved = parts.knowledge.retrieve(question, config.top_k, question_embedding=embedding, where=scope)
+        chunks = [r.chunk for r in retrieved]
+        layout = parts.runtime.runner.lay_out(question, chunks, max_new_tokens=config.max_new_tokens)
+        prefill_started = time.perf_counter()
+        first: list[float] = []
+        text = ""
+        for piece in self.stock.create_completion(
+            layout.text, max_tokens=config.max_new_tokens, temperature=0.0, stop=list(config.stop), stream=True
+        ):
+            if not first:
+                first.append(time.perf_counter())
+            text += piece["choices"][0]["text"]
+        done = time.perf_counter()
+        ttft = (first[0] if first else done) - started
+        timings = {"retrieve": prefill_started - started, "prefill": ttft - (prefill_started - started)}
+        timings["decode"] = done - started - ttft
+        return Answer(
+            text=text.strip(),
+            source="full",
+            question=question,
+            chunk_ids=layout.chunk_ids,
+            ttft_s=ttft,
+            latency_s=done - started,
+            timings=timings,
+        )
 
     def finish(self) -> dict[str, Any]:
         """Close the cache, delete its folder (chunk states take hundreds of MB) and return
@@ -213,6 +261,7 @@ def run_user(
     engine: LlamaEngine,
     embedder: Any,
     folder: Path,
+    stock: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Answer the user's questions with every (label, system, config) variant, interleaved:
     question i is asked of every variant before question i + 1, so that slow drifts of the
@@ -222,7 +271,7 @@ def run_user(
     runs: dict[str, SystemRun] = {}
     try:
         for label, system, config in variants:
-            run = SystemRun(system, config, engine, embedder, folder / label)
+            run = SystemRun(system, config, engine, embedder, folder / label, stock)
             runs[label] = run
             run.pc.add_documents(user.documents, split=False)
         for _ in range(2):
@@ -326,6 +375,18 @@ def evaluate(
         engine = LlamaEngine(resolve_model_path(None))
     model_path = engine.model_path
     engine.warm_up()
+    stock = None
+    if any(system.name == STOCK.name for system in systems):
+        from llama_cpp import Llama  # stock llama.cpp, as users run it (prefix reuse on)
+
+        stock = Llama(
+            str(model_path),
+            n_ctx=engine.n_ctx,
+            n_batch=engine.n_batch,
+            n_threads=os.cpu_count(),
+            n_threads_batch=os.cpu_count(),
+            verbose=False,
+        )
     if embedder is None:
         embedder = SentenceTransformerEmbedder()
         embedder.embed(["warm-up"])
@@ -351,7 +412,7 @@ def evaluate(
                 key = f"{user.dataset}/{user.name}"
                 started = time.perf_counter()
                 variants = [(system.name, system, system_config(user, system)) for system in systems]
-                runs[key] = run_user(user, variants, engine, embedder, Path(temporary) / f"user-{index}")
+                runs[key] = run_user(user, variants, engine, embedder, Path(temporary) / f"user-{index}", stock)
                 per_user[key] = {
                     name: _totals(run, runs[key].get("naive")) for name, run in runs[key].items()
                 }
@@ -455,11 +516,15 @@ def reductions(per_user: dict[str, dict[str, Any]]) -> dict[str, Any]:
         others = {
             name: row["latency_s"]["mean"]
             for name, row in systems.items()
-            if name != "naive" and not name.startswith("percache")
+            if name not in ("naive", STOCK.name) and not name.startswith("percache")
         }
         best = min(others, key=others.get) if others else None
         rows[user] = {
             "vs_naive": 1 - ours / systems["naive"]["latency_s"]["mean"] if "naive" in systems else None,
+            "vs_stock": 1 - ours / systems[STOCK.name]["latency_s"]["mean"] if STOCK.name in systems else None,
+            "naive_vs_stock": systems["naive"]["latency_s"]["mean"] / systems[STOCK.name]["latency_s"]["mean"]
+            if "naive" in systems and STOCK.name in systems
+            else None,
             "best_baseline": best,
             "vs_best_baseline": 1 - ours / others[best] if best else None,
             "lowest_of_all": all(ours <= value for value in others.values()),
@@ -477,6 +542,8 @@ def reductions(per_user: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "per_user": rows,
         "mean_vs_naive": mean_of("vs_naive"),
+        "mean_vs_stock": mean_of("vs_stock"),
+        "mean_naive_vs_stock": mean_of("naive_vs_stock"),
         "mean_vs_best_baseline": mean_of("vs_best_baseline"),
         "opt_ins_mean_vs_naive": {name: statistics.fmean(values) for name, values in opt_ins.items()},
     }
@@ -501,6 +568,12 @@ def markdown_table(result: dict[str, Any]) -> str:
             "",
             f"PerCache mean latency: {reduction['mean_vs_naive']:.1%} below naive, "
             f"{reduction['mean_vs_best_baseline']:.1%} below the best baseline (averaged over users)."
+            + (
+                f" Against stock llama.cpp: {reduction['mean_vs_stock']:.1%} below"
+                f" (naive at {reduction['mean_naive_vs_stock']:.3f}x stock)."
+                if reduction.get("mean_vs_stock") is not None
+                else ""
+            )
             + "".join(
                 f" {name}: {value:.1%} below naive."
                 for name, value in reduction.get("opt_ins_mean_vs_naive", {}).items()

@@ -21,7 +21,7 @@ from .errors import (
     PerCacheError,
 )
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
-from .kv.engine import Sampling
+from .kv.engine import ChatPrompt, Sampling
 from .pipeline import AnswerStream, PerCache
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 
@@ -31,6 +31,7 @@ __all__ = [
     "Answer",
     "AnswerStream",
     "CallerPipeline",
+    "ChatPrompt",
     "CacheClosedError",
     "CacheFolderError",
     "Chunk",

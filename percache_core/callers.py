@@ -135,6 +135,7 @@ class CallerPipeline:
         stop: Sequence[str] | None = None,
         prompt_lookup: bool = False,
         trim: bool = False,
+        add_bos: bool | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
         """Continue a finished prompt string (a framework's template, a chat template) as
@@ -147,8 +148,10 @@ class CallerPipeline:
         (``trim=True`` drops the white space around it, as for a chat reply). A prompt run
         before with the same settings is answered from its stored answer without the model.
         *sampling* (default: the configured one), *stop* (replaces the configured stop
-        strings) and ``max_new_tokens`` apply to this call. No QA-bank entry: the question's
-        answer is the caller's to :meth:`remember`.
+        strings) and ``max_new_tokens`` apply to this call. Markup in the prompt is tokenized
+        as special tokens; *add_bos* says whether a BOS is added (None: unless the prompt
+        starts with it; a :class:`~percache_core.kv.engine.ChatPrompt` says). No QA-bank
+        entry: the question's answer is the caller's to :meth:`remember`.
 
         >>> pc.caller.complete("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
         ...                    documents=["Lunch is at noon."])  # doctest: +SKIP
@@ -159,7 +162,7 @@ class CallerPipeline:
         if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
             raise TypeError("documents must be a sequence of strings")
         tokens = positive_override("max_new_tokens", max_new_tokens, self._parts.config.max_new_tokens)
-        spec = TextPrompt(prompt, tuple(documents))
+        spec = TextPrompt(prompt, tuple(documents), add_bos)
         events = self._path.complete(
             prompt,
             spec=spec,

@@ -1,11 +1,13 @@
 """``PerCacheChatLlamaCPP``: a LangChain chat model on PerCache's llama.cpp engine.
 
-Messages are laid out with the GGUF file's chat template (or ``chat_template``, a llama.cpp
-built-in name such as ``"gemma"``; ``role: content`` lines for a model without one) and the
-prompt is continued like ``PerCacheLlamaCPP``'s: the same text with or without stored
-chunk states, reusing the states of documents a ``PerCacheRetriever`` returned. A state is
-also kept after each message, so a chat's next turn restores the turns before it and a new
-session restores its system message.
+Messages are laid out as stock ``llama_cpp.Llama.create_chat_completion`` lays them out
+(the GGUF file's chat template, or llama-cpp-python's ``llama-2`` fallback for a model
+without one; ``chat_template`` names one of llama.cpp's built-in templates instead, such as
+``"gemma"``) and the prompt is continued like ``PerCacheLlamaCPP``'s: stock's text, the same
+with or without stored chunk states, reusing the states of documents a ``PerCacheRetriever``
+returned. A state is also kept after the system message (a new session restores it) and
+after the conversation before the new message; the next turn keeps what the context holds
+of this turn's prompt, as stock ``llama_cpp.Llama`` does.
 
 ``stream()`` goes through LangChain's LLM cache as ``invoke()`` does: a cached answer is
 streamed as one chunk, and a streamed answer is stored under the key ``invoke()`` uses.
@@ -26,8 +28,8 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, field_validator
 
-from percache_core import Answer, AnswerStream
-from percache_core.serving.prompting import PLAIN_CHAT_STOPS, chat_text
+from percache_core import Answer, AnswerStream, ChatPrompt
+from percache_core.serving.prompting import chat_prompt
 
 from .llm import complete, generation_settings
 from .recorder import as_percache
@@ -60,9 +62,9 @@ def _usage(answer: Answer | None) -> UsageMetadata | None:
 class PerCacheChatLlamaCPP(BaseChatModel):
     """A chat model on the PerCache's engine and settings (``max_new_tokens``, alias
     ``max_tokens``, and ``temperature`` override them); a call's ``stop`` strings (else
-    ``stop``) end the answer (the
-    configured stop strings are for PerCache's own completion prompt, not chats; with a
-    model without a chat template, a new ``role:`` line ends it too).
+    ``stop``) and the chat format's own end the answer (the configured stop strings are
+    for PerCache's own completion prompt, not chats). The reply is llama.cpp's text as
+    decoded, as stock ``create_chat_completion`` returns it.
 
     >>> chat = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=64)        # doctest: +SKIP
     >>> (retriever | prompt | chat).invoke({"question": "When is the rehearsal?"})  # doctest: +SKIP
@@ -108,17 +110,23 @@ class PerCacheChatLlamaCPP(BaseChatModel):
 
     def prompt(self, messages: list[BaseMessage]) -> str:
         """The prompt string the model continues for *messages*."""
-        return chat_text(self.percache.caller.text_model, message_pairs(messages), template=self.chat_template)
+        return self._chat(messages).text
+
+    def _chat(self, messages: list[BaseMessage]) -> ChatPrompt:
+        return chat_prompt(self.percache.caller.text_model, message_pairs(messages), template=self.chat_template)
 
     def _pieces(self, messages: list[BaseMessage], stop: list[str] | None) -> AnswerStream:
-        stops = list(stop if stop is not None else self.stop or [])
-        if self.chat_template is None and self.percache.caller.text_model.chat_template is None:
-            stops += PLAIN_CHAT_STOPS  # the model has no chat template: turns are plain lines
-        # states are kept after each message, so that the next turn (and a new session with
-        # the same system message) restores everything before its new message
-        contents = [text for _, text in message_pairs(messages)]
-        prompt = self.prompt(messages)
-        return complete(self.percache, prompt, self._identifying_params, stops, keep_after=contents, trim=True)
+        chat = self._chat(messages)
+        stops = list(stop if stop is not None else self.stop or []) + list(chat.stop)
+        # states are kept after the system message (a new session with it restores it) and
+        # after the message before the last one (the conversation so far); the previous
+        # turn's prompt itself stays in the context for the next turn. Every cut is a call
+        # of its own, so a cut after every message would slow long chats down.
+        pairs = message_pairs(messages)
+        contents = [text for role, text in pairs[:1] if role == "system"] + [text for _, text in pairs[-2:-1]]
+        return complete(
+            self.percache, chat.text, self._identifying_params, stops, keep_after=contents, add_bos=chat.add_bos
+        )
 
     def _generate(
         self,

@@ -42,12 +42,14 @@ def complete(
     stop: list[str] | None,
     keep_after: Sequence[str] = (),
     trim: bool = False,
+    add_bos: bool | None = None,
 ) -> AnswerStream:
     """*prompt* continued through *percache*'s chunk states with *settings*: the text
     pieces (joined, they are the text ``invoke`` returns), then ``.answer``. States are
     kept after the documents a retriever of *percache* returned and after the texts
     *keep_after* (a chat's messages). *trim* drops the white space around the answer
-    (chat replies); without it the text is llama.cpp's as decoded."""
+    (chat replies); without it the text is llama.cpp's as decoded. *add_bos*: see
+    ``pc.caller.complete``."""
     documents = [d.page_content for d in recorder_for(percache).documents_in(prompt)]
     documents += [text for text in keep_after if text.strip()]
     return percache.caller.complete(
@@ -57,6 +59,7 @@ def complete(
         sampling=Sampling(settings["temperature"], settings["top_p"], settings["seed"]),
         stop=stop,
         trim=trim,
+        add_bos=add_bos,
         stream=True,
     )  # type: ignore[return-value]
 

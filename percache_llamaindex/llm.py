@@ -35,11 +35,11 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr, model_validator
 
-from percache_core import Answer, AnswerStream, PerCache, PerCacheConfig, Sampling
+from percache_core import Answer, AnswerStream, ChatPrompt, PerCache, PerCacheConfig, Sampling
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.serving.generation import PromptRunner
-from percache_core.serving.prompting import TextPrompt, chat_text
+from percache_core.serving.prompting import TextPrompt, chat_prompt
 from percache_core.serving.streaming import BackgroundStream
 
 T = TypeVar("T")
@@ -95,10 +95,10 @@ class PerCacheLlamaCPP(CustomLLM):
     """A GGUF model (default: the bundled Gemma 3 270M) as a LlamaIndex LLM.
 
     ``complete``/``stream_complete``/``chat``/``stream_chat`` and their async forms. Chat
-    messages are laid out with the GGUF file's chat template (llama.cpp's rendering; give
-    ``chat_template`` to name one of llama.cpp's built-in templates, e.g. ``"gemma"``, for a
-    file without one; with neither, ``role: content`` lines), unless a
-    ``messages_to_prompt`` is given. The defaults suit the bundled small base model:
+    messages are laid out as stock ``llama_cpp.Llama.create_chat_completion`` lays them out
+    (the GGUF file's chat template, or llama-cpp-python's ``llama-2`` fallback for a file
+    without one; ``chat_template`` names one of llama.cpp's built-in templates instead,
+    e.g. ``"gemma"``), unless a ``messages_to_prompt`` is given. The defaults suit the bundled small base model:
     greedy decoding and answers that end at a line break (``stop=["\\n"]``).
 
     >>> llm = PerCacheLlamaCPP(max_new_tokens=32)            # doctest: +SKIP
@@ -157,40 +157,49 @@ class PerCacheLlamaCPP(CustomLLM):
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
         """*messages* as the prompt ``chat`` completes: the given ``messages_to_prompt``,
-        else the chat template (see ``percache_core.serving.prompting.chat_text``)."""
+        else as stock ``llama_cpp.Llama.create_chat_completion`` lays them out (see
+        ``percache_core.serving.prompting.chat_prompt``)."""
+        return self._chat(messages).text
+
+    def _chat(self, messages: Sequence[ChatMessage]) -> ChatPrompt:
         if self._own_chat_layout:
-            return self.messages_to_prompt(messages)
+            return ChatPrompt(self.messages_to_prompt(messages), add_bos=None)
         pairs = [(m.role.value, m.content or "") for m in messages]
-        return chat_text(self.engine, pairs, template=self.chat_template)
+        return chat_prompt(self.engine, pairs, template=self.chat_template)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = self.complete(self.chat_prompt(messages), formatted=True, **kwargs)
-        return completion_response_to_chat_response(response)
+        chat = self._chat(messages)
+        text = "".join(self._pieces(chat.text, _scope.get(), chat))
+        return completion_response_to_chat_response(CompletionResponse(text=text))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        responses = self.stream_complete(self.chat_prompt(messages), formatted=True, **kwargs)
-        return stream_completion_response_to_chat_response(responses)
+        chat = self._chat(messages)
+        return stream_completion_response_to_chat_response(self._responses(self._pieces(chat.text, _scope.get(), chat)))
 
     def _standalone_runner(self) -> PromptRunner:
         if self._runner is None:
             self._runner = PromptRunner(self.engine, None, PerCacheConfig(chunk_states=False))
         return self._runner
 
-    def _pieces(self, prompt: str, scope: CacheScope | None) -> Iterator[str]:
+    def _pieces(self, prompt: str, scope: CacheScope | None, chat: ChatPrompt | None = None) -> Iterator[str]:
         """The completion's text pieces, produced by a thread of their own (an abandoned
         stream never keeps the model from other calls); through the cache of *scope* (the
-        caller's :func:`cache_scope`) when it runs on this LLM's engine."""
+        caller's :func:`cache_scope`) when it runs on this LLM's engine. For a *chat*, its
+        BOS rule and stop strings apply too."""
         sampling = Sampling(self.temperature, self.top_p, self.seed)
+        add_bos = None if chat is None else chat.add_bos
+        stop = self.stop + ([] if chat is None else list(chat.stop))
         if scope is not None and scope.percache.caller.runs_on(self.engine):
             stream = scope.percache.caller.complete(
                 prompt,
                 documents=scope.documents,
                 max_new_tokens=self.max_new_tokens,
                 sampling=sampling,
-                stop=self.stop,
+                stop=stop,
                 prompt_lookup=self.prompt_lookup,
+                add_bos=add_bos,
                 stream=True,
             )  # llama.cpp's text as decoded (trim=False), as stock LlamaCPP gives it
             assert isinstance(stream, AnswerStream)
@@ -201,10 +210,10 @@ class PerCacheLlamaCPP(CustomLLM):
         events = self._standalone_runner().run(
             prompt,
             [],
-            spec=TextPrompt(prompt),
+            spec=TextPrompt(prompt, add_bos=add_bos),
             max_new_tokens=self.max_new_tokens,
             sampling=sampling,
-            stop=self.stop,
+            stop=stop,
             prompt_lookup=self.prompt_lookup,
             trim=False,
         )
@@ -223,12 +232,12 @@ class PerCacheLlamaCPP(CustomLLM):
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         # The scope is read now: the generator runs later, outside the caller's block.
-        pieces = self._pieces(self._prompt(prompt, formatted), _scope.get())
+        return self._responses(self._pieces(self._prompt(prompt, formatted), _scope.get()))
 
-        def responses() -> CompletionResponseGen:
-            text = ""
-            for piece in pieces:
-                text += piece
-                yield CompletionResponse(text=text, delta=piece)
-
-        return responses()
+    @staticmethod
+    def _responses(pieces: Iterator[str]) -> CompletionResponseGen:
+        """Streamed responses of text *pieces* (the pieces are already under way)."""
+        text = ""
+        for piece in pieces:
+            text += piece
+            yield CompletionResponse(text=text, delta=piece)

@@ -66,6 +66,17 @@ class Sampling:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat laid out for the assistant's reply: the prompt *text*, whether tokenizing it
+    adds BOS (*add_bos*; markup in the text is always special tokens) and the stop strings
+    the chat format adds (*stop*)."""
+
+    text: str
+    add_bos: bool | None  # None: BOS unless the text starts with it
+    stop: tuple[str, ...] = ()
+
+
 @runtime_checkable
 class TextModel(Protocol):
     """The text side of a model: tokenizer and chat template. Laying out a prompt and
@@ -83,6 +94,10 @@ class TextModel(Protocol):
 
     def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str: ...
 
+    def stock_chat(self, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
+        """The chat laid out as stock ``llama_cpp.Llama.create_chat_completion`` does."""
+        ...
+
     def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]: ...
 
     def tokenize_chat(self, prompt: str) -> list[int]: ...
@@ -99,6 +114,8 @@ class KVSequence(Protocol):
     lock: threading.Lock
     n_ctx: int  # the most tokens the sequence can hold
     n_past: int  # tokens in the sequence now
+    n_batch: int  # the most tokens one call feeds (longer pieces are split: kv.pieces.batch_bounds)
+    changes: int  # bumped by every call that changes the sequence (reset, eval, load, truncate, ...)
 
     def fingerprint(self, extra: str = "") -> str:
         """A digest of everything that changes state bytes and logits, plus *extra*."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from ..errors import EngineError
-from .engine import Sampling
+from .engine import ChatPrompt, Sampling
 
 BOS, EOS, START_TURN, END_TURN = 0, 1, 2, 3
 _BYTE_OFFSET = 4  # token id of byte b is b + 4
@@ -77,6 +77,11 @@ class FakeTextModel:
 
     def chat_prompt(self, user_message: str) -> str:
         return self.format_chat([("user", user_message)])
+
+    def stock_chat(self, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
+        if not messages:
+            raise ValueError("no messages to format")
+        return ChatPrompt(self.format_chat(messages), add_bos=True)
 
     def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
         turns = "".join(f"<start_of_turn>{role}\n{content}<end_of_turn>\n" for role, content in messages)
@@ -131,6 +136,7 @@ class FakeEngine(FakeTextModel):
         self.n_swa = 0
         self.answer_tokens = answer_tokens
         self._hashes: list[int] = []  # rolling hash after each position
+        self.changes = 0  # bumped by every call that changes the sequence
         self.calls: dict[str, int] = {"eval": 0, "eval_with_logits": 0, "load_state": 0, "generate": 0}
 
     # -- identity -------------------------------------------------------------------------
@@ -145,6 +151,7 @@ class FakeEngine(FakeTextModel):
     # -- sequence state -------------------------------------------------------------------
 
     def reset(self) -> None:
+        self.changes += 1
         self._hashes = []
         self.n_past = 0
 
@@ -154,6 +161,7 @@ class FakeEngine(FakeTextModel):
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         self.calls["load_state"] += 1
         self.reset()
+        self.changes += 1
         saved = _saved_positions(data)
         if saved is None or saved[0] != 0 or len(saved[1]) != n_tokens:
             return False
@@ -168,6 +176,7 @@ class FakeEngine(FakeTextModel):
 
     def append_slice(self, data: bytes, n_tokens: int) -> bool:
         self.calls["load_state"] += 1
+        self.changes += 1
         saved = _saved_positions(data)
         if saved is None or saved[0] != self.n_past or len(saved[1]) != n_tokens - self.n_past:
             return False
@@ -182,6 +191,7 @@ class FakeEngine(FakeTextModel):
         fake continues from their hashes, so what follows differs from a live prefill
         (as approximate reuse may)."""
         self.calls["load_state"] += 1
+        self.changes += 1
         saved = _saved_positions(data)
         if saved is None or len(saved[1]) != n_tokens - saved[0] or not saved[0] <= start < n_tokens:
             return False
@@ -194,6 +204,7 @@ class FakeEngine(FakeTextModel):
     # -- evaluation -----------------------------------------------------------------------
 
     def _push(self, tokens: Sequence[int]) -> None:
+        self.changes += 1
         if self.n_past + len(tokens) > self.n_ctx:
             raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
         for token in tokens:
@@ -218,6 +229,7 @@ class FakeEngine(FakeTextModel):
     def truncate(self, n_tokens: int) -> bool:
         if not 0 <= n_tokens <= self.n_past:
             raise ValueError(f"cannot keep {n_tokens} of {self.n_past} tokens")
+        self.changes += 1
         del self._hashes[n_tokens:]
         self.n_past = n_tokens
         return True

@@ -29,8 +29,10 @@ import numpy as np
 
 from ..errors import EngineError, ModelNotFoundError, missing_dependency
 from ..models import file_sha256
+from .compute_thread import ComputeThread, on_compute_thread
 from .engine import Sampling
 from .llama_text import LlamaTextModel
+from .pieces import batch_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +66,6 @@ def _init_backend(lc, verbose: bool) -> None:
             _backend_ready = True
 
 
-def batch_bounds(n_tokens: int, n_batch: int) -> list[tuple[int, int]]:
-    """(start, end) of the calls that feed *n_tokens* at most *n_batch* at a time, split
-    evenly, so that a long piece never ends in a short call.
-
-    >>> batch_bounds(1030, 512)
-    [(0, 343), (343, 686), (686, 1030)]
-    >>> batch_bounds(300, 512)
-    [(0, 300)]
-    """
-    calls = -(-n_tokens // n_batch)
-    return [(n_tokens * i // calls, n_tokens * (i + 1) // calls) for i in range(calls)]
-
-
 class LlamaEngine(LlamaTextModel):
     """A GGUF model in a llama.cpp context with a single sequence (id 0): the
     :class:`~percache_core.kv.engine.Engine` that PerCache runs on. Its text side
@@ -85,7 +74,9 @@ class LlamaEngine(LlamaTextModel):
 
     The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,
     so a streaming generator may release it from another thread) around any sequence of
-    calls that must not interleave (restore, prefill, generate).
+    calls that must not interleave (restore, prefill, generate). Whatever thread calls,
+    the work runs on the engine's own :class:`~percache_core.kv.compute_thread.ComputeThread`
+    (``engine.compute``), as stock ``llama_cpp.Llama`` runs on its caller's one thread.
 
     >>> engine = LlamaEngine("gemma-3-270m-q4_k_m.gguf")   # doctest: +SKIP
     >>> engine.reset(); engine.eval(engine.tokenize("The capital of France is", True))  # doctest: +SKIP
@@ -109,6 +100,9 @@ class LlamaEngine(LlamaTextModel):
             raise ModelNotFoundError(f"model file not found: {self.model_path}")
         _init_backend(lc, verbose)
         self.lock = threading.Lock()
+        # every call that computes or touches the context runs on this one thread: one
+        # OpenMP team per engine, whatever thread asks (see kv/compute_thread.py)
+        self.compute = ComputeThread(f"percache-engine-{self.model_path.stem}")
 
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -139,6 +133,7 @@ class LlamaEngine(LlamaTextModel):
         self.n_ctx = lc.llama_n_ctx(self._ctx)
         self.n_batch = n_batch
         self.n_past = 0
+        self.changes = 0  # bumped by every call that changes the sequence
         self._settings = {
             "llama_cpp_python": getattr(lc, "__version__", "unknown"),
             "system_info": lc.llama_print_system_info().decode("utf-8", "replace"),
@@ -152,6 +147,7 @@ class LlamaEngine(LlamaTextModel):
             "n_ctx": self.n_ctx,
             "n_batch": n_batch,
             "n_ubatch": n_batch,
+            "batch_split": "even, cut at multiples of 16",  # batch_bounds: calls decide logits
         }
         self._model_sha256: str | None = None
         self._closed = False
@@ -178,11 +174,14 @@ class LlamaEngine(LlamaTextModel):
 
     # -- sequence state -------------------------------------------------------------------
 
+    @on_compute_thread
     def reset(self) -> None:
         """Empty the sequence."""
+        self.changes += 1
         self._lc.llama_memory_clear(self._memory, True)
         self.n_past = 0
 
+    @on_compute_thread
     def save_state(self) -> bytes:
         """The sequence's state bytes (everything needed to continue from ``n_past``)."""
         size = self._lc.llama_state_seq_get_size(self._ctx, 0)
@@ -192,9 +191,11 @@ class LlamaEngine(LlamaTextModel):
             raise EngineError("llama.cpp returned an empty sequence state")
         return ctypes.string_at(buffer, written)
 
+    @on_compute_thread
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         """Replace the sequence with *data* saved at *n_tokens*; False if llama.cpp refuses."""
         self.reset()
+        self.changes += 1
         read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), 0)
         if read == 0 or self._lc.llama_memory_seq_pos_max(self._memory, 0) != n_tokens - 1:
             self.reset()
@@ -202,6 +203,7 @@ class LlamaEngine(LlamaTextModel):
         self.n_past = n_tokens
         return True
 
+    @on_compute_thread
     def save_slice(self, start: int) -> bytes:
         """The state of the sequence's positions from *start* to ``n_past`` only (a slice:
         the cells are shared with scratch sequence 1 and saved from there, so sequence 0 is
@@ -221,12 +223,14 @@ class LlamaEngine(LlamaTextModel):
             raise EngineError("llama.cpp returned an empty state slice")
         return ctypes.string_at(buffer, written)
 
+    @on_compute_thread
     def append_slice(self, data: bytes, n_tokens: int) -> bool:
         """Add a slice saved by :meth:`save_slice` that ends at *n_tokens* after the current
         sequence (the slice must start at ``n_past``). The slice is read into scratch
         sequence 1 and its cells then shared with sequence 0; they keep their positions.
         False (sequence unchanged) if llama.cpp refuses it or its positions do not fit."""
         memory = self._memory
+        self.changes += 1
         fits = self._read_into_scratch(data, n_tokens)
         fits = fits and self._lc.llama_memory_seq_pos_max(memory, 0) == self.n_past - 1
         if fits:
@@ -241,6 +245,7 @@ class LlamaEngine(LlamaTextModel):
         read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), _SCRATCH)
         return read != 0 and self._lc.llama_memory_seq_pos_max(self._memory, _SCRATCH) == n_tokens - 1
 
+    @on_compute_thread
     def append_moved(self, data: bytes, n_tokens: int, start: int) -> bool:
         """Approximate reuse: add positions *start* .. *n_tokens* of a saved state (whole or
         a slice) after the current sequence, moved to begin at ``n_past``. Their keys are
@@ -248,6 +253,7 @@ class LlamaEngine(LlamaTextModel):
         reflect the context they were computed in, so what follows is no longer exactly
         what a live prefill gives. False (sequence unchanged) if refused."""
         memory = self._memory
+        self.changes += 1
         fits = self._read_into_scratch(data, n_tokens)
         fits = fits and 0 <= start < n_tokens and self.n_past + n_tokens - start <= self.n_ctx
         if fits:
@@ -260,6 +266,7 @@ class LlamaEngine(LlamaTextModel):
 
     # -- evaluation -----------------------------------------------------------------------
 
+    @on_compute_thread
     def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
         """Feed *tokens* after the current position, in as few calls of at most ``n_batch``
         tokens as fit, of nearly equal size (:func:`batch_bounds`: no short tail call, whose
@@ -278,6 +285,7 @@ class LlamaEngine(LlamaTextModel):
     def _decode_piece(self, piece: Sequence[int], *, all_logits: bool) -> None:
         """One ``llama_decode`` call for at most ``n_batch`` tokens after ``n_past``, with
         logits for every token or for the last one only."""
+        self.changes += 1
         batch = self._batch
         batch.n_tokens = len(piece)
         for i, token in enumerate(piece):
@@ -292,6 +300,7 @@ class LlamaEngine(LlamaTextModel):
             raise EngineError(f"llama_decode returned {status}")
         self.n_past += len(piece)
 
+    @on_compute_thread
     def eval_with_logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Feed *tokens* after the current position in as few calls as ``n_batch`` allows,
         keeping the logits of every position: row ``i`` predicts the token after
@@ -314,6 +323,7 @@ class LlamaEngine(LlamaTextModel):
                 rows[start + i] = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
         return rows
 
+    @on_compute_thread
     def truncate(self, n_tokens: int) -> bool:
         """Drop every position from *n_tokens* on, keeping the first *n_tokens*.
 
@@ -324,6 +334,7 @@ class LlamaEngine(LlamaTextModel):
         """
         if not 0 <= n_tokens <= self.n_past:
             raise ValueError(f"cannot keep {n_tokens} of {self.n_past} tokens")
+        self.changes += 1
         if not self._lc.llama_memory_seq_rm(self._memory, 0, n_tokens, -1):
             return False
         self.n_past = n_tokens
@@ -392,6 +403,7 @@ class LlamaEngine(LlamaTextModel):
         if self._closed:
             return
         self._closed = True
+        self.compute.close()
         self._lc.llama_batch_free(self._batch)
         self._lc.llama_free(self._ctx)
         self._lc.llama_model_free(self._model)

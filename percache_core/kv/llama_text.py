@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineError
+from .engine import ChatPrompt
+
+# what llama-cpp-python's Llama picks for a GGUF template it recognises (its
+# guess_chat_format_from_gguf_metadata names -> the formatters registered under them)
+_NAMED_FORMATTERS = {"chatml": "format_chatml", "mistral-instruct": "format_mistral_instruct", "llama-3": "format_llama3"}
+
+
 
 
 class LlamaTextModel:
@@ -78,6 +85,43 @@ class LlamaTextModel:
         if count < 0:
             raise EngineError("llama.cpp could not apply the chat template")
         return buffer.raw[:count].decode("utf-8", "replace")
+
+    def stock_chat(self, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
+        """(role, content) *messages* laid out as stock ``llama_cpp.Llama.create_chat_completion``
+        lays them out by default, with llama-cpp-python's own formatters: the GGUF file's
+        chat template rendered by its Jinja2 formatter (or the named format it recognises
+        the template as), and llama-cpp-python's fallback ``llama-2`` format for a file
+        without a template. So a chat gives stock's text on every GGUF."""
+        if not messages:
+            raise ValueError("no messages to format")
+        from llama_cpp import llama_chat_format  # llama-cpp-python's public formatters
+
+        requests = [{"role": role, "content": content} for role, content in messages]
+        template = self.chat_template
+        if template is None:
+            response = llama_chat_format.format_llama2(messages=requests)
+        else:
+            name = llama_chat_format.guess_chat_format_from_gguf_metadata({"tokenizer.chat_template": template})
+            if name in _NAMED_FORMATTERS:
+                response = getattr(llama_chat_format, _NAMED_FORMATTERS[name])(messages=requests)
+            else:
+                eos, bos = self._lc.llama_vocab_eos(self._vocab), self._lc.llama_vocab_bos(self._vocab)
+                formatter = llama_chat_format.Jinja2ChatFormatter(
+                    template=template,
+                    eos_token=self._token_text(eos),
+                    bos_token=self._token_text(bos),
+                    stop_token_ids=[eos],
+                )
+                response = formatter(messages=requests)
+        stop = response.stop
+        stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        return ChatPrompt(response.prompt, not response.added_special, tuple(s for s in stops if s))
+
+    def _token_text(self, token: int) -> str:
+        """A token's text as llama-cpp-python's ``Llama`` passes it to chat templates."""
+        if token < 0:
+            return ""
+        return self._lc.llama_vocab_get_text(self._vocab, token).decode("utf-8")
 
     def tokenize_chat(self, prompt: str) -> list[int]:
         """Tokens of a chat-template prompt: markup as special tokens, BOS added only if the

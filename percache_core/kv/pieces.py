@@ -59,6 +59,29 @@ _PROMPT = (
     "4. Priya will send the travel numbers; Lena checks the hiring requests before the review.\n"
     "Question: Who checks the hiring requests, and when is the rehearsal?\nAnswer:"
 )
+def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int, int]]:
+    """(start, end) of the calls that feed *n_tokens* at most *n_batch* at a time: of
+    nearly equal size, so that a long piece never ends in a short call, and cut at
+    multiples of *align* tokens from the piece's start, so that every cut is one that the
+    engine's self-check may allow (:mod:`percache_core.kv.pieces`: its rules cut at
+    multiples of 1, 4 or 16), and the calls do not depend on where a restored prefix ended.
+
+    >>> batch_bounds(1030, 512)
+    [(0, 336), (336, 672), (672, 1030)]
+    >>> batch_bounds(300, 512)
+    [(0, 300)]
+    >>> max(end - start for start, end in batch_bounds(1535, 512)) <= 512
+    True
+    """
+    if n_tokens <= n_batch:
+        return [(0, n_tokens)] if n_tokens else []
+    step = max(align, n_batch - align)  # room for the cuts' rounding down
+    calls = -(-n_tokens // step)
+    cuts = [n_tokens * i // calls // align * align for i in range(1, calls)]
+    bounds = [0, *cuts, n_tokens]
+    return list(zip(bounds, bounds[1:]))
+
+
 _verdicts: EngineVerdicts[PieceRule | None] = EngineVerdicts()
 
 

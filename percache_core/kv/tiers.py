@@ -145,7 +145,7 @@ class TieredStateStore:
     def _read_through(self, keys: Sequence[str], budget_bytes: int) -> None:
         assert self.shared is not None
         local = self.tree.match(keys)
-        local_depth = local[0].depth if local else 0
+        local_depth = list(keys).index(local[0].key) + 1 if local else 0  # its place in this prompt
         for depth in range(len(keys), local_depth, -1):
             key = keys[depth - 1]
             if not self.shared.available or not self.shared.might_have_state(key):

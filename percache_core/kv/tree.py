@@ -54,6 +54,28 @@ def path_keys(root_key: str, segments: Sequence[Sequence[int]]) -> list[str]:
     return keys
 
 
+def prefix_keys(root_key: str, tokens: Sequence[int], ends: Sequence[int]) -> list[str]:
+    """The keys of the prefixes ``tokens[:end]`` for each of *ends* (ascending), whatever
+    the cuts before them: ``node_key(root_key, tokens[:end])``. A caller's prompt is keyed
+    this way, so that a state is found by any later prompt with the same leading tokens.
+
+    >>> prefix_keys("root", [1, 2, 3], [1, 3]) == [node_key("root", [1]), node_key("root", [1, 2, 3])]
+    True
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(root_key.encode("ascii"))
+    digest.update(b"|")
+    keys: list[str] = []
+    position = 0
+    for end in ends:
+        if position < end:
+            text = b",".join(str(int(t)).encode("ascii") for t in tokens[position:end])
+            digest.update(b"," + text if position else text)
+            position = end
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
 @dataclass
 class StateNode:
     """One stored prefix.

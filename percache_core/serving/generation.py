@@ -21,9 +21,9 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.engine import Engine, Sampling
-from ..kv.pieces import exact_pieces
+from ..kv.pieces import PieceRule, exact_pieces, known_pieces
 from ..kv.tiers import TieredStateStore
-from ..kv.tree import StateNode, path_keys
+from ..kv.tree import StateNode, path_keys, prefix_keys
 from ..prediction.budget import BUDGET_FLOOR_BYTES
 from ..types import Chunk
 from .drafting import (
@@ -37,6 +37,7 @@ from .drafting import (
     known_bound,
     known_drafts_pay,
 )
+from .live_prefix import LiveContext, call_starts, segment_cut, text_cut
 from .prompting import (
     PromptLayout,
     PromptSpec,
@@ -46,6 +47,7 @@ from .prompting import (
     lay_out_text,
     rag_prompt,
     system_text,
+    with_cut,
 )
 from .stopping import StopStringFilter
 from .streaming import drain
@@ -77,6 +79,7 @@ class RunResult:
     moved_tokens: int = 0  # chunk tokens taken from independent states (approximate reuse)
     approximate: bool = False  # some chunk was reused approximately: may differ from cache-off
     idle_reused_chunks: int = 0  # of the restored chunks, those whose states idle work stored
+    live_tokens: int = 0  # of the reused tokens, those kept from the previous prompt in the context
 
     @property
     def reused_chunks(self) -> int:
@@ -132,6 +135,7 @@ class PromptRunner:
         self.budget_bytes = config.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES
         self.restore_failures = 0
         self.storage_failures = 0
+        self._live: LiveContext | None = None  # the prompt this runner left in the engine
 
     def run(
         self,
@@ -184,18 +188,71 @@ class PromptRunner:
         if layout is None:
             layout = self.lay_out(question, chunks, spec=spec, max_new_tokens=max_new_tokens)
         with engine.lock:
+            layout, kept = self._reuse_point(layout, states)
             segments = [list(s.tokens) for s in layout.segments]
-            keys = path_keys(states.root_key, segments[:-1]) if states is not None else []
+            keys = self._keys(layout, states)
             if prefix_only:
                 segments, decode = segments[:-1], False
             result = RunResult(layout)
             decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts, trim)
             prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens, idle)
+            previous, self._live = self._live, None  # unknown until this prefill is complete
             with states.pinned(keys) if states is not None else nullcontext():
-                yield from self._run_segments(result, segments, keys, decode, should_stop, started, decoding, prefill)
+                yield from self._run_segments(
+                    result, segments, keys, decode, should_stop, started, decoding, prefill, kept, previous
+                )
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
+
+    # -- what the context and the stored states already hold ----------------------------------
+
+    def _reuse_point(self, layout: PromptLayout, states: TieredStateStore | None) -> tuple[PromptLayout, int]:
+        """*layout* and how many of its leading tokens the engine's sequence already holds,
+        exactly as this prompt's own prefill would compute them (0: none; see
+        :mod:`percache_core.serving.live_prefix`). A caller's prompt also gets a cut at the
+        end of the longest stored state it starts with, when that is deeper."""
+        engine = self.engine
+        live = self._live if self._live is not None and self._live.changes == engine.changes else None
+        tokens = layout.tokens
+        if not layout.caller_prompt:
+            if live is None:
+                return layout, 0
+            starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
+            return layout, segment_cut(live, tokens, starts, layout.ends[:-1])
+        _, rule = known_pieces(engine)
+        if rule is None:
+            if live is None:
+                return layout, 0
+            starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
+            return layout, segment_cut(live, tokens, starts, layout.ends[:-1])
+        kept = text_cut(live, tokens, rule) if live is not None else 0
+        stored = self._stored_text_prefix(tokens, rule) if states is not None else 0
+        point = max(kept, stored)
+        if point and point not in layout.ends:
+            layout = with_cut(layout, point, rule)
+        return layout, kept
+
+    def _stored_text_prefix(self, tokens: Sequence[int], rule: PieceRule) -> int:
+        """The length of the longest stored state of a caller's prompt that *tokens* start
+        with and that leaves at least ``rule.min_tokens`` to prefill (0: none)."""
+        limit = len(tokens) - rule.min_tokens
+        lengths = sorted({n.n_tokens for n in self.states.tree.nodes if n.label == "text" and n.n_tokens <= limit})
+        lengths = [n for n in lengths if n % rule.multiple == 0 and n >= rule.min_tokens]
+        if not lengths:
+            return 0
+        keys = prefix_keys(self.states.root_key, tokens, lengths)
+        return next((n for n, key in zip(reversed(lengths), reversed(keys)) if key in self.states), 0)
+
+    def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
+        """The stored-state keys of the layout's prefixes (all but the whole prompt): a
+        caller's prompt keyed by its leading tokens whatever the cuts before them,
+        PerCache's own by its segments."""
+        if states is None:
+            return []
+        if layout.caller_prompt:
+            return prefix_keys(states.root_key, layout.tokens, layout.ends[:-1])
+        return path_keys(states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
 
     def lay_out(
         self,
@@ -213,8 +270,9 @@ class PromptRunner:
         spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
         max_prompt_tokens = engine.n_ctx - max_new_tokens
         if isinstance(spec, TextPrompt):
-            rule = exact_pieces(engine) if spec.documents else None  # no documents: one piece
-            return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
+            rule = exact_pieces(engine)  # measured once per engine: also where the context may be kept
+            cut = spec.documents and self.config.chunk_states  # a cut is a call: only where a state is kept
+            return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule if cut else None)
         return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
 
     def _draft_bound(self, decoding: _Decoding) -> float | None:
@@ -239,22 +297,32 @@ class PromptRunner:
         started: float,
         decoding: _Decoding,
         prefill: _Prefill,
+        kept: int = 0,
+        previous: LiveContext | None = None,
     ) -> Generator[str, None, None]:
+        """Restore or keep the prompt's known prefix (*kept* tokens of the *previous*
+        prompt in the context), prefill the rest, decode, keep the new states."""
         engine = self.engine
         timings = result.timings
         bound = self._draft_bound(decoding) if decode else None
         clock = time.perf_counter()
-        depth, reused = self._restore_or_reset(keys)
+        depth, reused, from_context = self._keep_or_restore(result.layout, keys, kept, previous)
         result.depth, result.reused_tokens = depth, reused
-        result.idle_reused_chunks = sum(
-            1 for key in keys[1:depth] if (node := self.states.tree.get(key)) is not None and node.idle
-        )
+        result.live_tokens = reused if from_context else 0
+        if keys:
+            result.idle_reused_chunks = sum(
+                1 for key in keys[1:depth] if (node := self.states.tree.get(key)) is not None and node.idle
+            )
         timings["restore"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
         new_states: list[_NewState] = []
         self._prefill(result, segments, keys, depth, prefill, should_stop, new_states)
         result.prefilled_tokens = sum(len(s) for s in segments) - reused - result.moved_tokens
+        prompt = [t for segment in segments for t in segment]
+        starts = call_starts([len(segment) for segment in segments], engine.n_batch)
+        if result.live_tokens and previous is not None:  # the kept part was computed by the previous calls
+            starts = [s for s in previous.starts if s < reused] + [s for s in starts if s >= reused]
         if prefill.keep_logits:
             result.next_token_logits = np.array(engine.last_logits(), copy=True)
         timings["prefill"] = time.perf_counter() - clock
@@ -265,6 +333,8 @@ class PromptRunner:
         finally:
             # The prefill is complete, so its states are whole whatever happened while
             # decoding; they are written after the answer so that they do not delay it.
+            if not result.approximate:  # the next prompt may keep what this one prefilled
+                self._live = LiveContext(tuple(prompt), tuple(starts), engine.changes)
             clock = time.perf_counter()
             self._keep_states(result.layout, keys, new_states, idle=prefill.idle)
             timings["store_states"] = time.perf_counter() - clock
@@ -283,7 +353,7 @@ class PromptRunner:
         call per segment; collect the states of new prefixes into *new_states* (states
         after an approximately reused chunk are never kept)."""
         engine = self.engine
-        parent = (keys[depth - 1], engine.n_past) if depth else ("", 0)  # the prefix a new slice follows
+        parent = self._stored_parent(keys, depth)  # the prefix a new slice follows
         for index in range(depth, len(segments)):
             if should_stop is not None and should_stop():
                 raise Preempted("prefill pre-empted by a user question")
@@ -305,6 +375,15 @@ class PromptRunner:
                 data = engine.save_slice(start) if self.states.slices and start else engine.save_state()
                 new_states.append(_NewState(index, parent_key or self.states.root_key, data, engine.n_past))
             parent = (keys[index], engine.n_past)
+
+    def _stored_parent(self, keys: list[str], depth: int) -> tuple[str, int]:
+        """The deepest stored prefix among the first *depth* (key, tokens) that a new slice
+        may follow, or ("", 0) (a whole state then)."""
+        for key in reversed(keys[:depth]):
+            node = self.states.tree.get(key) if self.states is not None else None
+            if node is not None:
+                return key, node.n_tokens
+        return "", 0
 
     def _independent_state(self, layout: PromptLayout, segments: list[list[int]], index: int) -> StateNode | None:
         """The stored [system, chunk] state of chunk segment *index* (index >= 2: the first
@@ -343,7 +422,7 @@ class PromptRunner:
         cut back exactly."""
 
         def rebuild() -> None:
-            depth, _ = self._restore_or_reset(keys)
+            depth, _ = self._restore_or_reset(keys)  # what the context held is gone: stored states only
             again = RunResult(result.layout)
             self._prefill(again, segments, keys, depth, replace(prefill, keep_logits=False), None, None)
 
@@ -444,6 +523,22 @@ class PromptRunner:
                 break
         return ordered + remaining
 
+    def _keep_or_restore(
+        self, layout: PromptLayout, keys: list[str], kept: int, live: LiveContext | None
+    ) -> tuple[int, int, bool]:
+        """Bring the sequence to the deepest prefix of *layout* that a stored state restores
+        or the context holds (its first *kept* tokens, cut back to; used where no stored
+        state is as deep), else empty it: (segments, tokens) in place, and whether they
+        are the context's."""
+        ends = layout.ends
+        if kept and kept in ends and live is not None and live.changes == self.engine.changes:
+            depth = ends.index(kept) + 1
+            candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes) if keys else []
+            stored = keys.index(candidates[0].key) + 1 if candidates else 0
+            if stored < depth and self.engine.truncate(kept):
+                return depth, kept, True
+        return (*self._restore_or_reset(keys), False)
+
     def _restore_or_reset(self, keys: list[str]) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys*, or empty the sequence when
         none is stored: (segments, tokens) restored."""
@@ -454,14 +549,17 @@ class PromptRunner:
 
     def _restore(self, keys: list[str]) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys* (from any tier):
-        (segments, tokens) restored."""
+        (segments, tokens) restored. A node's depth is its place among *keys* (a caller's
+        prompt is keyed by its leading tokens, so the same node ends other segments in
+        other layouts)."""
         for node in self.states.candidates(keys, budget_bytes=self.budget_bytes):
             chain = self.states.chain(node)
             if chain is None:
                 continue  # a slice whose ancestor was evicted: a shorter prefix may do
             restored = self._restore_chain(chain)
-            if restored is not None:
-                return restored.depth, restored.n_tokens
+            if restored is not None and restored.key in keys:
+                return keys.index(restored.key) + 1, restored.n_tokens
+            # a link failed and what was restored ends inside a segment here: look further
         return 0, 0
 
     def _restore_chain(self, chain: list[StateNode]) -> StateNode | None:

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import ContextOverflowError, EngineError
-from ..kv.engine import TextModel
+from ..errors import ContextOverflowError
+from ..kv.engine import ChatPrompt, TextModel
 from ..kv.pieces import PieceRule
 from ..types import Chunk
 
@@ -95,6 +95,24 @@ class PromptLayout:
         """The prompt as one string (for display and for LLMs without state reuse)."""
         return "".join(s.text for s in self.segments)
 
+    @property
+    def caller_prompt(self) -> bool:
+        """Whether this is a caller's finished prompt (:func:`lay_out_text`: one call, cut
+        under the engine's rule) rather than PerCache's own (one call per segment)."""
+        return all(s.kind == "text" for s in self.segments)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for s in self.segments for t in s.tokens]
+
+    @property
+    def ends(self) -> list[int]:
+        """Where each segment ends, in tokens from the prompt's start."""
+        ends: list[int] = []
+        for segment in self.segments:
+            ends.append((ends[-1] if ends else 0) + len(segment.tokens))
+        return ends
+
 
 @dataclass(frozen=True)
 class PromptSpec:
@@ -113,6 +131,7 @@ class TextPrompt:
 
     text: str
     documents: tuple[str, ...] = ()
+    add_bos: bool | None = None  # None: BOS unless the text starts with it (tokenize_chat)
 
 
 def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
@@ -142,8 +161,8 @@ def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
 def lay_out_text(
     prompt: TextPrompt, engine: TextModel, *, max_prompt_tokens: int, rule: PieceRule | None
 ) -> PromptLayout:
-    """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, one
-    BOS) and cut only where a state is worth keeping: at the last position *rule* allows
+    """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, BOS
+    as ``prompt.add_bos`` says) and cut only where a state is worth keeping: at the last position *rule* allows
     at or before the end of one of its ``documents`` (and the white space after it).
 
     *rule* (see :func:`~percache_core.kv.pieces.exact_pieces`) says which cuts leave the
@@ -155,7 +174,10 @@ def lay_out_text(
     prompt does not fit.
     """
     text = prompt.text
-    tokens = engine.tokenize_chat(text)
+    if prompt.add_bos is None:
+        tokens = engine.tokenize_chat(text)
+    else:
+        tokens = engine.tokenize(text, prompt.add_bos, special=True)
     if len(tokens) > max_prompt_tokens:
         raise ContextOverflowError(
             f"the prompt has {len(tokens)} tokens but only {max_prompt_tokens} fit (n_ctx "
@@ -186,6 +208,33 @@ def lay_out_text(
         start_token, start_char = cut_token, cut_char
     segments.append(Segment("text", text[start_char:], tuple(tokens[start_token:]), keep_state=False))
     return PromptLayout(tuple(segments))
+
+
+def with_cut(layout: PromptLayout, cut: int, rule: PieceRule | None) -> PromptLayout:
+    """A caller's prompt laid out by :func:`lay_out_text`, with a cut at token *cut* (a
+    cut *rule* allows, where a kept or stored state ends): the pieces before it become one,
+    and the later cuts stay where *rule* allows them after it. The text is unchanged (each
+    piece's text goes with the piece its end falls in).
+
+    >>> layout = PromptLayout((Segment("text", "ab", (1, 2)), Segment("text", "cd", (3, 4), keep_state=False)))
+    >>> [s.tokens for s in with_cut(layout, 1, None).segments]
+    [(1,), (2,), (3, 4)]
+    """
+    tokens = [t for segment in layout.segments for t in segment.tokens]
+    ends: list[int] = []
+    for segment in layout.segments:
+        ends.append((ends[-1] if ends else 0) + len(segment.tokens))
+    kept_cuts = [cut]
+    for end, segment in zip(ends[:-1], layout.segments):
+        if end > cut and segment.keep_state and (rule is None or rule.allows(kept_cuts[-1], end, len(tokens))):
+            kept_cuts.append(end)
+    bounds = [0, *kept_cuts, len(tokens)]
+    pieces: list[Segment] = []
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        text = "".join(s.text for s, e in zip(layout.segments, ends) if start < e <= end)
+        keep = 0 < index < len(bounds) - 2  # ends at a document the layout kept a state after
+        pieces.append(Segment("text", text, tuple(tokens[start:end]), keep_state=keep))
+    return PromptLayout(tuple(pieces), layout.dropped_chunk_ids)
 
 
 def _char_boundaries(text: str, boundaries: dict[int, int]) -> dict[int, int]:
@@ -224,24 +273,19 @@ def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_t
     return cuts
 
 
-PLAIN_CHAT_STOPS = ("\nuser:", "\nsystem:", "\nassistant:")  # a new turn in ``role: content`` lines
-
-
-def chat_text(engine: TextModel, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
-    """(role, content) *messages* as one prompt for the assistant's reply: in *template*
-    (a llama.cpp built-in name or template text) or the GGUF file's chat template; for a
-    model without one (and no *template*), as ``role: content`` lines ending with
-    ``assistant:`` (an answer then ends at one of ``PLAIN_CHAT_STOPS``). Roles are ``system``, ``user``, ``assistant`` (others pass through).
+def chat_prompt(engine: TextModel, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> ChatPrompt:
+    """(role, content) *messages* as one prompt for the assistant's reply. Without
+    *template*, as stock ``llama_cpp.Llama.create_chat_completion`` lays them out (the GGUF
+    file's chat template through llama-cpp-python's formatter, or its ``llama-2`` fallback
+    for a file without one: :meth:`~percache_core.kv.engine.TextModel.stock_chat`), so a
+    chat gives stock's text; with *template* (a llama.cpp built-in name or template text),
+    in llama.cpp's own rendering of it. Roles are ``system``, ``user``, ``assistant``.
     """
     if not messages:
         raise ValueError("no messages to lay out")
-    try:
-        return engine.format_chat(messages, template=template)
-    except EngineError:
-        if template is not None:
-            raise
-    lines = [f"{role}: {content}" for role, content in messages]
-    return "\n".join([*lines, "assistant: "])
+    if template is None:
+        return engine.stock_chat(messages)
+    return ChatPrompt(engine.format_chat(messages, template=template), add_bos=None)
 
 
 def rag_prompt(system_prompt: str, chunks: Sequence[Chunk], question: str) -> PromptSpec:

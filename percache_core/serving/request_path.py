@@ -525,7 +525,8 @@ def generated_answer(question: str, result: RunResult, started: float, timings: 
     """An answer the model produced (through the chunk-state tree)."""
     return Answer(
         text=result.text,
-        source="chunk_states" if result.reused_chunks > 0 or result.moved_tokens else "full",
+        # what the context kept of the previous prompt is stock llama.cpp's reuse, not the tier's
+        source="chunk_states" if (result.reused_chunks > 0 and not result.live_tokens) or result.moved_tokens else "full",
         question=question,
         chunk_ids=result.layout.chunk_ids,
         reused_tokens=result.reused_tokens + result.moved_tokens,

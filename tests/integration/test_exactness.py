@@ -22,7 +22,10 @@ def test_chunk_state_hits_match_cache_off_answers_token_for_token(make_cache):
     off = make_cache("off", qa_bank=False, chunk_states=False, stop=())
     on = make_cache("on", qa_bank=False, chunk_states=True, stop=())
     expected = {q: off.answer(q) for q in QUESTIONS}
-    assert all(a.reused_tokens == 0 and a.source == "full" for a in expected.values())
+    # no chunk state; what the context holds of the previous prompt (its system segment, a
+    # first chunk two questions share) is kept, as stock llama.cpp keeps it
+    assert all(a.source == "full" for a in expected.values())
+    assert any(a.reused_tokens > 0 for a in expected.values())
 
     first_pass = [on.answer(q) for q in QUESTIONS]  # later questions reuse earlier prefixes
     second_pass = [on.answer(q) for q in QUESTIONS]  # every path is now stored
@@ -36,7 +39,7 @@ def test_chunk_state_hits_match_cache_off_answers_token_for_token(make_cache):
     assert len(partial) >= 2, [(a.reused_chunks, a.chunk_ids) for a in first_pass]
     assert all(a.source == "chunk_states" and a.reused_chunks == len(a.chunk_ids) for a in second_pass)
     assert all(
-        a.reused_tokens + a.prefilled_tokens == r.prefilled_tokens
+        a.reused_tokens + a.prefilled_tokens == r.reused_tokens + r.prefilled_tokens
         for a, r in zip(second_pass, (expected[q] for q in QUESTIONS))
     )
 

@@ -51,6 +51,8 @@ def test_a_missing_ancestor_makes_a_shorter_prefix_restore(make_cache):
     assert first.text == reference and first.reused_tokens == 0
     middle = next(n for n in sliced.tree.nodes if n.depth == 2)  # [system, first chunk]
     sliced.states.delete(middle.key)
+    with sliced.engine.lock:
+        sliced.engine.reset()  # the context no longer holds the prompt: only stored states can serve
 
     again = sliced.answer(QUESTIONS[0])  # deeper slices lack their parent: only the system restores
     assert again.text == reference and again.reused_chunks == 0 and again.reused_tokens > 0

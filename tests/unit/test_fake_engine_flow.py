@@ -5,6 +5,7 @@ by the integration tests with the real model."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -451,3 +452,24 @@ def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_d
 
 
 GIB = 1024**3
+
+
+def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_cache):
+    shared = "Minutes of the planning call. " * 8
+    prompts = [shared + "Question: when is the review? Answer:", shared + "Question: who pays? Answer:"]
+    reference = fake_cache("off", qa_bank=False, chunk_states=False)
+    expected = []
+    for prompt in prompts:
+        with reference.engine.lock:
+            reference.engine.reset()  # nothing kept: each prompt from an empty context
+        expected.append(reference.caller.complete(prompt, stop=[]).text)
+    pc = fake_cache("kept", qa_bank=False, engine=FakeEngine(name="fake"))
+    first, second = (pc.caller.complete(p, stop=[]) for p in prompts)
+    assert [first.text, second.text] == expected
+    assert first.reused_tokens == 0
+    common = len(os.path.commonprefix(prompts)) + 1  # with BOS
+    assert 200 <= second.reused_tokens <= common  # the shared start, cut under the rule
+    # a change of the sequence by anything else (here a reset) and nothing is kept
+    with pc.engine.lock:
+        pc.engine.reset()
+    assert pc.caller.complete(prompts[0] + " ", stop=[]).reused_tokens == 0

