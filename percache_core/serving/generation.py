@@ -270,9 +270,12 @@ class PromptRunner:
         spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
         max_prompt_tokens = engine.n_ctx - max_new_tokens
         if isinstance(spec, TextPrompt):
-            rule = exact_pieces(engine)  # measured once per engine: also where the context may be kept
-            cut = spec.documents and self.config.chunk_states  # a cut is a call: only where a state is kept
-            return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule if cut else None)
+            # a cut is a call: only where a state is kept. The self-check (seconds, once per
+            # engine) runs here only for such a prompt; otherwise preload() or an idle round
+            # runs it, and until then the context is kept only where the calls were the same
+            cut = bool(spec.documents) and self.config.chunk_states
+            rule = exact_pieces(engine) if cut else None
+            return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
         return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
 
     def _draft_bound(self, decoding: _Decoding) -> float | None:

@@ -464,6 +464,7 @@ def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_c
             reference.engine.reset()  # nothing kept: each prompt from an empty context
         expected.append(reference.caller.complete(prompt, stop=[]).text)
     pc = fake_cache("kept", qa_bank=False, engine=FakeEngine(name="fake"))
+    pc.preload()  # the self-check's rule says where a caller's prompt may be cut
     first, second = (pc.caller.complete(p, stop=[]) for p in prompts)
     assert [first.text, second.text] == expected
     assert first.reused_tokens == 0
