@@ -43,6 +43,7 @@ from percache_core.kv.pieces import exact_pieces
 from percache_core.models import resolve_model_path
 from percache_core.serving.drafting import known_bound, known_drafts_pay
 
+from .data_sets import read_jsonl
 from .output import write_json
 
 SQUAD_USER = "Construction"
@@ -73,18 +74,15 @@ CHAT_TURNS = (
 NEW_SESSIONS = ("Where does the field study happen?", "Who handles hiring?", "How much did finance approve?")
 
 
-def load_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
-
 
 def user_data(data: Path, dataset: str, user: str, questions: int) -> tuple[list[dict], list[str]]:
     documents = [
         {"id": r["doc_id"], "text": r["text"]}
-        for r in load_jsonl(data / dataset / "documents.jsonl")
+        for r in read_jsonl(data / dataset / "documents.jsonl")
         if r["user"] == user
     ]
     asked: list[str] = []
-    for row in load_jsonl(data / dataset / "queries.jsonl"):
+    for row in read_jsonl(data / dataset / "queries.jsonl"):
         if row["user"] == user and row["question"] not in asked:
             asked.append(row["question"])
     if not documents or not asked:

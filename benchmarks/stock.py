@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import tempfile
@@ -46,34 +45,31 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-# the adapters, imported before anything is timed (an import inside the first timed call
-# would count seconds of imports as PerCache's)
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_langchain import PerCacheChatLlamaCPP  # noqa: E402
-from percache_langchain import PerCacheLlamaCPP as PerCacheLlamaCppLLM  # noqa: E402
-from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP  # noqa: E402
+from percache_langchain import PerCacheChatLlamaCPP
+from percache_langchain import PerCacheLlamaCPP as PerCacheLlamaCppLLM
+from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP
 
+from .data_sets import read_jsonl
 from .output import write_json
+
+# The adapters are imported here, before anything is timed: an import inside the first
+# timed call would count seconds of imports as PerCache's.
 
 QMSUM_USER = "ami-ES2011"
 SQUAD_USER = "Construction"
 
 
-def load_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
-
-
 def user_rows(data: Path, dataset: str, user: str) -> tuple[list[dict], list[str]]:
     """A user's chunks (id, text) and distinct questions, in order."""
-    chunks = [r for r in load_jsonl(data / dataset / "documents.jsonl") if r["user"] == user]
+    chunks = [r for r in read_jsonl(data / dataset / "documents.jsonl") if r["user"] == user]
     questions: list[str] = []
-    for row in load_jsonl(data / dataset / "queries.jsonl"):
+    for row in read_jsonl(data / dataset / "queries.jsonl"):
         if row["user"] == user and row["question"] not in questions:
             questions.append(row["question"])
     if not chunks or not questions:

@@ -160,8 +160,7 @@ class FakeEngine(FakeTextModel):
 
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         self.calls["load_state"] += 1
-        self.reset()
-        self.changes += 1
+        self.reset()  # counts as a change
         saved = _saved_positions(data)
         if saved is None or saved[0] != 0 or len(saved[1]) != n_tokens:
             return False

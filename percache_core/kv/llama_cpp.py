@@ -194,8 +194,7 @@ class LlamaEngine(LlamaTextModel):
     @on_compute_thread
     def load_state(self, data: bytes, n_tokens: int) -> bool:
         """Replace the sequence with *data* saved at *n_tokens*; False if llama.cpp refuses."""
-        self.reset()
-        self.changes += 1
+        self.reset()  # counts as a change
         read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), 0)
         if read == 0 or self._lc.llama_memory_seq_pos_max(self._memory, 0) != n_tokens - 1:
             self.reset()

@@ -17,8 +17,6 @@ from .engine import ChatPrompt
 _NAMED_FORMATTERS = {"chatml": "format_chatml", "mistral-instruct": "format_mistral_instruct", "llama-3": "format_llama3"}
 
 
-
-
 class LlamaTextModel:
     """Tokenizing, detokenizing and chat formatting with a loaded llama.cpp model (*lc*:
     llama-cpp-python's low-level bindings, *model*: its ``llama_model`` pointer)."""

@@ -59,12 +59,14 @@ _PROMPT = (
     "4. Priya will send the travel numbers; Lena checks the hiring requests before the review.\n"
     "Question: Who checks the hiring requests, and when is the rehearsal?\nAnswer:"
 )
+
+
 def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int, int]]:
     """(start, end) of the calls that feed *n_tokens* at most *n_batch* at a time: of
     nearly equal size, so that a long piece never ends in a short call, and cut at
-    multiples of *align* tokens from the piece's start, so that every cut is one that the
-    engine's self-check may allow (:mod:`percache_core.kv.pieces`: its rules cut at
-    multiples of 1, 4 or 16), and the calls do not depend on where a restored prefix ended.
+    multiples of *align* tokens from the piece's start, so that every cut is one the
+    self-check may allow (:data:`CANDIDATES` cut at multiples of 1, 4 or 16) and the calls
+    do not depend on where a restored or kept prefix ended.
 
     >>> batch_bounds(1030, 512)
     [(0, 336), (336, 672), (672, 1030)]

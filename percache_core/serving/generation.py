@@ -215,13 +215,8 @@ class PromptRunner:
         engine = self.engine
         live = self._live if self._live is not None and self._live.changes == engine.changes else None
         tokens = layout.tokens
-        if not layout.caller_prompt:
-            if live is None:
-                return layout, 0
-            starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
-            return layout, segment_cut(live, tokens, starts, layout.ends[:-1])
-        _, rule = known_pieces(engine)
-        if rule is None:
+        rule = known_pieces(engine)[1] if layout.caller_prompt else None
+        if rule is None:  # PerCache's own prompt, or no self-check yet: same calls only
             if live is None:
                 return layout, 0
             starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
@@ -534,28 +529,31 @@ class PromptRunner:
         state is as deep), else empty it: (segments, tokens) in place, and whether they
         are the context's."""
         ends = layout.ends
+        candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes) if keys else []
         if kept and kept in ends and live is not None and live.changes == self.engine.changes:
             depth = ends.index(kept) + 1
-            candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes) if keys else []
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
             if stored < depth and self.engine.truncate(kept):
                 return depth, kept, True
-        return (*self._restore_or_reset(keys), False)
+        return (*self._restore_or_reset(keys, candidates), False)
 
-    def _restore_or_reset(self, keys: list[str]) -> tuple[int, int]:
-        """Restore the deepest usable stored prefix of *keys*, or empty the sequence when
-        none is stored: (segments, tokens) restored."""
-        depth, reused = self._restore(keys) if keys else (0, 0)
+    def _restore_or_reset(self, keys: list[str], candidates: list[StateNode] | None = None) -> tuple[int, int]:
+        """Restore the deepest usable stored prefix of *keys* (of *candidates*, the stored
+        ones among them when already looked up), or empty the sequence when none is
+        stored: (segments, tokens) restored."""
+        depth, reused = self._restore(keys, candidates) if keys else (0, 0)
         if depth == 0:
             self.engine.reset()
         return depth, reused
 
-    def _restore(self, keys: list[str]) -> tuple[int, int]:
-        """Restore the deepest usable stored prefix of *keys* (from any tier):
-        (segments, tokens) restored. A node's depth is its place among *keys* (a caller's
-        prompt is keyed by its leading tokens, so the same node ends other segments in
-        other layouts)."""
-        for node in self.states.candidates(keys, budget_bytes=self.budget_bytes):
+    def _restore(self, keys: list[str], candidates: list[StateNode] | None = None) -> tuple[int, int]:
+        """Restore the deepest usable stored prefix of *keys* (from any tier; *candidates*:
+        the stored ones among them, when already looked up): (segments, tokens) restored.
+        A node's depth is its place among *keys* (a caller's prompt is keyed by its leading
+        tokens, so the same node ends other segments in other layouts)."""
+        if candidates is None:
+            candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes)
+        for node in candidates:
             chain = self.states.chain(node)
             if chain is None:
                 continue  # a slice whose ancestor was evicted: a shorter prefix may do

@@ -220,10 +220,7 @@ def with_cut(layout: PromptLayout, cut: int, rule: PieceRule | None) -> PromptLa
     >>> [s.tokens for s in with_cut(layout, 1, None).segments]
     [(1,), (2,), (3, 4)]
     """
-    tokens = [t for segment in layout.segments for t in segment.tokens]
-    ends: list[int] = []
-    for segment in layout.segments:
-        ends.append((ends[-1] if ends else 0) + len(segment.tokens))
+    tokens, ends = layout.tokens, layout.ends
     kept_cuts = [cut]
     for end, segment in zip(ends[:-1], layout.segments):
         if end > cut and segment.keep_state and (rule is None or rule.allows(kept_cuts[-1], end, len(tokens))):

