@@ -70,6 +70,31 @@ def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, s
     return chosen
 
 
+def load_merged_user(data: Path, dataset: str, *, series: int, per_series: int, seed: int) -> User:
+    """Every document of *dataset* as ONE user's knowledge (a whole archive: QMSum's 4,517
+    chunks), asked as a person moves between topics: *per_series* questions of one
+    original user (a meeting series), sampled with *seed* and kept in their order, then
+    the next series, for *series* series in an order shuffled by *seed*."""
+    folder = data / dataset
+    if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
+        raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
+    documents, queries = read_jsonl(folder / "documents.jsonl"), read_jsonl(folder / "queries.jsonl")
+    by_user: dict[str, list[dict]] = {}
+    for query in queries:
+        by_user.setdefault(query["user"], []).append(query)
+    names = sorted(by_user)
+    random.Random(seed).shuffle(names)
+    asked = []
+    for name in names[:series]:
+        picked = sorted(random.Random(f"{seed}:{name}").sample(range(len(by_user[name])), min(per_series, len(by_user[name]))))
+        asked += [by_user[name][i] for i in picked]
+    knowledge = [
+        {"id": d["doc_id"], "text": d["text"], "metadata": {f: d[f] for f in SCOPE_FIELDS if f in d}}
+        for d in documents
+    ]
+    return User(dataset, "merged", knowledge, asked)
+
+
 def query_scope(query: dict) -> dict | None:
     """The scope a query is asked in (e.g. QMSum's ``meeting_id``: "Summarize the meeting"
     means that meeting), or None.

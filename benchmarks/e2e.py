@@ -2,6 +2,8 @@
 
     .venv/bin/python -m benchmarks.e2e --data ../shared/data --quick --taus 0.6,0.75,0.85,0.95
     .venv/bin/python -m benchmarks.e2e --data my/data --qmsum-users 5 --squad-users 2 --queries-per-user 12
+    .venv/bin/python -m benchmarks.e2e --data ../shared/data --merged 6,4 --idle-seconds 20 --budget-gib 2 \
+        --systems stock,naive,ragcache,percache
 
 Writes JSON, a Markdown table and PNG plots.
 """
@@ -43,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run PerCache without the QA bank, without chunk states and without prediction",
     )
     parser.add_argument("--quick", action="store_true", help="a run of a few minutes: 3 users, 5 questions each")
+    parser.add_argument(
+        "--merged",
+        help="SERIES,PER_SERIES: every QMSum meeting as one knowledge, asked PER_SERIES questions per series",
+    )
+    parser.add_argument("--idle-seconds", type=float, help="one idle round of at most this long before each question")
+    parser.add_argument("--budget-gib", type=float, help="every system's chunk-state budget (default: sized)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
     return parser
 
@@ -63,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         systems=_systems(args.systems),
         partial=Path(args.out).with_suffix(".partial.json"),
         skip_users=args.skip_users,
+        merged=tuple(_numbers(args.merged, int)) if args.merged else None,  # type: ignore[arg-type]
+        idle_seconds=args.idle_seconds,
+        budget_gib=args.budget_gib,
         **settings,
     )
     print()

@@ -15,7 +15,8 @@ greedy decoding) and starts from an empty cache per user:
 
 Predictive systems run two knowledge-based rounds before the first question and a
 history-based round after each answer: idle time, reported apart and never overlapping a
-measured question. Metrics per user and system: latency (mean, p50, p95), TTFT, QA-bank
+measured question. With an idle-time budget (``idle_seconds``), they instead run one round
+of at most that many seconds before each question, as a person's pauses allow. Metrics per user and system: latency (mean, p50, p95), TTFT, QA-bank
 hit rate, chunk-state prefix overlap, ROUGE-L against the references and against the naive
 system's answers, idle compute, cache bytes and a per-stage time breakdown.
 """
@@ -45,7 +46,7 @@ from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache
 
-from .data_sets import User, load_users, query_scope
+from .data_sets import User, load_merged_user, load_users, query_scope
 
 STAGES = ("embed", "qa_check", "retrieve", "restore", "prefill", "decode", "store_states", "store_qa")
 KINDS = {"qmsum": "meeting transcripts", "squad11-dev": "encyclopedia articles"}
@@ -139,6 +140,26 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+class MemoEmbedder:
+    """An embedder that embeds each text once per run (every system adds the same
+    knowledge: the merged QMSum knowledge takes minutes to embed)."""
+
+    def __init__(self, embedder: Any) -> None:
+        self._embedder = embedder
+        self.name = embedder.name
+        self._vectors: dict[str, np.ndarray] = {}
+
+    @property
+    def dimension(self) -> int:
+        return self._embedder.dimension
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        missing = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        if missing:
+            self._vectors.update(zip(missing, self._embedder.embed(missing)))
+        return np.stack([self._vectors[t] for t in texts]) if texts else self._embedder.embed(texts)
+
+
 class SystemRun:
     """One system answering one user's questions from an empty cache in *folder*. The
     stock system retrieves through its cache (caches off) and answers with *stock*."""
@@ -166,12 +187,16 @@ class SystemRun:
         }
         self.pc = PerCache.open(folder, config=config, engine=engine, embedder=embedder)
 
-    def idle_round(self, knowledge: bool) -> None:
-        """An idle round (predictive systems only); its cost is accounted apart."""
+    def idle_round(self, knowledge: bool, max_seconds: float | None = None) -> None:
+        """An idle round (predictive systems only), of at most *max_seconds*; its cost is
+        accounted apart."""
         if not self.system.predictive:
             return
-        report = self.pc.warm(progress=False, knowledge_prediction=knowledge)
+        report = self.pc.warm(progress=False, knowledge_prediction=knowledge, max_seconds=max_seconds)
         self.idle["seconds"] += report.seconds
+        self.idle["predicted_paths_prefilled"] = self.idle.get("predicted_paths_prefilled", 0) + (
+            report.predicted_paths_prefilled
+        )
         self.idle["chunks_prefilled"] += report.chunks_prefilled
         self.idle["pairs_prefilled"] += report.pairs_prefilled
         self.idle["prefill_tokens"] += report.prefill_tokens
@@ -248,6 +273,7 @@ class SystemRun:
         return {
             "records": self.records,
             "idle": self.idle,
+            "prediction": stats.get("prediction"),
             "cache_bytes": {
                 "qa_bank": stats["qa_bank"]["bytes"],
                 "chunk_states": stats["chunk_states"]["bytes"],
@@ -262,26 +288,33 @@ def run_user(
     embedder: Any,
     folder: Path,
     stock: Any = None,
+    idle_seconds: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Answer the user's questions with every (label, system, config) variant, interleaved:
     question i is asked of every variant before question i + 1, so that slow drifts of the
     machine's speed fall on all systems alike. Predictive variants run two knowledge rounds
     before the first question and a history round after each question, never while a
-    measured question runs."""
+    measured question runs; with *idle_seconds*, one round of at most that long before
+    each question instead."""
     runs: dict[str, SystemRun] = {}
     try:
         for label, system, config in variants:
             run = SystemRun(system, config, engine, embedder, folder / label, stock)
             runs[label] = run
-            run.pc.add_documents(user.documents, split=False)
-        for _ in range(2):
-            for run in runs.values():
-                run.idle_round(knowledge=True)
+            run.pc.add_documents(user.documents, split=False, progress=len(user.documents) > 1000)
+        if idle_seconds is None:
+            for _ in range(2):
+                for run in runs.values():
+                    run.idle_round(knowledge=True)
         for query in user.queries:
+            if idle_seconds is not None:
+                for run in runs.values():
+                    run.idle_round(knowledge=True, max_seconds=idle_seconds)
             for run in runs.values():
                 run.ask(query)
-            for run in runs.values():
-                run.idle_round(knowledge=False)
+            if idle_seconds is None:
+                for run in runs.values():
+                    run.idle_round(knowledge=False)
     finally:
         results = {label: run.finish() for label, run in runs.items()}
     return results
@@ -357,6 +390,9 @@ def evaluate(
     skip_users: int = 0,
     engine: LlamaEngine | None = None,
     embedder: Any = None,
+    merged: tuple[int, int] | None = None,
+    idle_seconds: float | None = None,
+    budget_gib: float | None = None,
 ) -> dict[str, Any]:
     """Run every system on every user, then the sensitivity and ablation runs (see
     :func:`sensitivity_runs`) of PerCache on the first user. After each user, what is
@@ -364,10 +400,17 @@ def evaluate(
 
     *engine* and *embedder* are loaded (the default model and MiniLM) unless given: a
     caller that has them loaded already passes them, and an engine passed in is not
-    closed."""
+    closed.
+
+    *merged* (series, questions per series) evaluates one user instead: every QMSum
+    meeting as one knowledge (``data_sets.load_merged_user``). *idle_seconds* bounds each
+    idle round (one before each question); *budget_gib* sets every system's chunk-state
+    budget."""
     users: list[User] = []
+    if merged is not None:
+        users.append(load_merged_user(data, "qmsum", series=merged[0], per_series=merged[1], seed=seed))
     for dataset, count in (("qmsum", qmsum_users), ("squad11-dev", squad_users)):
-        if count > 0:
+        if count > 0 and merged is None:
             users += load_users(data, dataset, users=count, queries_per_user=queries_per_user, seed=seed)
     users = users[skip_users:]  # to go on with the users a stopped run did not reach
     owns_engine = engine is None
@@ -390,6 +433,7 @@ def evaluate(
     if embedder is None:
         embedder = SentenceTransformerEmbedder()
         embedder.embed(["warm-up"])
+    embedder = MemoEmbedder(embedder)
     per_user: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {}
     sweeps: list[dict[str, Any]] = []
@@ -403,6 +447,7 @@ def evaluate(
             seed=seed,
             prediction=system.predictive,
             prediction_stride=stride,
+            chunk_state_budget_bytes=None if budget_gib is None else int(budget_gib * 1024**3),
         )
         return config.replace(**system.changes).replace(**changes)
 
@@ -412,7 +457,9 @@ def evaluate(
                 key = f"{user.dataset}/{user.name}"
                 started = time.perf_counter()
                 variants = [(system.name, system, system_config(user, system)) for system in systems]
-                runs[key] = run_user(user, variants, engine, embedder, Path(temporary) / f"user-{index}", stock)
+                runs[key] = run_user(
+                    user, variants, engine, embedder, Path(temporary) / f"user-{index}", stock, idle_seconds
+                )
                 per_user[key] = {
                     name: _totals(run, runs[key].get("naive")) for name, run in runs[key].items()
                 }
@@ -448,6 +495,9 @@ def evaluate(
             "seed": seed,
             "stride": stride,
             "max_new_tokens": max_new_tokens,
+            "merged": merged,
+            "idle_seconds": idle_seconds,
+            "budget_gib": budget_gib,
             "model": model_path.name,
             "embedder": embedder.name,
             "versions": _versions(),

@@ -22,7 +22,18 @@ Policies:
   question, within the question's scope fields), nearest first (the default is N=2);
 - ``co-retrieved+neighbours-N``: as ``neighbours-N``, with the pairs of chunks earlier
   questions retrieved together (each ordered pair of a question's chunks) first;
-- ``all-pairs``: singles, then every ordered pair inside a scope (the pairs ceiling).
+- ``all-pairs``: singles, then every ordered pair inside a scope (the pairs ceiling);
+- ``demand``: the paths the idle round's demand estimate names
+  (:mod:`percache_core.prediction.demand`, the same code), likeliest first, evicting stored
+  paths it finds less likely to make room (``prediction.paths.make_room``);
+- ``oracle``: the next question's own path (what a perfect estimate would prefill).
+
+``--merged`` takes every QMSum meeting as ONE user's knowledge (4,517 chunks) and asks it
+as a person moves between topics (``--per-series`` questions of one meeting series, then
+the next series), with ``--idle-seconds`` of idle prefill before each question (tokens at
+the measured prefill speed; the policies above, unlimited idle, otherwise). Its rows give
+the coverage per GiB and per idle minute, and the demand estimate's hit rate (the share of
+each next question's chunks among the estimate's top 50 chunks; the oracle's is 1).
 
 Writes JSON (``--out``) with, per policy and budget, the mean coverage and whole-path share
 per data set, states and bytes stored, and the idle prefill it costs (tokens, seconds at the
@@ -30,6 +41,8 @@ measured speed); ``--compare`` also sets the per-question depth beside an e2e ru
 (``prefix_overlap`` of ``benchmarks.e2e``'s JSON) for the same users and questions.
 
     .venv/bin/python -m benchmarks.paths --data ../shared/data
+    .venv/bin/python -m benchmarks.paths --data ../shared/data --merged --budgets-gib 1 2 4 8 \
+        --idle-seconds 10 20 60 --policies neighbours-8 demand oracle
 """
 
 from __future__ import annotations
@@ -41,17 +54,28 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path as FolderPath
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
+from percache_core.prediction.activity import AskedQuestion
 from percache_core.prediction.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
+from percache_core.prediction.demand import DemandEstimate, Knowledge
 from percache_core.serving.prompting import chunk_text
 
-from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
+from .data_sets import (
+    SCOPE_FIELDS,
+    add_user_arguments,
+    default_data_folder,
+    load_merged_user,
+    query_scope,
+    users_from_arguments,
+)
 from .output import write_json
 
 GIB = 1024**3
@@ -66,6 +90,8 @@ POLICIES = (
     "co-retrieved+neighbours-2",
     "co-retrieved+neighbours-4",
     "all-pairs",
+    "demand",
+    "oracle",
 )
 MAX_NEIGHBOURS = 8
 
@@ -85,6 +111,7 @@ class UserPaths:
     neighbours: dict[str, list[str]]
     questions: list[Path]
     question_scopes: list[tuple]
+    asked: list[AskedQuestion] = field(default_factory=list)  # what the demand estimate learns from
 
 
 @dataclass
@@ -131,6 +158,21 @@ class SimulatedTree:
             node.hits += 1
             node.last_used = self.clock
         return depth
+
+    def make_room(self, limit: float, estimate: dict[Path, float], probability: float) -> bool:
+        """Evict leaves whose *estimate* is below *probability* (ties: fewest hits, least
+        recently used) until the tree is under *limit*, as ``prediction.paths.make_room``."""
+        parents = {p[:-1] for p in self.nodes if len(p) > 1}
+        ranked = sorted(
+            (p for p in self.nodes if p not in parents and estimate.get(p, 0.0) < probability),
+            key=lambda p: (estimate.get(p, 0.0), self.nodes[p].hits, self.nodes[p].last_used),
+        )
+        for victim in ranked:
+            if self.bytes < limit:
+                break
+            del self.nodes[victim]
+            self.bytes -= self.cost(victim)
+        return self.bytes < limit
 
     def evict_to_budget(self, protected: Path) -> int:
         """Evict least used leaves (never a prefix of *protected*) down to the budget."""
@@ -184,19 +226,51 @@ def policy_paths(policy: str, user: UserPaths, asked: list[Path], scope: tuple) 
                     yield (chunk, near[rank])
 
 
-def simulate(policy: str, user: UserPaths, budget_bytes: float, bytes_per_token: float) -> dict[str, Any]:
-    """One user's questions under *policy* and *budget_bytes* (see the module docstring)."""
+def simulate(
+    policy: str,
+    user: UserPaths,
+    budget_bytes: float,
+    bytes_per_token: float,
+    *,
+    idle_tokens_per_question: float | None = None,
+    knowledge: Knowledge | None = None,
+) -> dict[str, Any]:
+    """One user's questions under *policy* and *budget_bytes* (see the module docstring),
+    with at most *idle_tokens_per_question* of idle prefill before each question (None:
+    unlimited). ``demand`` needs the user's *knowledge* (retrieval for its estimate)."""
     tree = SimulatedTree(budget_bytes, bytes_per_token, user.tokens)
     limit = PREFILL_BUDGET_SHARE * budget_bytes
     idle_tokens = 0
     rows = []
     asked: list[Path] = []
-    for path, scope in zip(user.questions, user.question_scopes):
-        for candidate in policy_paths(policy, user, asked, scope):  # idle time before the question
-            if tree.bytes >= limit:
-                break
-            if candidate not in tree.nodes:
-                idle_tokens += tree.add(candidate)
+    estimate = DemandEstimate()
+    for index, (path, scope) in enumerate(zip(user.questions, user.question_scopes)):
+        spent = 0
+        if policy in ("demand", "oracle"):
+            if policy == "oracle":
+                probabilities = {path[:d]: 1.0 for d in range(1, len(path) + 1)}
+            else:
+                assert knowledge is not None, "the demand policy needs the knowledge"
+                probabilities = estimate.probabilities(knowledge, limit=4096) if estimate.asked else {}
+            for candidate, probability in probabilities.items():
+                cost = user.tokens[candidate[-1]]
+                if candidate in tree.nodes or candidate[:-1] not in tree.nodes and len(candidate) > 1:
+                    continue
+                if idle_tokens_per_question is not None and spent + cost > idle_tokens_per_question:
+                    break
+                if not tree.make_room(limit, probabilities, probability):
+                    break
+                spent += tree.add(candidate)
+        else:
+            for candidate in policy_paths(policy, user, asked, scope):  # idle time before the question
+                if tree.bytes >= limit:
+                    break
+                missing = sum(user.tokens[candidate[d - 1]] for d in range(1, len(candidate) + 1)
+                              if candidate[:d] not in tree.nodes)
+                if idle_tokens_per_question is not None and spent + missing > idle_tokens_per_question:
+                    break
+                spent += tree.add(candidate)
+        idle_tokens += spent
         depth = tree.restore(path)
         total = sum(user.tokens[c] for c in path)
         rows.append(
@@ -210,6 +284,8 @@ def simulate(policy: str, user: UserPaths, budget_bytes: float, bytes_per_token:
         tree.add(path)  # the question's own run keeps its states
         tree.evict_to_budget(path)
         asked.append(path)
+        if policy == "demand" and knowledge is not None:
+            estimate.observe(user.asked[index], knowledge)
     return {
         "coverage": statistics.fmean(r["coverage"] for r in rows),
         "whole_path": statistics.fmean(r["whole"] for r in rows),
@@ -219,6 +295,7 @@ def simulate(policy: str, user: UserPaths, budget_bytes: float, bytes_per_token:
         "idle_prefill_tokens": idle_tokens,
         "budget_bytes": budget_bytes,
         "depths": [r["depth"] for r in rows],
+        "hit_rate": estimate.hit_rate.as_dict() if policy == "demand" else None,
     }
 
 
@@ -250,8 +327,13 @@ def measure_model(engine: LlamaEngine) -> tuple[float, float]:
 
 def user_paths(user: Any, pc: PerCache, engine: LlamaEngine, top_k: int) -> UserPaths:
     """Retrieve each of *user*'s questions and count each chunk's prompt tokens."""
-    pc.add_documents(user.documents, split=False)
+    pc.add_documents(user.documents, split=False, progress=len(user.documents) > 1000)
     chunks = pc.knowledge.chunks
+    asked = []
+    for query in user.queries:
+        embedding = pc.parts.embed_question(query["question"])
+        found = pc.knowledge.retrieve(query["question"], top_k, question_embedding=embedding, where=query_scope(query))
+        asked.append(AskedQuestion(query["question"], embedding, query_scope(query), tuple(r.chunk.id for r in found)))
     return UserPaths(
         name=user.name,
         dataset=user.dataset,
@@ -262,11 +344,9 @@ def user_paths(user: Any, pc: PerCache, engine: LlamaEngine, top_k: int) -> User
             c.id: [n.id for n in pc.knowledge.neighbours(c, MAX_NEIGHBOURS, scope_fields=SCOPE_FIELDS)]
             for c in chunks
         },
-        questions=[
-            tuple(r.chunk.id for r in pc.knowledge.retrieve(q["question"], top_k, where=query_scope(q)))
-            for q in user.queries
-        ],
+        questions=[question.chunk_ids for question in asked],
         question_scopes=[tuple((query_scope(q) or {}).get(f) for f in SCOPE_FIELDS) for q in user.queries],
+        asked=asked,
     )
 
 
@@ -293,12 +373,51 @@ def compare_with_e2e(users: list[UserPaths], e2e_path: str, bytes_per_token: flo
     return rows
 
 
+def summary_row(
+    policy: str,
+    gib: float | str,
+    idle_s: float | None,
+    per_user: dict[str, dict[str, Any]],
+    users: list[UserPaths],
+    prefill_speed: float,
+) -> dict[str, Any]:
+    """One policy, budget and idle time: per data set, the means over its users, with the
+    coverage per GiB stored and per idle minute spent."""
+    row: dict[str, Any] = {"policy": policy, "budget_gib": gib, "idle_seconds_per_question": idle_s}
+    for dataset in sorted({u.dataset for u in users}):
+        runs = [r for name, r in per_user.items() if name.startswith(dataset + "/")]
+        coverage = statistics.fmean(r["coverage"] for r in runs)
+        gib_stored = statistics.fmean(r["bytes"] for r in runs) / GIB
+        idle_minutes = statistics.fmean(r["idle_prefill_tokens"] for r in runs) / prefill_speed / 60
+        hits = [r["hit_rate"]["chunk_hit_rate"] for r in runs if r["hit_rate"] and r["hit_rate"]["chunk_hit_rate"] is not None]
+        row[dataset] = {
+            "coverage": coverage,
+            "whole_path": statistics.fmean(r["whole_path"] for r in runs),
+            "prefix_overlap": statistics.fmean(r["prefix_overlap"] for r in runs),
+            "states_per_user": statistics.fmean(r["states"] for r in runs),
+            "gib_per_user": gib_stored,
+            "budget_gib_per_user": statistics.fmean(r["budget_bytes"] for r in runs) / GIB,
+            "idle_prefill_tokens_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs),
+            "idle_prefill_s_per_user": idle_minutes * 60,
+            "coverage_per_gib": coverage / gib_stored if gib_stored else None,
+            "coverage_per_idle_minute": coverage / idle_minutes if idle_minutes else None,
+            "chunk_hit_rate": statistics.fmean(hits) if hits else None,
+        }
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_user_arguments(parser, qmsum_users=5, squad_users=2, queries=12)
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--budgets-gib", nargs="+", type=float, default=list(BUDGETS_GIB))
+    parser.add_argument("--merged", action="store_true", help="every QMSum meeting as one user's knowledge")
+    parser.add_argument("--series", type=int, default=15, help="--merged: meeting series asked, in turn")
+    parser.add_argument("--per-series", type=int, default=4, help="--merged: questions per series")
+    parser.add_argument(
+        "--idle-seconds", nargs="+", type=float, default=[], help="idle prefill before each question (default: unlimited)"
+    )
     parser.add_argument("--compare", help="an e2e JSON (benchmarks.e2e --out) to set the default policy beside")
     parser.add_argument("--out", default="benchmarks/results/paths.json")
     args = parser.parse_args(argv)
@@ -307,47 +426,59 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{bytes_per_token:,.0f} bytes per token, prefill {prefill_speed:,.0f} tokens/s", flush=True)
     embedder = SentenceTransformerEmbedder()
     config = PerCacheConfig(chunk_states=False, qa_bank=False, prediction=False, top_k=args.top_k)
-    users = []
-    for user in users_from_arguments(args):
-        with tempfile.TemporaryDirectory() as folder:
-            with PerCache.open(folder, config=config, embedder=embedder) as pc:
-                users.append(user_paths(user, pc, engine, args.top_k))
-        print(f"{user.dataset}/{user.name}: {len(users[-1].order)} chunks", flush=True)
-    free_disk = shutil.disk_usage(tempfile.gettempdir()).free
-    results = []
-    for policy in args.policies:
-        for gib in [*args.budgets_gib, "sized"]:
-            per_user = {
-                f"{u.dataset}/{u.name}": simulate(
-                    policy, u, sized_budget(u, policy, bytes_per_token, free_disk) if gib == "sized" else gib * GIB,
-                    bytes_per_token,
-                )
-                for u in users
-            }
-            row: dict[str, Any] = {"policy": policy, "budget_gib": gib}
-            for dataset in sorted({u.dataset for u in users}):
-                runs = [r for name, r in per_user.items() if name.startswith(dataset + "/")]
-                row[dataset] = {
-                    "coverage": statistics.fmean(r["coverage"] for r in runs),
-                    "whole_path": statistics.fmean(r["whole_path"] for r in runs),
-                    "prefix_overlap": statistics.fmean(r["prefix_overlap"] for r in runs),
-                    "states_per_user": statistics.fmean(r["states"] for r in runs),
-                    "gib_per_user": statistics.fmean(r["bytes"] for r in runs) / GIB,
-                    "budget_gib_per_user": statistics.fmean(r["budget_bytes"] for r in runs) / GIB,
-                    "idle_prefill_tokens_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs),
-                    "idle_prefill_s_per_user": statistics.fmean(r["idle_prefill_tokens"] for r in runs)
-                    / prefill_speed,
-                }
-            results.append(row)
-            print(
-                f"{policy:28s} {gib:>5} GiB  "
-                + "  ".join(f"{d}: cov {row[d]['coverage']:.3f} whole {row[d]['whole_path']:.3f} "
-                            f"{row[d]['gib_per_user']:.2f} GiB" for d in row if isinstance(row[d], dict)),
-                flush=True,
-            )
+    if args.merged:
+        data = FolderPath(args.data) if args.data else default_data_folder()
+        picked = [load_merged_user(data, "qmsum", series=args.series, per_series=args.per_series, seed=args.seed)]
+    else:
+        picked = users_from_arguments(args)
+    users: list[UserPaths] = []
+    knowledges: dict[str, Knowledge] = {}
+    with ExitStack() as stack:
+        for user in picked:
+            folder = stack.enter_context(tempfile.TemporaryDirectory())
+            pc = stack.enter_context(PerCache.open(folder, config=config, embedder=embedder))
+            users.append(user_paths(user, pc, engine, args.top_k))
+            knowledges[f"{user.dataset}/{user.name}"] = pc.knowledge
+            print(f"{user.dataset}/{user.name}: {len(users[-1].order)} chunks", flush=True)
+        free_disk = shutil.disk_usage(tempfile.gettempdir()).free
+        results = []
+        for policy in args.policies:
+            for idle_s in args.idle_seconds or [None]:
+                idle_tokens = None if idle_s is None else idle_s * prefill_speed
+                for gib in [*args.budgets_gib, *([] if args.merged else ["sized"])]:
+                    per_user = {
+                        f"{u.dataset}/{u.name}": simulate(
+                            policy,
+                            u,
+                            sized_budget(u, policy, bytes_per_token, free_disk) if gib == "sized" else gib * GIB,
+                            bytes_per_token,
+                            idle_tokens_per_question=idle_tokens,
+                            knowledge=knowledges[f"{u.dataset}/{u.name}"],
+                        )
+                        for u in users
+                    }
+                    row = summary_row(policy, gib, idle_s, per_user, users, prefill_speed)
+                    results.append(row)
+                    print(
+                        f"{policy:28s} {gib:>5} GiB  idle {idle_s or 'unlimited'} s  "
+                        + "  ".join(
+                            f"{d}: cov {row[d]['coverage']:.3f} whole {row[d]['whole_path']:.3f} "
+                            f"{row[d]['gib_per_user']:.2f} GiB hit {row[d]['chunk_hit_rate'] or 0:.2f}"
+                            for d in row if isinstance(row[d], dict)
+                        ),
+                        flush=True,
+                    )
     result: dict[str, Any] = {
         "benchmark": "paths",
-        "settings": {"top_k": args.top_k, "queries_per_user": args.queries_per_user, "seed": args.seed},
+        "settings": {
+            "top_k": args.top_k,
+            "queries_per_user": args.queries_per_user,
+            "seed": args.seed,
+            "merged": args.merged,
+            "series": args.series if args.merged else None,
+            "per_series": args.per_series if args.merged else None,
+            "idle_seconds": args.idle_seconds,
+        },
         "bytes_per_token": bytes_per_token,
         "prefill_tokens_per_s": prefill_speed,
         "users": {f"{u.dataset}/{u.name}": {"chunks": len(u.order), "tokens": sum(u.tokens.values())} for u in users},

@@ -425,6 +425,7 @@ class PerCache:
         }
         summary["knowledge"] = {"chunks": len(self.knowledge)}
         summary["idle"] = self.scheduler.stats()
+        summary["prediction"] = self.scheduler.demand_stats()
         if self.shared is not None:
             summary["shared"] = self.shared.stats()
         summary["chunk_states"] = self.parts.runtime.stats()

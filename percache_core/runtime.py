@@ -25,7 +25,12 @@ from .kv.slicing import slices_work, state_bytes_per_token
 from .kv.state_store import StateStore, delete_document_states
 from .kv.tiers import SharedStates, TieredStateStore
 from .kv.tree import ChunkStateTree
-from .prediction.budget import BUDGET_FLOOR_BYTES, knowledge_prefill_bytes, sized_state_budget
+from .prediction.budget import (
+    BUDGET_FLOOR_BYTES,
+    PREFILL_BUDGET_SHARE,
+    knowledge_prefill_bytes,
+    sized_state_budget,
+)
 from .serving.drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .serving.generation import PromptRunner
 from .serving.prompting import TEMPLATE_VERSION
@@ -59,6 +64,7 @@ class ModelRuntime:
         self._runner: PromptRunner | None = None
         self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
+        self._prefill_bytes: tuple[tuple[int, str, int], int] | None = None  # knowledge key -> bytes
 
     @property
     def engine(self) -> Engine:
@@ -110,23 +116,48 @@ class ModelRuntime:
         knowledge prefill fills the budget), never on a user's path. Returns the budget
         in force."""
         if self.config.chunk_state_budget_bytes is None and self.engine_loaded and self.config.chunk_states:
-            states = self.states
-            self._bytes_per_token = state_bytes_per_token(self.engine)
-            needed = knowledge_prefill_bytes(
-                chunks,
-                self.engine.tokenize,
-                bytes_per_token=self._bytes_per_token,
-                neighbours=self.config.knowledge_prefill_neighbours if self.config.knowledge_prefill else 0,
-                slices=states.slices,
-            )
+            needed = self.knowledge_prefill_bytes(chunks)
             try:
-                free = shutil.disk_usage(self._folder / "states").free + states.bytes
+                free = shutil.disk_usage(self._folder / "states").free + self.states.bytes
             except OSError:
                 free = 0
             self._sized_budget = sized_state_budget(needed_bytes=needed, free_disk_bytes=free)
         if self._runner is not None:
             self._runner.budget_bytes = self.state_budget_bytes
         return self.state_budget_bytes
+
+    def knowledge_prefill_bytes(self, chunks: Sequence[Chunk]) -> int:
+        """The bytes the bulk knowledge prefill's states of *chunks* take on the loaded
+        engine (every [system, chunk] and ``knowledge_prefill_neighbours`` pairs of each);
+        remembered per knowledge size and settings."""
+        config = self.config
+        neighbours = config.knowledge_prefill_neighbours if config.knowledge_prefill else 0
+        key = (len(chunks), chunks[-1].id if chunks else "", neighbours)
+        if self._prefill_bytes is None or self._prefill_bytes[0] != key:
+            if self._bytes_per_token is None:
+                self._bytes_per_token = state_bytes_per_token(self.engine)
+            needed = knowledge_prefill_bytes(
+                chunks,
+                self.engine.tokenize,
+                bytes_per_token=self._bytes_per_token,
+                neighbours=neighbours,
+                slices=self.states.slices,
+            )
+            self._prefill_bytes = (key, needed)
+        return self._prefill_bytes[1]
+
+    def idle_state_bytes(self) -> int:
+        """Bytes of the stored states idle work stored (0 while the states are not open:
+        this never loads the engine)."""
+        if self._states is None:
+            return 0
+        return sum(node.size for node in self._states.tree.nodes if node.idle)
+
+    def knowledge_prefill_fits(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether the bulk knowledge prefill of *chunks* fits the prefill's share of the
+        chunk-state budget (else idle time prefills only the paths the demand estimate
+        names: :mod:`percache_core.prediction.demand`)."""
+        return self.knowledge_prefill_bytes(chunks) <= PREFILL_BUDGET_SHARE * self.state_budget_bytes
 
     @property
     def tree(self) -> ChunkStateTree:

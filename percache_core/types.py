@@ -132,6 +132,7 @@ class Answer:
             predicted question's QA entry, or the stored answer of a prompt idle work ran).
         idle_reused_chunks: of the ``reused_chunks``, those whose states idle work stored
             (the knowledge prefill, predicted questions).
+        idle_reused_tokens: the prompt tokens of those chunks.
     """
 
     text: str
@@ -152,3 +153,4 @@ class Answer:
     draft_tokens_accepted: int = 0
     predicted: bool = False
     idle_reused_chunks: int = 0
+    idle_reused_tokens: int = 0

@@ -26,6 +26,7 @@ class _Totals:
     predicted: int = 0  # answers served from what idle work stored (QA entries, prompt answers)
     idle_state_answers: int = 0  # answers that restored at least one state idle work stored
     idle_reused_chunks: int = 0
+    idle_reused_tokens: int = 0
     restored_depth: dict[int, int] = field(default_factory=dict)  # reused chunks -> answers
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
@@ -65,6 +66,7 @@ class UsageCounters:
             totals.predicted += answer.predicted
             totals.idle_state_answers += answer.idle_reused_chunks > 0
             totals.idle_reused_chunks += answer.idle_reused_chunks
+            totals.idle_reused_tokens += answer.idle_reused_tokens
             if source != "qa_bank":
                 depth = totals.restored_depth
                 depth[answer.reused_chunks] = depth.get(answer.reused_chunks, 0) + 1
@@ -109,6 +111,7 @@ class UsageCounters:
                     "answers": c.predicted,
                     "answers_restoring_idle_states": c.idle_state_answers,
                     "idle_chunks_restored": c.idle_reused_chunks,
+                    "idle_tokens_restored": c.idle_reused_tokens,
                     "restored_depth": {str(k): v for k, v in sorted(c.restored_depth.items())},
                 },
                 "mean_latency_s": {

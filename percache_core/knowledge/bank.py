@@ -356,6 +356,21 @@ class KnowledgeBank:
             best = self._index.search(bm25_tokens(question), question_embedding, k, where=where, rrf_k=self._rrf_k)
             return [RetrievedChunk(self._index.chunks[row], score) for row, score in best]
 
+    def similarities(
+        self, embedding: np.ndarray, *, where: Mapping[str, Any] | None = None
+    ) -> tuple[list[Chunk], np.ndarray]:
+        """Every chunk within *where* (all without it) and its embedding's dot product with
+        *embedding* (a unit vector: the cosine similarity), in knowledge order."""
+        with self._lock:
+            self.sync()
+            if not len(self._index):
+                return [], np.zeros(0, dtype=np.float32)
+            scores = self._index.dense_scores(embedding)
+            if not where:
+                return list(self._index.chunks), scores
+            rows = sorted(self._index.scope_rows(where))
+            return [self._index.chunks[row] for row in rows], scores[rows]
+
     def neighbours(self, chunk: Chunk, count: int, *, scope_fields: Iterable[str] = ()) -> list[Chunk]:
         """The *count* chunks that retrieval ranks first after *chunk* itself when its text
         is the question (its stored embedding; only chunks with its values of

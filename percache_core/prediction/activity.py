@@ -10,9 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,9 +24,21 @@ from ..types import QAHit
 R = TypeVar("R")
 
 FOLLOWUPS_KEPT = 256
+ASKED_KEPT = 32  # retrieved paths of recent questions (what the demand estimate learns from)
 
 
 MAX_HISTORY_CHARS = 600  # longer than any question a person types into an assistant
+
+
+@dataclass(frozen=True)
+class AskedQuestion:
+    """A user's question as retrieval answered it: its text, embedding, scope and the
+    chunk ids retrieved for its prompt, in prompt order."""
+
+    text: str
+    embedding: np.ndarray
+    scope: dict[str, Any] | None
+    chunk_ids: tuple[str, ...]
 
 
 class UserActivity:
@@ -46,6 +59,8 @@ class UserActivity:
         self.history: deque[str] = deque(maxlen=history_size)
         self.new_history = 0  # questions recorded since history prediction last ran
         self.history_scope: dict[str, Any] | None = None  # scope of the latest question
+        self.asked: deque[AskedQuestion] = deque(maxlen=ASKED_KEPT)
+        self.asked_total = 0  # questions ever put in ``asked`` (to tell which are new)
         # questions that were served another question's answer: (question, embedding, scope)
         self.followups: deque[tuple[str, np.ndarray, dict[str, Any] | None]] = deque(maxlen=FOLLOWUPS_KEPT)
         # the idle round's stop check while it runs a caller's pipeline (see background())
@@ -132,3 +147,14 @@ class UserActivity:
             self.history_scope = scope
         if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
             self.followups.append((question, embedding, scope))
+
+    def record_retrieval(
+        self, question: str, embedding: np.ndarray, scope: dict[str, Any] | None, chunk_ids: Sequence[str]
+    ) -> None:
+        """Remember the chunks retrieved for a user's question (the demand estimate of
+        :mod:`percache_core.prediction.demand` learns from them); nothing inside
+        :meth:`background` (a predicted question is not the user's)."""
+        if self.background_stop() is not None or len(question) > MAX_HISTORY_CHARS:
+            return
+        self.asked.append(AskedQuestion(question, embedding, dict(scope) if scope else None, tuple(chunk_ids)))
+        self.asked_total += 1

@@ -1,6 +1,8 @@
-"""Which retrieval paths idle time prefills: the knowledge prefill's [chunk] and
-[chunk, neighbour] prefixes, in the order that serves the most prompts first, within the
-prefill share of the chunk-state budget."""
+"""Which retrieval paths idle time prefills, within the prefill share of the chunk-state
+budget: the paths the demand estimate names, likeliest first, making room by evicting
+stored paths it finds less likely (:func:`predicted_paths`, :func:`make_room`); and, only
+where the whole knowledge's prefill fits the budget, the bulk knowledge prefill's [chunk]
+and [chunk, neighbour] prefixes (:func:`knowledge_prefill_paths`)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..knowledge.bank import matches_scope
+from ..kv.tree import StateNode
 from ..parts import CacheParts
 from ..types import Chunk
 from .budget import PREFILL_BUDGET_SHARE
+from .demand import Path
 
 
 def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) -> Iterator[list[Chunk]]:
@@ -25,6 +29,8 @@ def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) 
     if not (config.chunk_states and config.knowledge_prefill) or not len(parts.knowledge):
         return
     chunks = parts.knowledge.chunks
+    if not parts.runtime.knowledge_prefill_fits(chunks):
+        return
     by_id = {c.id: c for c in chunks}
     ordered: dict[str, Chunk] = {}
     for entry in reversed(parts.qa_bank.entries):
@@ -51,3 +57,46 @@ def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) 
             neighbours = nearest[chunk.id]
             if rank < len(neighbours) and not runner.path_is_stored("", [chunk, neighbours[rank]], 1):
                 yield [chunk, neighbours[rank]]
+
+
+def predicted_paths(parts: CacheParts, probabilities: Mapping[Path, float]) -> Iterator[tuple[list[Chunk], float]]:
+    """The paths of *probabilities* (chunk ids, likeliest first) whose state is not
+    stored, as chunks, with their probability."""
+    runner = parts.runtime.runner
+    for path, probability in probabilities.items():
+        chunks = [parts.knowledge.get_chunk(chunk_id) for chunk_id in path]
+        if any(chunk is None for chunk in chunks):
+            continue
+        present = [chunk for chunk in chunks if chunk is not None]
+        if not runner.path_is_stored("", present, 1):
+            yield present, probability
+
+
+def make_room(parts: CacheParts, probabilities: Mapping[Path, float], probability: float) -> bool:
+    """Evict stored leaves of PerCache's own prompt whose estimate (0 where the estimate
+    does not name them; ties: fewest restores, least recently used) is below
+    *probability*, until the states are under the prefill share of the budget; whether
+    they are (a path of *probability* is then worth prefilling)."""
+    runtime = parts.runtime
+    states = runtime.runner.states
+    limit = PREFILL_BUDGET_SHARE * runtime.state_budget_bytes
+    if states.bytes < limit:
+        return True
+    pinned = states.tree.pinned_keys()
+    ranked: list[tuple[float, int, float, StateNode]] = []
+    for node in states.tree.nodes:
+        if node.children or node.key in pinned:
+            continue
+        labels = states.tree.labels(node)
+        if not labels or labels[0] != "system" or len(labels) == 1:
+            continue  # a caller's prompt, or the system prompt every path starts with
+        estimate = probabilities.get(labels[1:], 0.0)
+        if estimate < probability:
+            ranked.append((estimate, node.hits, node.last_used_at, node))
+    ranked.sort(key=lambda item: item[:3])
+    for *_, node in ranked:
+        if states.bytes < limit:
+            break
+        states.delete(node.key)
+        states.evictions += 1
+    return states.bytes < limit

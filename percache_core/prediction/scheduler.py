@@ -2,19 +2,25 @@
 
 One ``warm()`` round (PerCache, sections 4.1-4.3):
 
-1. summarise new chunks into the knowledge abstract;
-2. regenerate stale answers (a new chunk now ranks in their top-k);
-3. answer follow-ups: questions that were served a similar question's answer get their own;
-4. predict questions from the abstract and from recent user questions (within the scope of
+1. predicted paths (``knowledge_prefill``, once a user asked): the [system, chunk] and
+   [system, chunk, neighbour] states the demand estimate
+   (:mod:`percache_core.prediction.demand`) finds likeliest for the next question, in
+   that order, evicting stored paths it finds less likely to make room: the step that
+   saves the most per idle second, so it goes first;
+2. summarise new chunks into the knowledge abstract;
+3. regenerate stale answers (a new chunk now ranks in their top-k);
+4. answer follow-ups: questions that were served a similar question's answer get their own;
+5. predict questions from the abstract and from recent user questions (within the scope of
    the latest question), and populate them by the strategy: tau above ``strategy_cutoff``
    -> prefill only (chunk states and a pending QA entry), otherwise prefill and decode (a
    servable QA entry);
-5. knowledge prefill (``knowledge_prefill``): the [system, chunk] state of every chunk,
-   recently retrieved chunks first, then the latest question's scope, then the rest, while
-   the chunk-state budget has room, so that any prompt restores at least its first chunk;
-   then [system, chunk, neighbour] for the ``knowledge_prefill_neighbours`` chunks that
-   rank next when the chunk's own text is the question;
-6. conversions: with the decode strategy, decode pending entries; with room in the
+6. knowledge prefill in bulk (``knowledge_prefill``), only when the whole knowledge's
+   states fit the budget: the [system, chunk] state of every chunk, recently retrieved
+   chunks first, then the latest question's scope, then the rest, so that any prompt
+   restores at least its first chunk; then [system, chunk, neighbour] for the
+   ``knowledge_prefill_neighbours`` chunks that rank next when the chunk's own text is the
+   question;
+7. conversions: with the decode strategy, decode pending entries; with room in the
    chunk-state budget, re-prefill the paths of answered entries whose states were evicted.
 
 Every step checks ``should_stop`` (a user question is waiting) between segments and tokens
@@ -41,12 +47,14 @@ from ..serving.request_path import RequestPath
 from ..serving.streaming import drain
 from ..types import QAEntry
 from .budget import PREFILL_BUDGET_SHARE
+from .demand import DemandEstimate, follow
 from .invalidation import Invalidation
-from .paths import knowledge_prefill_paths
+from .paths import knowledge_prefill_paths, make_room, predicted_paths
 from .predictor import PredictedQuestion, PredictionTally, QueryPredictor, predictor_for, use_chat_template
 
 PREFILL_ONLY = "prefill_only"
 PREFILL_DECODE = "prefill_decode"
+PREDICTED_PATHS_CONSIDERED = 4096  # candidates of the demand estimate per round
 
 
 class _OutOfTime(Exception):
@@ -68,6 +76,9 @@ class IdleAccount:
     pending_stored: int = 0
     chunks_prefilled: int = 0
     pairs_prefilled: int = 0
+    predicted_paths_prefilled: int = 0
+    predicted_prefill_seconds: float = 0.0
+    predicted_prefill_tokens: int = 0
 
 
 @dataclass
@@ -79,6 +90,9 @@ class WarmReport:
     chunks_summarised: int = 0
     chunks_prefilled: int = 0  # [system, chunk] states of the knowledge prefill
     pairs_prefilled: int = 0  # [system, chunk, neighbour] states (knowledge_prefill_neighbours)
+    predicted_paths_prefilled: int = 0  # states the demand estimate named (step 1)
+    predicted_prefill_seconds: float = 0.0
+    predicted_prefill_tokens: int = 0
     abstract_facts_added: int = 0
     predicted: list[str] = field(default_factory=list)
     knowledge: PredictionTally = field(default_factory=PredictionTally)
@@ -139,6 +153,10 @@ class Scheduler:
         self._should_stop: Callable[[], bool] = parts.activity.waiting
         self.invalidation = Invalidation(parts, self.abstract, self._lock)
         self._served_before: dict[str, Any] = {}
+        self.demand = DemandEstimate()
+        self._demand_lock = threading.Lock()  # the estimate is read by stats() while a round runs
+        self._asked_seen = 0  # of the activity's asked questions, those the estimate has seen
+        self._predicted_done = -1  # asked questions seen when predicted paths last ran to the end
 
     # -- what the facade tells the scheduler ------------------------------------------------
 
@@ -160,6 +178,8 @@ class Scheduler:
         only refreshing stale answers and prefilling chunk states remain; without
         *own_pipeline*, as for ``warm(answer=...)``, only summarising and predicting)."""
         parts, config = self.parts, self.parts.config
+        if own_pipeline and self._predicted_paths_due():
+            return True
         entries = parts.qa_bank.entries if config.qa_bank and own_pipeline else []
         if any(e.stale for e in entries):
             return True
@@ -212,11 +232,13 @@ class Scheduler:
 
             self._should_stop = should_stop
             stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
-            bar = _progress_bar(progress, steps=6 if own_pipeline else 2)
+            bar = _progress_bar(progress, steps=7 if own_pipeline else 2)
             try:
                 if (own_pipeline or parts.runtime.engine_loaded) and not should_stop():
                     parts.runtime.self_check()  # once per engine (seconds), here rather than in an answer
                     parts.runtime.size_state_budget(parts.knowledge.chunks)
+                if own_pipeline:
+                    self._step("predicted paths", bar, deadline, should_stop, self._prefill_predicted)
                 self._step("abstract", bar, deadline, should_stop, self._update_abstract)
                 if own_pipeline:
                     self._step("refresh", bar, deadline, should_stop, self._refresh_stale)
@@ -256,6 +278,9 @@ class Scheduler:
                 account.pending_stored += report.pending_stored
                 account.chunks_prefilled += report.chunks_prefilled
                 account.pairs_prefilled += report.pairs_prefilled
+                account.predicted_paths_prefilled += report.predicted_paths_prefilled
+                account.predicted_prefill_seconds += report.predicted_prefill_seconds
+                account.predicted_prefill_tokens += report.predicted_prefill_tokens
                 report.served_from_prediction = self._served_since_last_round()
                 self._report = None
             return report
@@ -467,6 +492,49 @@ class Scheduler:
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 
+    def _predicted_paths_due(self) -> bool:
+        """Whether the predicted-paths step has work: questions came since it last ran to
+        the end (a round out of time or pre-empted leaves it due)."""
+        config = self.parts.config
+        if not (config.chunk_states and config.knowledge_prefill):
+            return False
+        return self.parts.activity.asked_total > 0 and self._predicted_done != self.parts.activity.asked_total
+
+    def _follow_asked(self) -> int:
+        """Feed the demand estimate the questions asked since it last looked; the count of
+        questions asked so far."""
+        activity = self.parts.activity
+        with self._demand_lock:
+            asked_total = activity.asked_total
+            self._asked_seen = follow(self.demand, activity.asked, self._asked_seen, asked_total, self.parts.knowledge)
+        return asked_total
+
+    def _prefill_predicted(self, should_stop: Callable[[], bool]) -> None:
+        """Step 1: prefill the paths the demand estimate names, likeliest first. Where the
+        whole knowledge does not fit the budget, it evicts less likely stored paths to make
+        room and stops where the stored ones are all likelier than the next candidate;
+        where it fits, it evicts nothing (the bulk prefill fills the rest) and stops at the
+        prefill share."""
+        parts, report = self.parts, self._report
+        assert report is not None
+        if not self._predicted_paths_due() or not len(parts.knowledge):
+            return
+        asked_total = self._follow_asked()
+        with self._demand_lock:
+            probabilities = self.demand.probabilities(parts.knowledge, limit=PREDICTED_PATHS_CONSIDERED)
+        runner = parts.runtime.runner
+        evict = not parts.runtime.knowledge_prefill_fits(parts.knowledge.chunks)
+        for chunks, probability in predicted_paths(parts, probabilities):
+            if not make_room(parts, probabilities, probability if evict else 0.0):
+                break
+            started = time.perf_counter()
+            tokens = runner.prefill_prefix(chunks, should_stop=should_stop)
+            report.predicted_prefill_seconds += time.perf_counter() - started
+            report.predicted_prefill_tokens += tokens
+            report.prefill_tokens += tokens
+            report.predicted_paths_prefilled += 1
+        self._predicted_done = asked_total
+
     def _prefill_chunks(self, should_stop: Callable[[], bool]) -> None:
         report = self._report
         assert report is not None
@@ -497,6 +565,36 @@ class Scheduler:
             "pending_followups": len(self.activity.followups),
             "abstract_lines": len(self.abstract.lines),
             **{name: asdict(account) for name, account in self.accounts.items()},
+        }
+
+
+    def demand_stats(self) -> dict[str, Any]:
+        """How well prediction served the chunk states: the demand estimate's hit rate on
+        the questions that came (:class:`~percache_core.prediction.demand.HitRate`), and
+        the idle seconds and idle-stored state bytes spent per second of prefill those
+        states saved (their restored tokens at the predicted-paths step's own prefill
+        speed, restore time not subtracted)."""
+        if self.parts.config.chunk_states and self.parts.config.knowledge_prefill:
+            self._follow_asked()  # the hit rate counts the latest question too
+        accounts = self.accounts.values()
+        idle_seconds = sum(a.seconds for a in accounts)
+        predicted_seconds = sum(a.predicted_prefill_seconds for a in accounts)
+        predicted_tokens = sum(a.predicted_prefill_tokens for a in accounts)
+        restored = self.parts.usage.summary()["served_from_prediction"]["idle_tokens_restored"]
+        saved = restored * predicted_seconds / predicted_tokens if predicted_tokens else 0.0
+        idle_bytes = self.parts.runtime.idle_state_bytes()
+        with self._demand_lock:
+            hit_rate = self.demand.hit_rate.as_dict()
+        return {
+            **hit_rate,
+            "stay_rate": self.demand.stay_rate(),
+            "predicted_paths_prefilled": sum(a.predicted_paths_prefilled for a in accounts),
+            "predicted_prefill_seconds": predicted_seconds,
+            "idle_tokens_restored": restored,
+            "prefill_seconds_saved": saved,
+            "idle_seconds_per_second_saved": idle_seconds / saved if saved else None,
+            "idle_state_bytes": idle_bytes,
+            "bytes_per_second_saved": idle_bytes / saved if saved else None,
         }
 
 

@@ -79,6 +79,7 @@ class RunResult:
     moved_tokens: int = 0  # chunk tokens taken from independent states (approximate reuse)
     approximate: bool = False  # some chunk was reused approximately: may differ from cache-off
     idle_reused_chunks: int = 0  # of the restored chunks, those whose states idle work stored
+    idle_reused_tokens: int = 0  # their prompt tokens
     live_tokens: int = 0  # of the reused tokens, those kept from the previous prompt in the context
 
     @property
@@ -308,9 +309,12 @@ class PromptRunner:
         result.depth, result.reused_tokens = depth, reused
         result.live_tokens = reused if from_context else 0
         if keys:
-            result.idle_reused_chunks = sum(
-                1 for key in keys[1:depth] if (node := self.states.tree.get(key)) is not None and node.idle
-            )
+            idle = [
+                index for index in range(1, depth)
+                if (node := self.states.tree.get(keys[index])) is not None and node.idle
+            ]
+            result.idle_reused_chunks = len(idle)
+            result.idle_reused_tokens = sum(len(segments[index]) for index in idle)
         timings["restore"] = time.perf_counter() - clock
 
         clock = time.perf_counter()

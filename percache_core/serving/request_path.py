@@ -124,6 +124,7 @@ class RequestPath:
 
         retrieved = parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
         chunks = [r.chunk for r in retrieved]
+        parts.activity.record_retrieval(question, embedding, scope, [c.id for c in chunks])
         lap("retrieve")
         answer = yield from self.run(
             question,
@@ -538,6 +539,7 @@ def generated_answer(question: str, result: RunResult, started: float, timings: 
         draft_tokens_accepted=result.drafts.accepted,
         approximate=result.approximate,
         idle_reused_chunks=result.idle_reused_chunks,
+        idle_reused_tokens=result.idle_reused_tokens,
     )
 
 

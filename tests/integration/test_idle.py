@@ -188,13 +188,22 @@ def test_knowledge_prefill_pairs_give_a_prompt_its_first_two_chunks_exactly(make
     assert answer.text == plain.answer(question).text
 
 
-def test_knowledge_prefill_stays_within_the_chunk_state_budget(make_cache):
-    budget = 12 * 1024 * 1024
+def test_a_knowledge_larger_than_the_budget_gets_the_paths_the_next_question_likely_needs(make_cache):
+    budget = 12 * 1024 * 1024  # far less than every chunk's state
     pc = make_cache(chunk_state_budget_bytes=budget, **PREFILL_ALONE)
     report = pc.warm(progress=False, max_predictions=0)
-    assert 0 < report.chunks_prefilled < len(pc.knowledge)
-    assert pc.tree.bytes <= budget
-    assert pc.warm(progress=False, max_predictions=0).chunks_prefilled == 0  # budget share reached
+    assert report.chunks_prefilled == 0 and report.predicted_paths_prefilled == 0  # no bulk, no question yet
+    pc.answer("When does my flight to Lisbon leave?")
+    report = pc.warm(progress=False, max_predictions=0)
+    assert report.predicted_paths_prefilled >= 1 and report.chunks_prefilled == 0
+    assert pc.tree.bytes <= budget and all_nodes_restorable(pc)
+    assert pc.warm(progress=False, max_predictions=0).predicted_paths_prefilled == 0  # nothing new asked
+    question = "What time is the flight to Lisbon?"
+    answer = pc.answer(question)
+    plain = make_cache("plain", chunk_states=False, qa_bank=False, prediction=False, max_new_tokens=24)
+    assert answer.text == plain.answer(question).text  # restoring never changes the answer
+    prediction = pc.stats()["prediction"]
+    assert prediction["questions"] == 1 and prediction["predicted_paths_prefilled"] == report.predicted_paths_prefilled
 
 
 def test_history_predictions_are_asked_in_the_latest_questions_scope(make_cache):
