@@ -40,6 +40,7 @@ test: $(STAMP) redis-server
 
 lint: $(STAMP)
 	$(BIN)/ruff check percache_core percache_llamaindex percache_langchain tests benchmarks examples
+	$(BIN)/python tests/unit/test_layers.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft.py --out benchmarks/results/ttft.json

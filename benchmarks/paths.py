@@ -61,11 +61,11 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.kv.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prediction.activity import AskedQuestion
-from percache_core.prediction.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
 from percache_core.prediction.demand import DemandEstimate, Knowledge
+from percache_core.serving.activity import AskedQuestion
 from percache_core.serving.prompting import chunk_text
 
 from .data_sets import (
@@ -301,7 +301,7 @@ def simulate(
 
 def sized_budget(user: UserPaths, policy: str, bytes_per_token: float, free_disk: int) -> int:
     """The budget ``chunk_state_budget_bytes=None`` gives *user*'s knowledge
-    (:mod:`percache_core.prediction.budget`) with *policy*'s neighbour count."""
+    (:mod:`percache_core.kv.budget`) with *policy*'s neighbour count."""
     neighbours = int(policy.rsplit("-", 1)[1]) if "neighbours-" in policy else 0
     needed = prefill_state_bytes(
         sum(user.tokens.values()), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=True

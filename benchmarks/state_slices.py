@@ -25,9 +25,9 @@ from typing import Any
 from percache_core import PerCache, PerCacheConfig
 from percache_core.config import MB
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.kv.budget import BUDGET_FLOOR_BYTES, PREFILL_BUDGET_SHARE
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.prediction.budget import BUDGET_FLOOR_BYTES, PREFILL_BUDGET_SHARE
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
 from .output import write_json

@@ -19,10 +19,17 @@ from .errors import (
     MissingDependencyError,
     ModelNotFoundError,
     PerCacheError,
+    StorageWriteError,
+    missing_dependency,
 )
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
-from .kv.engine import ChatPrompt, Sampling
+from .kv.engine import ChatPrompt, Engine, Sampling
 from .pipeline import AnswerStream, PerCache
+from .prediction.scheduler import WarmReport
+from .serving.binding import chunk_sources
+from .serving.completion import UncachedCompletion
+from .serving.prompting import TextPrompt, chat_prompt
+from .serving.runtime import open_engine
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 
 __version__ = "0.1.0"
@@ -37,6 +44,7 @@ __all__ = [
     "Chunk",
     "ContextOverflowError",
     "Embedder",
+    "Engine",
     "EngineError",
     "InvalidDocumentError",
     "InvalidQuestionError",
@@ -50,5 +58,13 @@ __all__ = [
     "RetrievedChunk",
     "Sampling",
     "SentenceTransformerEmbedder",
+    "StorageWriteError",
+    "TextPrompt",
+    "UncachedCompletion",
+    "WarmReport",
     "__version__",
+    "chat_prompt",
+    "chunk_sources",
+    "missing_dependency",
+    "open_engine",
 ]

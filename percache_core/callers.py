@@ -30,7 +30,7 @@ from typing import Any
 
 from .inputs import as_chunks, positive_override, similarity_override, validated_question, validated_scope
 from .kv.engine import Engine, Sampling, TextModel
-from .parts import CacheParts
+from .serving.parts import CacheParts
 from .serving.prompting import TextPrompt
 from .serving.request_path import RequestPath, stored_answer
 from .serving.streaming import AnswerStream, delivered

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from .kv.engine import Sampling
-from .serving.stopping import stop_strings
+from .kv.stopping import stop_strings
 
 CONTEXT_MODES = ("fixed", "adaptive")  # see percache_core.serving.context
 SIGNALS = ("top_probability", "margin", "entropy")

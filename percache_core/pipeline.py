@@ -1,6 +1,6 @@
 """``PerCache``: the facade that opens a cache folder, wires its parts and delegates.
 
-The parts (:class:`~percache_core.parts.CacheParts`): the knowledge bank, the QA bank, the
+The parts (:class:`~percache_core.serving.parts.CacheParts`): the knowledge bank, the QA bank, the
 model runtime (engine, chunk states, prompt runner; loaded on first use), user activity
 and usage counters. The request path (:mod:`percache_core.serving.request_path`) answers
 questions over them; the scheduler (:mod:`percache_core.prediction.scheduler`) does idle work over
@@ -25,15 +25,15 @@ from .kv.engine import Engine
 from .kv.tiers import TieredStateStore
 from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
-from .parts import CacheParts
-from .prediction.activity import UserActivity
 from .prediction.scheduler import Scheduler, WarmReport
 from .prediction.worker import IdleWorker
 from .qa.bank import QABank
 from .qa.prompt_answers import PromptAnswers
-from .runtime import ModelRuntime
+from .serving.activity import UserActivity
 from .serving.generation import PromptRunner
+from .serving.parts import CacheParts
 from .serving.request_path import RequestPath
+from .serving.runtime import ModelRuntime
 from .serving.streaming import AnswerStream, delivered
 from .shared.redis_tier import open_shared_tier
 from .storage import Store, private_folder

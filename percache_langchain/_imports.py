@@ -1,6 +1,6 @@
 """A clear error when langchain-core is missing."""
 
-from percache_core.errors import missing_dependency
+from percache_core import missing_dependency
 
 
 def require_langchain() -> None:

@@ -28,8 +28,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, field_validator
 
-from percache_core import Answer, AnswerStream, ChatPrompt
-from percache_core.serving.prompting import chat_prompt
+from percache_core import Answer, AnswerStream, ChatPrompt, chat_prompt
 
 from .llm import complete, generation_settings
 from .recorder import as_percache

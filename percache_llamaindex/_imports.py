@@ -1,6 +1,6 @@
 """A clear error when LlamaIndex is missing."""
 
-from percache_core.errors import missing_dependency
+from percache_core import missing_dependency
 
 
 def require_llama_index() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from pydantic import PrivateAttr
 
-from percache_core.knowledge.embedding import Embedder, SentenceTransformerEmbedder
+from percache_core import Embedder, SentenceTransformerEmbedder
 
 
 class PerCacheEmbedding(BaseEmbedding):

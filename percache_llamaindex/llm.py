@@ -35,12 +35,19 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr, model_validator
 
-from percache_core import Answer, AnswerStream, ChatPrompt, PerCache, PerCacheConfig, Sampling
-from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.models import resolve_model_path
-from percache_core.serving.generation import PromptRunner
-from percache_core.serving.prompting import TextPrompt, chat_prompt
-from percache_core.serving.streaming import BackgroundStream
+from percache_core import (
+    Answer,
+    AnswerStream,
+    ChatPrompt,
+    Engine,
+    PerCache,
+    PerCacheConfig,
+    Sampling,
+    TextPrompt,
+    UncachedCompletion,
+    chat_prompt,
+    open_engine,
+)
 
 T = TypeVar("T")
 
@@ -118,12 +125,12 @@ class PerCacheLlamaCPP(CustomLLM):
     prompt_lookup: bool = Field(
         default=False, description="verify drafts from the prompt while decoding (greedy only)"
     )
-    _engine: LlamaEngine | None = PrivateAttr(default=None)
-    _runner: PromptRunner | None = PrivateAttr(default=None)
+    _engine: Engine | None = PrivateAttr(default=None)
+    _uncached: UncachedCompletion | None = PrivateAttr(default=None)
 
     _own_chat_layout: bool = PrivateAttr(default=False)
 
-    def __init__(self, engine: LlamaEngine | None = None, **kwargs: Any) -> None:
+    def __init__(self, engine: Engine | None = None, **kwargs: Any) -> None:
         own_chat_layout = kwargs.get("messages_to_prompt") is not None
         super().__init__(**kwargs)
         self._engine = engine
@@ -140,10 +147,10 @@ class PerCacheLlamaCPP(CustomLLM):
         return "PerCacheLlamaCPP"
 
     @property
-    def engine(self) -> LlamaEngine:
-        """The llama.cpp engine (loaded on first use)."""
+    def engine(self) -> Engine:
+        """The llama.cpp engine (loaded on first use, as a cache loads its own)."""
         if self._engine is None:
-            self._engine = LlamaEngine(resolve_model_path(self.model_path), n_ctx=self.n_ctx)
+            self._engine = open_engine(self.model_path, PerCacheConfig(n_ctx=self.n_ctx))
         return self._engine
 
     @property
@@ -178,10 +185,10 @@ class PerCacheLlamaCPP(CustomLLM):
         chat = self._chat(messages)
         return stream_completion_response_to_chat_response(self._responses(self._pieces(chat.text, _scope.get(), chat)))
 
-    def _standalone_runner(self) -> PromptRunner:
-        if self._runner is None:
-            self._runner = PromptRunner(self.engine, None, PerCacheConfig(chunk_states=False))
-        return self._runner
+    def _uncached_completion(self) -> UncachedCompletion:
+        if self._uncached is None:
+            self._uncached = UncachedCompletion(self.engine)
+        return self._uncached
 
     def _pieces(self, prompt: str, scope: CacheScope | None, chat: ChatPrompt | None = None) -> Iterator[str]:
         """The completion's text pieces, produced by a thread of their own (an abandoned
@@ -207,17 +214,13 @@ class PerCacheLlamaCPP(CustomLLM):
             if stream.answer is not None:
                 scope.answers.append(stream.answer)
             return
-        events = self._standalone_runner().run(
-            prompt,
-            [],
-            spec=TextPrompt(prompt, add_bos=add_bos),
+        yield from self._uncached_completion().stream(
+            TextPrompt(prompt, add_bos=add_bos),
             max_new_tokens=self.max_new_tokens,
             sampling=sampling,
             stop=stop,
             prompt_lookup=self.prompt_lookup,
-            trim=False,
         )
-        yield from BackgroundStream(events)
 
     def _prompt(self, prompt: str, formatted: bool) -> str:
         if not isinstance(prompt, str) or not prompt:

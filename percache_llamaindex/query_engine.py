@@ -36,10 +36,15 @@ from llama_index.core.indices.base import BaseIndex
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from percache_core import Answer, Chunk, PerCache, PerCacheConfig
-from percache_core.errors import StorageWriteError
-from percache_core.prediction.scheduler import WarmReport
-from percache_core.qa.binding import chunk_sources
+from percache_core import (
+    Answer,
+    Chunk,
+    PerCache,
+    PerCacheConfig,
+    StorageWriteError,
+    WarmReport,
+    chunk_sources,
+)
 
 from .embedding import PerCacheEmbedding
 from .llm import PerCacheLlamaCPP, cache_scope, iterate_in_scope

@@ -31,8 +31,8 @@ from ..errors import EngineError, ModelNotFoundError, missing_dependency
 from ..models import file_sha256
 from .compute_thread import ComputeThread, on_compute_thread
 from .engine import Sampling
-from .llama_text import LlamaTextModel
 from .pieces import batch_bounds
+from .text_model import LlamaTextModel
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _init_backend(lc, verbose: bool) -> None:
 class LlamaEngine(LlamaTextModel):
     """A GGUF model in a llama.cpp context with a single sequence (id 0): the
     :class:`~percache_core.kv.engine.Engine` that PerCache runs on. Its text side
-    (tokenizer, chat template) is :class:`~percache_core.kv.llama_text.LlamaTextModel`;
+    (tokenizer, chat template) is :class:`~percache_core.kv.text_model.LlamaTextModel`;
     this class adds the sequence side (eval, logits, states).
 
     The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,

@@ -38,8 +38,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..serving.activity import AskedQuestion
 from ..types import Chunk
-from .activity import AskedQuestion
 
 Path = tuple[str, ...]
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..knowledge.abstract import KnowledgeAbstract
-from ..parts import CacheParts
+from ..serving.parts import CacheParts
 from ..types import Chunk
+from .abstract import KnowledgeAbstract
 
 _STALE_CHECK_ROWS = 128  # QA entries scored against every chunk at once in documents_added
 

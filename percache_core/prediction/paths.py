@@ -10,10 +10,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..knowledge.bank import matches_scope
+from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..kv.tree import StateNode
-from ..parts import CacheParts
+from ..serving.parts import CacheParts
 from ..types import Chunk
-from .budget import PREFILL_BUDGET_SHARE
 from .demand import Path
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..knowledge.embedding import Embedder
-from ..parts import CacheParts
+from ..serving.parts import CacheParts
 
 START_TEMPERATURE = 0.7
 MAX_TEMPERATURE = 1.0

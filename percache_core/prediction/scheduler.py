@@ -39,14 +39,14 @@ from typing import Any
 import numpy as np
 
 from ..config import PerCacheConfig
-from ..knowledge.abstract import KnowledgeAbstract
-from ..parts import CacheParts
+from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..serving.completion import complete_plain
 from ..serving.generation import Preempted, RunResult
+from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath
 from ..serving.streaming import drain
 from ..types import QAEntry
-from .budget import PREFILL_BUDGET_SHARE
+from .abstract import KnowledgeAbstract
 from .demand import DemandEstimate, follow
 from .invalidation import Invalidation
 from .paths import knowledge_prefill_paths, make_room, predicted_paths

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .activity import UserActivity
+from ..serving.activity import UserActivity
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

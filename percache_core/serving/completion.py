@@ -1,13 +1,57 @@
-"""Plain completion: a prompt on the engine without chunk states (the predictor's and the
-abstract's LLM calls), streamed or whole."""
+"""Completion without a cache: a caller's prompt as stock llama.cpp completes it
+(:class:`UncachedCompletion`, for an adapter's LLM used outside a cache), and the plain
+completions of idle work (the predictor's and the abstract's LLM calls: :func:`stream_text`,
+:func:`complete_plain`)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
+from ..config import PerCacheConfig
 from ..kv.engine import Engine, Sampling
-from .generation import Preempted, StopCheck, decode_text
-from .stopping import StopStringFilter
+from ..kv.stopping import StopStringFilter
+from .generation import Preempted, PromptRunner, StopCheck, decode_text
+from .prompting import TextPrompt
+from .streaming import BackgroundStream
+
+
+class UncachedCompletion:
+    """Completes a caller's prompts on *engine* with no chunk states and no stored
+    answers, as stock ``llama_cpp.Llama`` does: the context keeps the previous prompt's
+    tokens up to their common prefix (where the output cannot change), the rest is
+    prefilled, and the text is llama.cpp's as decoded.
+
+    >>> completion = UncachedCompletion(open_engine(None, PerCacheConfig()))   # doctest: +SKIP
+    >>> "".join(completion.stream(TextPrompt("Q: 2+2?\nA:"), max_new_tokens=4))   # doctest: +SKIP
+    ' 4'
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._runner = PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
+
+    def stream(
+        self,
+        prompt: TextPrompt,
+        *,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        prompt_lookup: bool = False,
+    ) -> Iterator[str]:
+        """The completion's text pieces, produced by a thread of their own (an abandoned
+        stream never keeps the engine from other calls)."""
+        events = self._runner.run(
+            prompt.text,
+            [],
+            spec=prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop=list(stop),
+            prompt_lookup=prompt_lookup,
+            trim=False,
+        )
+        return BackgroundStream(events)
 
 
 def stream_text(

@@ -20,11 +20,12 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
+from ..kv.budget import BUDGET_FLOOR_BYTES
 from ..kv.engine import Engine, Sampling
 from ..kv.pieces import PieceRule, exact_pieces, known_pieces
+from ..kv.stopping import StopStringFilter
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
-from ..prediction.budget import BUDGET_FLOOR_BYTES
 from ..types import Chunk
 from .drafting import (
     AnswerDraft,
@@ -49,7 +50,6 @@ from .prompting import (
     system_text,
     with_cut,
 )
-from .stopping import StopStringFilter
 from .streaming import drain
 
 logger = logging.getLogger(__name__)

@@ -42,13 +42,13 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import StorageWriteError
 from ..kv.engine import Sampling
-from ..parts import CacheParts
-from ..qa.binding import answer_metadata, chunk_sources
 from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
 from ..types import Answer, Chunk, QAEntry, QAHit
+from .binding import answer_metadata, chunk_sources
 from .context import context_chunks
 from .generation import RunResult, StopCheck
+from .parts import CacheParts
 from .prompting import PromptLayout, TextPrompt
 from .streaming import drain
 

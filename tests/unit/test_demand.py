@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from percache_core.prediction.activity import AskedQuestion
 from percache_core.prediction.demand import HIT_RATE_TOP_N, DemandEstimate
+from percache_core.serving.activity import AskedQuestion
 from percache_core.types import Chunk
 
 

@@ -425,13 +425,13 @@ def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_d
     import shutil
     from collections import namedtuple
 
-    from percache_core import runtime
-    from percache_core.prediction.budget import BUDGET_FLOOR_BYTES, knowledge_tokens
+    from percache_core.kv.budget import BUDGET_FLOOR_BYTES, knowledge_tokens
+    from percache_core.serving import runtime
     from percache_core.serving.prompting import chunk_text
 
     pc = fake_cache()
     assert pc.parts.runtime.state_budget_bytes == BUDGET_FLOOR_BYTES  # no model loaded yet: nothing measured
-    tokens = knowledge_tokens(pc.knowledge.chunks, pc.engine.tokenize)
+    tokens = knowledge_tokens([chunk_text(c) for c in pc.knowledge.chunks], pc.engine.tokenize)
     assert tokens == sum(len(pc.engine.tokenize(chunk_text(c))) for c in pc.knowledge.chunks)  # all sampled
     monkeypatch.setattr(runtime, "state_bytes_per_token", lambda engine: 1_000_000.0)  # a model with huge states
     Usage = namedtuple("Usage", "total used free")

@@ -3,7 +3,7 @@
 import numpy as np
 
 from percache_core import PerCacheConfig
-from percache_core.knowledge.abstract import KnowledgeAbstract
+from percache_core.prediction.abstract import KnowledgeAbstract
 from percache_core.prediction.predictor import QueryPredictor
 from percache_core.storage import Store
 from percache_core.types import Chunk

@@ -6,7 +6,7 @@ from percache_core import PerCacheConfig
 from percache_core.knowledge.bm25 import bm25_tokens
 from percache_core.knowledge.chunking import split_into_chunks
 from percache_core.knowledge.index import reciprocal_rank_fusion
-from percache_core.serving.stopping import StopStringFilter
+from percache_core.kv.stopping import StopStringFilter
 
 
 def test_chunks_keep_sentences_and_respect_the_word_limit():

@@ -18,23 +18,43 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import PerCacheConfig
-from .kv.engine import Engine
-from .kv.pieces import exact_pieces, known_pieces
-from .kv.slicing import slices_work, state_bytes_per_token
-from .kv.state_store import StateStore, delete_document_states
-from .kv.tiers import SharedStates, TieredStateStore
-from .kv.tree import ChunkStateTree
-from .prediction.budget import (
+from ..config import PerCacheConfig
+from ..kv.budget import (
     BUDGET_FLOOR_BYTES,
     PREFILL_BUDGET_SHARE,
     knowledge_prefill_bytes,
     sized_state_budget,
 )
-from .serving.drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
-from .serving.generation import PromptRunner
-from .serving.prompting import TEMPLATE_VERSION
-from .types import Chunk
+from ..kv.engine import Engine
+from ..kv.pieces import exact_pieces, known_pieces
+from ..kv.slicing import slices_work, state_bytes_per_token
+from ..kv.state_store import StateStore, delete_document_states
+from ..kv.tiers import SharedStates, TieredStateStore
+from ..kv.tree import ChunkStateTree
+from ..types import Chunk
+from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
+from .generation import PromptRunner
+from .prompting import TEMPLATE_VERSION, chunk_text
+
+
+def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> Engine:
+    """Load a llama.cpp engine for *model_path* (None: the bundled model) with *config*'s
+    context, batch, threads and weight repacking: the one way every part of PerCache and
+    the adapters load a GGUF.
+
+    >>> engine = open_engine(None, PerCacheConfig(n_ctx=2048))   # doctest: +SKIP
+    """
+    from ..kv.llama_cpp import LlamaEngine  # llama-cpp-python only when needed
+    from ..models import resolve_model_path
+
+    return LlamaEngine(
+        resolve_model_path(None if model_path is None else str(model_path)),
+        n_ctx=config.n_ctx,
+        n_batch=config.n_batch,
+        n_threads=config.n_threads,
+        repack_weights=config.repack_weights,
+        verbose=verbose,
+    )
 
 
 class ModelRuntime:
@@ -71,17 +91,8 @@ class ModelRuntime:
         """The engine, loaded on first use."""
         with self._lock:
             if self._engine is None:
-                from .kv.llama_cpp import LlamaEngine  # llama-cpp-python only when needed
-
                 assert self._model_path is not None
-                self._engine = LlamaEngine(
-                    self._model_path,
-                    n_ctx=self.config.n_ctx,
-                    n_batch=self.config.n_batch,
-                    n_threads=self.config.n_threads,
-                    repack_weights=self.config.repack_weights,
-                    verbose=self._verbose,
-                )
+                self._engine = open_engine(self._model_path, self.config, verbose=self._verbose)
             return self._engine
 
     def runs_on(self, engine: Engine) -> bool:
@@ -111,7 +122,7 @@ class ModelRuntime:
 
     def size_state_budget(self, chunks: Sequence[Chunk]) -> int:
         """Size the budget from the knowledge's *chunks* when none is configured (see
-        :mod:`percache_core.prediction.budget`); needs the engine loaded (it is not loaded
+        :mod:`percache_core.kv.budget`); needs the engine loaded (it is not loaded
         for this). Called by ``preload()`` and at the start of each idle round (where the
         knowledge prefill fills the budget), never on a user's path. Returns the budget
         in force."""
@@ -137,7 +148,7 @@ class ModelRuntime:
             if self._bytes_per_token is None:
                 self._bytes_per_token = state_bytes_per_token(self.engine)
             needed = knowledge_prefill_bytes(
-                chunks,
+                [chunk_text(c) for c in chunks],
                 self.engine.tokenize,
                 bytes_per_token=self._bytes_per_token,
                 neighbours=neighbours,

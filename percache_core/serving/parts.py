@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import PerCacheConfig
-from .knowledge.bank import KnowledgeBank
-from .knowledge.embedding import Embedder
-from .prediction.activity import UserActivity
-from .qa.bank import QABank
-from .qa.binding import answer_binding
-from .qa.prompt_answers import PromptAnswers
+from ..config import PerCacheConfig
+from ..knowledge.bank import KnowledgeBank
+from ..knowledge.embedding import Embedder
+from ..qa.bank import QABank
+from ..qa.prompt_answers import PromptAnswers
+from ..storage import Store
+from ..usage import UsageCounters
+from .activity import UserActivity
+from .binding import answer_binding
 from .runtime import ModelRuntime
-from .storage import Store
-from .usage import UsageCounters
 
 QUESTION_EMBEDDINGS_KEPT = 64
 
@@ -62,7 +62,7 @@ class CacheParts:
 
     def binding(self, *, top_k: int | None = None, max_new_tokens: int | None = None) -> str:
         """The binding of answers the cache's own pipeline gives with these settings (see
-        :func:`~percache_core.qa.binding.answer_binding`)."""
+        :func:`~percache_core.serving.binding.answer_binding`)."""
         config = self.config
         return answer_binding(
             config,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..prediction.predictor import Complete, parse_list
 from ..storage import Store
 from ..types import Chunk
+from .predictor import Complete, parse_list
 
 _KEY = "abstract"
 MAX_FACT_WORDS = 30

@@ -18,42 +18,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..serving.prompting import chunk_text
-from ..types import Chunk
-
 BUDGET_FLOOR_BYTES = 1024**3
 BUDGET_DISK_SHARE = 0.25
 PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
-_TOKEN_SAMPLE = 32  # chunks tokenized to estimate the knowledge's tokens per character
+_TOKEN_SAMPLE = 32  # segments tokenized to estimate the knowledge's tokens per character
 
 
-def knowledge_tokens(chunks: Sequence[Chunk], tokenize: Callable[[str], list[int]]) -> int:
-    """The prompt tokens of every chunk's segment, estimated from the tokens per
-    character of an even sample of :data:`_TOKEN_SAMPLE` chunks (exact when there are no
-    more)."""
-    if not chunks:
+def knowledge_tokens(segments: Sequence[str], tokenize: Callable[[str], list[int]]) -> int:
+    """The prompt tokens of every chunk's segment (its text in the prompt), estimated from
+    the tokens per character of an even sample of :data:`_TOKEN_SAMPLE` segments (exact
+    when there are no more).
+
+    >>> knowledge_tokens(["a b", "c d e"], str.split)
+    5
+    """
+    if not segments:
         return 0
-    sample = list(chunks[:: max(1, len(chunks) // _TOKEN_SAMPLE)])[:_TOKEN_SAMPLE]
-    sample_chars = sum(len(chunk_text(c)) for c in sample)
-    sample_tokens = sum(len(tokenize(chunk_text(c))) for c in sample)
-    if len(sample) == len(chunks):
+    sample = list(segments[:: max(1, len(segments) // _TOKEN_SAMPLE)])[:_TOKEN_SAMPLE]
+    sample_chars = sum(len(text) for text in sample)
+    sample_tokens = sum(len(tokenize(text)) for text in sample)
+    if len(sample) == len(segments):
         return sample_tokens
-    return round(sample_tokens / max(1, sample_chars) * sum(len(chunk_text(c)) for c in chunks))
+    return round(sample_tokens / max(1, sample_chars) * sum(len(text) for text in segments))
 
 
 def knowledge_prefill_bytes(
-    chunks: Sequence[Chunk],
+    segments: Sequence[str],
     tokenize: Callable[[str], list[int]],
     *,
     bytes_per_token: float,
     neighbours: int,
     slices: bool,
 ) -> int:
-    """The bytes the knowledge prefill's states of *chunks* take: one chunk's tokens for
-    each [system, chunk] and each pair with state slices (a node holds only its own
-    segment), two chunks' for a pair's whole state."""
+    """The bytes the knowledge prefill's states of chunks with these prompt *segments*
+    take: one chunk's tokens for each [system, chunk] and each pair with state slices (a
+    node holds only its own segment), two chunks' for a pair's whole state."""
     return prefill_state_bytes(
-        knowledge_tokens(chunks, tokenize), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=slices
+        knowledge_tokens(segments, tokenize), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=slices
     )
 
 

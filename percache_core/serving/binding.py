@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import PerCacheConfig
-from ..serving.generation import RunResult
-from ..serving.prompting import TEMPLATE_VERSION
 from ..types import Chunk
+from .generation import RunResult
+from .prompting import TEMPLATE_VERSION
 
 
 def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_tokens: int) -> str:

@@ -1,0 +1,114 @@
+"""Layers that run one way: every import inside ``percache_core`` goes to its own part or
+to a part of a lower layer, and the adapters import the public package only (``make lint``
+runs this file).
+
+The layers, lowest first (parts in one layer do not import each other):
+
+1. ``errors``, ``types``, ``eviction``: names every part shares;
+2. ``storage``, ``inputs``, ``usage``, ``models``: the record store, input checks, usage
+   counts, finding a model file;
+3. ``kv``: llama.cpp engines, their text model, chunk states and their budget;
+4. ``config``: the settings (they name the engine's sampling and stop strings);
+5. ``knowledge``, ``qa``: the documents with retrieval; the QA bank and prompt answers;
+6. ``serving``, ``shared``: answering a request (the runner, the request path, the runtime
+   and the parts a cache is made of); the Redis tier behind the local ones;
+7. ``prediction``: idle work (the demand estimate, the predictor, the scheduler, the worker);
+8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``cli`` and the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "percache_core"
+
+LAYERS: list[set[str]] = [
+    {"errors", "types", "eviction"},
+    {"storage", "inputs", "usage", "models"},
+    {"kv"},
+    {"config"},
+    {"knowledge", "qa"},
+    {"serving", "shared"},
+    {"prediction"},
+    {"callers"},
+    {"pipeline"},
+    {"cli", "__init__", "__main__"},
+]
+LAYER_OF = {part: index for index, parts in enumerate(LAYERS) for part in parts}
+
+
+def part_of(module: str) -> str:
+    """The part of ``percache_core`` a module belongs to (its first name below the package)."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else "__init__"
+
+
+def imports(path: Path) -> list[tuple[str, str, int]]:
+    """(importing module, imported module, line) for every ``percache_core`` import in *path*."""
+    names = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    is_package = names[-1] == "__init__"
+    module = ".".join(names[:-1] if is_package else names)
+    package = module if is_package else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [target] if node.module or not node.level else [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(module, t, node.lineno) for t in targets if t.split(".")[0] == "percache_core"]
+    return found
+
+
+def upward_imports() -> list[str]:
+    """Every import that goes to a higher layer or sideways to another part of the same layer."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for module, target, line in imports(path):
+            source, destination = part_of(module), part_of(target)
+            if source == destination:
+                continue
+            if source not in LAYER_OF or destination not in LAYER_OF:
+                wrong.append(f"{path.name}:{line} {module} -> {target}: a part with no layer (add it to LAYERS)")
+            elif LAYER_OF[destination] >= LAYER_OF[source]:
+                wrong.append(f"{path.name}:{line} {module} -> {target} runs up ({source} is below {destination})")
+    return wrong
+
+
+def test_imports_run_down_the_layers():
+    assert upward_imports() == []
+
+
+def adapter_inner_imports() -> list[str]:
+    """Imports of ``percache_core.<inner module>`` by the adapters (they use the public
+    package only)."""
+    wrong = []
+    for adapter in ("percache_llamaindex", "percache_langchain"):
+        for path in sorted((PACKAGE.parent / adapter).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                wrong += [f"{adapter}/{path.name}:{node.lineno} imports {n}" for n in names if n.startswith("percache_core.")]
+    return wrong
+
+
+def test_adapters_use_the_public_package_only():
+    assert adapter_inner_imports() == []
+
+
+def test_every_part_has_a_layer():
+    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert parts <= set(LAYER_OF), sorted(parts - set(LAYER_OF))
+
+
+if __name__ == "__main__":  # make lint
+    problems = upward_imports() + adapter_inner_imports()
+    print("\n".join(problems) or "layers: every import runs down")
+    raise SystemExit(1 if problems else 0)
