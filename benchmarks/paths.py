@@ -26,6 +26,9 @@ Policies:
 - ``demand``: the paths the idle round's demand estimate names
   (:mod:`percache_core.prediction.demand`, the same code), likeliest first, evicting stored
   paths it finds less likely to make room (``prediction.paths.make_room``);
+- ``scheduler``: what an idle round does (``prediction.scheduler``): ``demand`` first
+  (evicting only where the bulk prefill does not fit the budget), then ``neighbours-8``
+  where it fits;
 - ``oracle``: the next question's own path (what a perfect estimate would prefill).
 
 ``--merged`` takes every QMSum meeting as ONE user's knowledge (4,517 chunks) and asks it
@@ -91,6 +94,7 @@ POLICIES = (
     "co-retrieved+neighbours-4",
     "all-pairs",
     "demand",
+    "scheduler",
     "oracle",
 )
 MAX_NEIGHBOURS = 8
@@ -240,34 +244,42 @@ def simulate(
     unlimited). ``demand`` needs the user's *knowledge* (retrieval for its estimate)."""
     tree = SimulatedTree(budget_bytes, bytes_per_token, user.tokens)
     limit = PREFILL_BUDGET_SHARE * budget_bytes
+    # as the runtime decides it: does the bulk knowledge prefill (8 neighbours) fit?
+    fits = prefill_state_bytes(sum(user.tokens.values()), bytes_per_token=bytes_per_token,
+                               neighbours=MAX_NEIGHBOURS, slices=True) <= limit
     idle_tokens = 0
     rows = []
     asked: list[Path] = []
     estimate = DemandEstimate()
+
+    def room_left(spent: float, cost: float) -> bool:
+        return idle_tokens_per_question is None or spent + cost <= idle_tokens_per_question
+
     for index, (path, scope) in enumerate(zip(user.questions, user.question_scopes)):
         spent = 0
-        if policy in ("demand", "oracle"):
+        if policy in ("demand", "oracle", "scheduler"):
             if policy == "oracle":
                 probabilities = {path[:d]: 1.0 for d in range(1, len(path) + 1)}
             else:
-                assert knowledge is not None, "the demand policy needs the knowledge"
+                assert knowledge is not None, f"the {policy} policy needs the knowledge"
                 probabilities = estimate.probabilities(knowledge, limit=4096) if estimate.asked else {}
+            evict = policy != "scheduler" or not fits  # the scheduler evicts only where the bulk does not fit
             for candidate, probability in probabilities.items():
-                cost = user.tokens[candidate[-1]]
                 if candidate in tree.nodes or candidate[:-1] not in tree.nodes and len(candidate) > 1:
                     continue
-                if idle_tokens_per_question is not None and spent + cost > idle_tokens_per_question:
+                if not room_left(spent, user.tokens[candidate[-1]]):
                     break
-                if not tree.make_room(limit, probabilities, probability):
+                if not tree.make_room(limit, probabilities, probability if evict else 0.0):
                     break
                 spent += tree.add(candidate)
-        else:
-            for candidate in policy_paths(policy, user, asked, scope):  # idle time before the question
+        if policy not in ("demand", "oracle") and (policy != "scheduler" or fits):
+            bulk = "neighbours-8" if policy == "scheduler" else policy
+            for candidate in policy_paths(bulk, user, asked, scope):  # idle time before the question
                 if tree.bytes >= limit:
                     break
                 missing = sum(user.tokens[candidate[d - 1]] for d in range(1, len(candidate) + 1)
                               if candidate[:d] not in tree.nodes)
-                if idle_tokens_per_question is not None and spent + missing > idle_tokens_per_question:
+                if not room_left(spent, missing):
                     break
                 spent += tree.add(candidate)
         idle_tokens += spent
@@ -284,7 +296,7 @@ def simulate(
         tree.add(path)  # the question's own run keeps its states
         tree.evict_to_budget(path)
         asked.append(path)
-        if policy == "demand" and knowledge is not None:
+        if policy in ("demand", "scheduler") and knowledge is not None:
             estimate.observe(user.asked[index], knowledge)
     return {
         "coverage": statistics.fmean(r["coverage"] for r in rows),
@@ -295,7 +307,7 @@ def simulate(
         "idle_prefill_tokens": idle_tokens,
         "budget_bytes": budget_bytes,
         "depths": [r["depth"] for r in rows],
-        "hit_rate": estimate.hit_rate.as_dict() if policy == "demand" else None,
+        "hit_rate": estimate.hit_rate.as_dict() if policy in ("demand", "scheduler") else None,
     }
 
 

@@ -1,9 +1,10 @@
 """Demand for chunk states: how likely the next question's prompt starts with each
 [system, chunk, ...] path, learned from what the user asked.
 
-Idle time can prefill only a few of a large knowledge's paths (20 s is about 90 chunk
-states on a laptop CPU; 2 GiB holds about 520 of the bundled model's), so it prefills the
-paths the next question is likeliest to restore, and evicts the least likely. The
+Idle time can prefill only a few of a large knowledge's paths (20 s of prefill makes 30-90
+states of 220-token chunks on a laptop CPU; 2 GiB holds about 520 of the bundled model's),
+so it prefills the paths the next question is likeliest to restore, and evicts the least
+likely. The
 estimate is a probability per path prefix (the share of next questions whose retrieved
 path starts with it), built from three parts, each updated after every question:
 
