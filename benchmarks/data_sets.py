@@ -70,11 +70,14 @@ def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, s
     return chosen
 
 
-def load_merged_user(data: Path, dataset: str, *, series: int, per_series: int, seed: int) -> User:
+def load_merged_user(
+    data: Path, dataset: str, *, series: int, per_series: int, seed: int, consecutive: bool = False
+) -> User:
     """Every document of *dataset* as ONE user's knowledge (a whole archive: QMSum's 4,517
     chunks), asked as a person moves between topics: *per_series* questions of one
-    original user (a meeting series), sampled with *seed* and kept in their order, then
-    the next series, for *series* series in an order shuffled by *seed*."""
+    original user (a meeting series), sampled with *seed* and kept in their order (with
+    *consecutive*, a run of that many questions in a row from a seeded start: mostly about
+    one meeting), then the next series, for *series* series in an order shuffled by *seed*."""
     folder = data / dataset
     if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
         raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
@@ -86,7 +89,12 @@ def load_merged_user(data: Path, dataset: str, *, series: int, per_series: int, 
     random.Random(seed).shuffle(names)
     asked = []
     for name in names[:series]:
-        picked = sorted(random.Random(f"{seed}:{name}").sample(range(len(by_user[name])), min(per_series, len(by_user[name]))))
+        count, chooser = len(by_user[name]), random.Random(f"{seed}:{name}")
+        if consecutive:
+            start = chooser.randrange(max(1, count - per_series + 1))
+            picked = list(range(start, min(count, start + per_series)))
+        else:
+            picked = sorted(chooser.sample(range(count), min(per_series, count)))
         asked += [by_user[name][i] for i in picked]
     knowledge = [
         {"id": d["doc_id"], "text": d["text"], "metadata": {f: d[f] for f in SCOPE_FIELDS if f in d}}

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--merged",
         help="SERIES,PER_SERIES: every QMSum meeting as one knowledge, asked PER_SERIES questions per series",
     )
+    parser.add_argument(
+        "--consecutive", action="store_true", help="--merged: PER_SERIES questions in a row (mostly one meeting)"
+    )
     parser.add_argument("--idle-seconds", type=float, help="one idle round of at most this long before each question")
     parser.add_argument("--budget-gib", type=float, help="every system's chunk-state budget (default: sized)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
@@ -72,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         partial=Path(args.out).with_suffix(".partial.json"),
         skip_users=args.skip_users,
         merged=tuple(_numbers(args.merged, int)) if args.merged else None,  # type: ignore[arg-type]
+        consecutive=args.consecutive,
         idle_seconds=args.idle_seconds,
         budget_gib=args.budget_gib,
         **settings,

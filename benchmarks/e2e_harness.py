@@ -391,6 +391,7 @@ def evaluate(
     engine: LlamaEngine | None = None,
     embedder: Any = None,
     merged: tuple[int, int] | None = None,
+    consecutive: bool = False,
     idle_seconds: float | None = None,
     budget_gib: float | None = None,
 ) -> dict[str, Any]:
@@ -403,12 +404,17 @@ def evaluate(
     closed.
 
     *merged* (series, questions per series) evaluates one user instead: every QMSum
-    meeting as one knowledge (``data_sets.load_merged_user``). *idle_seconds* bounds each
+    meeting as one knowledge (``data_sets.load_merged_user``; *consecutive*: questions in a
+    row per series). *idle_seconds* bounds each
     idle round (one before each question); *budget_gib* sets every system's chunk-state
     budget."""
     users: list[User] = []
     if merged is not None:
-        users.append(load_merged_user(data, "qmsum", series=merged[0], per_series=merged[1], seed=seed))
+        users.append(
+            load_merged_user(
+                data, "qmsum", series=merged[0], per_series=merged[1], seed=seed, consecutive=consecutive
+            )
+        )
     for dataset, count in (("qmsum", qmsum_users), ("squad11-dev", squad_users)):
         if count > 0 and merged is None:
             users += load_users(data, dataset, users=count, queries_per_user=queries_per_user, seed=seed)
@@ -496,6 +502,7 @@ def evaluate(
             "stride": stride,
             "max_new_tokens": max_new_tokens,
             "merged": merged,
+            "consecutive": consecutive,
             "idle_seconds": idle_seconds,
             "budget_gib": budget_gib,
             "model": model_path.name,

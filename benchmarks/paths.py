@@ -27,8 +27,8 @@ Policies:
   (:mod:`percache_core.prediction.demand`, the same code), likeliest first, evicting stored
   paths it finds less likely to make room (``prediction.paths.make_room``);
 - ``scheduler``: what an idle round does (``prediction.scheduler``): ``demand`` first
-  (evicting only where the bulk prefill does not fit the budget), then ``neighbours-8``
-  where it fits;
+  (evicting only where the bulk prefill's first pass, every [chunk], does not fit the
+  budget), then ``neighbours-8`` where it fits;
 - ``oracle``: the next question's own path (what a perfect estimate would prefill).
 
 ``--merged`` takes every QMSum meeting as ONE user's knowledge (4,517 chunks) and asks it
@@ -244,9 +244,9 @@ def simulate(
     unlimited). ``demand`` needs the user's *knowledge* (retrieval for its estimate)."""
     tree = SimulatedTree(budget_bytes, bytes_per_token, user.tokens)
     limit = PREFILL_BUDGET_SHARE * budget_bytes
-    # as the runtime decides it: does the bulk knowledge prefill (8 neighbours) fit?
+    # as the runtime decides it: does the bulk prefill's first pass (every [chunk]) fit?
     fits = prefill_state_bytes(sum(user.tokens.values()), bytes_per_token=bytes_per_token,
-                               neighbours=MAX_NEIGHBOURS, slices=True) <= limit
+                               neighbours=0, slices=True) <= limit
     idle_tokens = 0
     rows = []
     asked: list[Path] = []
@@ -315,6 +315,7 @@ def sized_budget(user: UserPaths, policy: str, bytes_per_token: float, free_disk
     """The budget ``chunk_state_budget_bytes=None`` gives *user*'s knowledge
     (:mod:`percache_core.kv.budget`) with *policy*'s neighbour count."""
     neighbours = int(policy.rsplit("-", 1)[1]) if "neighbours-" in policy else 0
+    neighbours = MAX_NEIGHBOURS if policy == "scheduler" else neighbours  # the default's sizing
     needed = prefill_state_bytes(
         sum(user.tokens.values()), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=True
     )
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merged", action="store_true", help="every QMSum meeting as one user's knowledge")
     parser.add_argument("--series", type=int, default=15, help="--merged: meeting series asked, in turn")
     parser.add_argument("--per-series", type=int, default=4, help="--merged: questions per series")
+    parser.add_argument("--consecutive", action="store_true", help="--merged: questions in a row per series")
     parser.add_argument(
         "--idle-seconds", nargs="+", type=float, default=[], help="idle prefill before each question (default: unlimited)"
     )
@@ -440,7 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     config = PerCacheConfig(chunk_states=False, qa_bank=False, prediction=False, top_k=args.top_k)
     if args.merged:
         data = FolderPath(args.data) if args.data else default_data_folder()
-        picked = [load_merged_user(data, "qmsum", series=args.series, per_series=args.per_series, seed=args.seed)]
+        picked = [
+            load_merged_user(
+                data, "qmsum", series=args.series, per_series=args.per_series, seed=args.seed,
+                consecutive=args.consecutive,
+            )
+        ]
     else:
         picked = users_from_arguments(args)
     users: list[UserPaths] = []
@@ -489,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             "merged": args.merged,
             "series": args.series if args.merged else None,
             "per_series": args.per_series if args.merged else None,
+            "consecutive": args.consecutive,
             "idle_seconds": args.idle_seconds,
         },
         "bytes_per_token": bytes_per_token,

@@ -42,22 +42,6 @@ def knowledge_tokens(segments: Sequence[str], tokenize: Callable[[str], list[int
     return round(sample_tokens / max(1, sample_chars) * sum(len(text) for text in segments))
 
 
-def knowledge_prefill_bytes(
-    segments: Sequence[str],
-    tokenize: Callable[[str], list[int]],
-    *,
-    bytes_per_token: float,
-    neighbours: int,
-    slices: bool,
-) -> int:
-    """The bytes the knowledge prefill's states of chunks with these prompt *segments*
-    take: one chunk's tokens for each [system, chunk] and each pair with state slices (a
-    node holds only its own segment), two chunks' for a pair's whole state."""
-    return prefill_state_bytes(
-        knowledge_tokens(segments, tokenize), bytes_per_token=bytes_per_token, neighbours=neighbours, slices=slices
-    )
-
-
 def prefill_state_bytes(tokens: int, *, bytes_per_token: float, neighbours: int, slices: bool) -> int:
     """The bytes of the knowledge prefill's states for chunks of *tokens* prompt tokens in
     all.

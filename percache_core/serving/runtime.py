@@ -22,7 +22,8 @@ from ..config import PerCacheConfig
 from ..kv.budget import (
     BUDGET_FLOOR_BYTES,
     PREFILL_BUDGET_SHARE,
-    knowledge_prefill_bytes,
+    knowledge_tokens,
+    prefill_state_bytes,
     sized_state_budget,
 )
 from ..kv.engine import Engine
@@ -84,7 +85,7 @@ class ModelRuntime:
         self._runner: PromptRunner | None = None
         self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
-        self._prefill_bytes: tuple[tuple[int, str, int], int] | None = None  # knowledge key -> bytes
+        self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
 
     @property
     def engine(self) -> Engine:
@@ -139,23 +140,24 @@ class ModelRuntime:
 
     def knowledge_prefill_bytes(self, chunks: Sequence[Chunk]) -> int:
         """The bytes the bulk knowledge prefill's states of *chunks* take on the loaded
-        engine (every [system, chunk] and ``knowledge_prefill_neighbours`` pairs of each);
-        remembered per knowledge size and settings."""
+        engine (every [system, chunk] and ``knowledge_prefill_neighbours`` pairs of each)."""
         config = self.config
-        neighbours = config.knowledge_prefill_neighbours if config.knowledge_prefill else 0
-        key = (len(chunks), chunks[-1].id if chunks else "", neighbours)
-        if self._prefill_bytes is None or self._prefill_bytes[0] != key:
-            if self._bytes_per_token is None:
-                self._bytes_per_token = state_bytes_per_token(self.engine)
-            needed = knowledge_prefill_bytes(
-                [chunk_text(c) for c in chunks],
-                self.engine.tokenize,
-                bytes_per_token=self._bytes_per_token,
-                neighbours=neighbours,
-                slices=self.states.slices,
-            )
-            self._prefill_bytes = (key, needed)
-        return self._prefill_bytes[1]
+        if self._bytes_per_token is None:
+            self._bytes_per_token = state_bytes_per_token(self.engine)
+        return prefill_state_bytes(
+            self._knowledge_tokens(chunks),
+            bytes_per_token=self._bytes_per_token,
+            neighbours=config.knowledge_prefill_neighbours if config.knowledge_prefill else 0,
+            slices=self.states.slices,
+        )
+
+    def _knowledge_tokens(self, chunks: Sequence[Chunk]) -> int:
+        """The prompt tokens of *chunks*' segments (estimated from a sample), remembered
+        per knowledge size."""
+        key = (len(chunks), chunks[-1].id if chunks else "")
+        if self._knowledge_token_count is None or self._knowledge_token_count[0] != key:
+            self._knowledge_token_count = (key, knowledge_tokens([chunk_text(c) for c in chunks], self.engine.tokenize))
+        return self._knowledge_token_count[1]
 
     def idle_state_bytes(self) -> int:
         """Bytes of the stored states idle work stored (0 while the states are not open:
@@ -165,10 +167,17 @@ class ModelRuntime:
         return sum(node.size for node in self._states.tree.nodes if node.idle)
 
     def knowledge_prefill_fits(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether the bulk knowledge prefill of *chunks* fits the prefill's share of the
-        chunk-state budget (else idle time prefills only the paths the demand estimate
-        names: :mod:`percache_core.prediction.demand`)."""
-        return self.knowledge_prefill_bytes(chunks) <= PREFILL_BUDGET_SHARE * self.state_budget_bytes
+        """Whether the bulk knowledge prefill's first pass, the [system, chunk] state of
+        every one of *chunks*, fits the prefill's share of the chunk-state budget: then the
+        bulk prefill gives every prompt its first chunk and its pairs fill the rest; else
+        idle time prefills only the paths the demand estimate names
+        (:mod:`percache_core.prediction.demand`)."""
+        if self._bytes_per_token is None:
+            self._bytes_per_token = state_bytes_per_token(self.engine)
+        singles = prefill_state_bytes(
+            self._knowledge_tokens(chunks), bytes_per_token=self._bytes_per_token, neighbours=0, slices=True
+        )
+        return singles <= PREFILL_BUDGET_SHARE * self.state_budget_bytes
 
     @property
     def tree(self) -> ChunkStateTree:
