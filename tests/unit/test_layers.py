@@ -91,11 +91,12 @@ def adapter_inner_imports() -> list[str]:
     package only)."""
     wrong = []
     for adapter in ("percache_llamaindex", "percache_langchain"):
-        for path in sorted((PACKAGE.parent / adapter).rglob("*.py")):
+        folder = PACKAGE.parent / adapter
+        for path in sorted(p for p in folder.rglob("*.py") if "build" not in p.relative_to(folder).parts):
             for node in ast.walk(ast.parse(path.read_text("utf-8"))):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
                 names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                wrong += [f"{adapter}/{path.name}:{node.lineno} imports {n}" for n in names if n.startswith("percache_core.")]
+                wrong += [f"{path.relative_to(folder)}:{node.lineno} imports {n}" for n in names if n.startswith("percache_core.")]
     return wrong
 
 
