@@ -22,7 +22,7 @@ class UncachedCompletion:
     prefilled, and the text is llama.cpp's as decoded.
 
     >>> completion = UncachedCompletion(open_engine(None, PerCacheConfig()))   # doctest: +SKIP
-    >>> "".join(completion.stream(TextPrompt("Q: 2+2?\nA:"), max_new_tokens=4))   # doctest: +SKIP
+    >>> "".join(completion.stream(TextPrompt("Q: 2+2? A:"), max_new_tokens=4))   # doctest: +SKIP
     ' 4'
     """
 

@@ -207,7 +207,7 @@ def _shared_questions(dataset: str, count: int) -> list[tuple[list[dict], str]]:
 
 @pytest.mark.parametrize("dataset", ["squad11-dev", "qmsum"])
 def test_prompt_lookup_drafts_change_no_output(make_cache, dataset):
-    questions = _shared_questions(dataset, 7)
+    questions = _shared_questions(dataset, 4)
     documents = questions[0][0][:60]
     off = make_cache(f"{dataset}-off", documents=False, **REFERENCE, max_new_tokens=32)
     drafted = make_cache(
