@@ -31,17 +31,22 @@ def default_data_folder() -> Path:
     return beside if beside.is_dir() else Path("data")
 
 
+def read_data_set(data: Path, dataset: str) -> tuple[list[dict], dict[str, list[dict]]]:
+    """*dataset*'s documents, and its queries grouped by user in their original order."""
+    folder = data / dataset
+    if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
+        raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
+    by_user: dict[str, list[dict]] = {}
+    for query in read_jsonl(folder / "queries.jsonl"):
+        by_user.setdefault(query["user"], []).append(query)
+    return read_jsonl(folder / "documents.jsonl"), by_user
+
+
 def load_users(data: Path, dataset: str, *, users: int, queries_per_user: int, seed: int) -> list[User]:
     """The first *users* users of *dataset* (fewest queries first, then by name), each with
     *queries_per_user* queries sampled with *seed* and kept in their original order.
     Documents keep the scope fields (:data:`SCOPE_FIELDS`) as chunk metadata."""
-    folder = data / dataset
-    if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
-        raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
-    documents, queries = read_jsonl(folder / "documents.jsonl"), read_jsonl(folder / "queries.jsonl")
-    by_user: dict[str, list[dict]] = {}
-    for query in queries:
-        by_user.setdefault(query["user"], []).append(query)
+    documents, by_user = read_data_set(data, dataset)
     names = sorted(by_user, key=lambda name: (len(by_user[name]), name))[:users]
     chosen = []
     for name in names:
@@ -78,13 +83,7 @@ def load_merged_user(
     original user (a meeting series), sampled with *seed* and kept in their order (with
     *consecutive*, a run of that many questions in a row from a seeded start: mostly about
     one meeting), then the next series, for *series* series in an order shuffled by *seed*."""
-    folder = data / dataset
-    if not (folder / "documents.jsonl").is_file() or not (folder / "queries.jsonl").is_file():
-        raise SystemExit(f"{folder} has no documents.jsonl and queries.jsonl: pass --data")
-    documents, queries = read_jsonl(folder / "documents.jsonl"), read_jsonl(folder / "queries.jsonl")
-    by_user: dict[str, list[dict]] = {}
-    for query in queries:
-        by_user.setdefault(query["user"], []).append(query)
+    documents, by_user = read_data_set(data, dataset)
     names = sorted(by_user)
     random.Random(seed).shuffle(names)
     asked = []
