@@ -49,8 +49,12 @@ class QAEntry:
 
     @property
     def origin(self) -> str | None:
-        """Where the entry came from: ``"user"`` (a user's question), ``"predicted"``,
-        ``"followup"``, ``"refresh"``, ``"shared"`` (another client's, through Redis), a
+        """Where the entry came from: ``"user"`` (a user's question),
+        ``"predicted-knowledge"`` or ``"predicted-history"`` (a question idle work
+        predicted from the knowledge abstract or from the user's questions; ``"predicted"``
+        when an older pending entry had none), ``"follow-up"`` (the own answer of a
+        question that was served another's), ``"refresh"`` (a stale answer made again
+        without an origin of its own), ``"shared"`` (another client's, through Redis), a
         framework adapter's name, or None (a caller's own ``remember`` without one)."""
         return self.metadata.get("origin")
 

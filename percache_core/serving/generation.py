@@ -1,6 +1,7 @@
 """Running a prompt through the chunk-state tree: restore, prefill, decode, keep new states.
 
-``PromptRunner.run`` is the one place where prompts meet the model. It restores the
+``PromptRunner.run`` is where PerCache's and callers' prompts meet the model (idle work's
+free-form LLM calls use :func:`~percache_core.serving.completion.stream_text`). It restores the
 deepest stored prefix of the prompt's segments, prefills the rest one segment per call
 (on hits and misses alike, so outputs do not depend on the cache), keeps the states of
 new prefixes, and decodes. Idle work passes ``should_stop`` so that a user's question can

@@ -2,7 +2,9 @@
 
 :class:`~percache_core.pipeline.PerCache` builds a ``CacheParts`` and hands it to each of
 them; none of them sees the facade. ``config`` is the one current configuration:
-``PerCache.configure`` replaces it here, and every part reads it from here.
+``PerCache.configure`` replaces it here and hands it to the parts that keep settings of
+their own (the runtime and its runner, the knowledge bank's chunking and fusion, the QA
+bank's budgets, the scheduler's abstract and predictor).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The request path: embed -> QA candidates -> retrieve -> lay out -> prompt answer, or
-run (drafts verified) -> store. The one way through which every prompt runs:
+run (drafts verified) -> store. Every request to this cache's model takes it, whoever
+asks (idle work's free-form LLM calls for the predictor and the abstract are not requests:
+:mod:`percache_core.serving.completion`):
 
 - :meth:`RequestPath.answer`: a user's question with this cache's own RAG prompt;
 - :meth:`RequestPath.generate`: the same prompt over chunks a caller retrieved;
