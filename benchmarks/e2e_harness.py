@@ -181,6 +181,7 @@ class SystemRun:
             "seconds": 0.0,
             "chunks_prefilled": 0,
             "pairs_prefilled": 0,
+            "predicted_paths_prefilled": 0,
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "distinct_predicted_per_round": [],
@@ -194,9 +195,7 @@ class SystemRun:
             return
         report = self.pc.warm(progress=False, knowledge_prediction=knowledge, max_seconds=max_seconds)
         self.idle["seconds"] += report.seconds
-        self.idle["predicted_paths_prefilled"] = self.idle.get("predicted_paths_prefilled", 0) + (
-            report.predicted_paths_prefilled
-        )
+        self.idle["predicted_paths_prefilled"] += report.predicted_paths_prefilled
         self.idle["chunks_prefilled"] += report.chunks_prefilled
         self.idle["pairs_prefilled"] += report.pairs_prefilled
         self.idle["prefill_tokens"] += report.prefill_tokens

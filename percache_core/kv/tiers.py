@@ -114,6 +114,12 @@ class TieredStateStore:
         self.tree.remove(key)
         self.local.delete(key)
 
+    def evict(self, key: str) -> None:
+        """Evict one prefix from the local tier by choice of the caller (idle work making
+        room for a likelier path), counted with the budget's evictions."""
+        self.local.delete(key)
+        self._forget([key])
+
     def evict_to(self, budget_bytes: int) -> int:
         """Evict least frequently used leaves (of every process; never one a query here
         uses) down to *budget_bytes*; the count."""

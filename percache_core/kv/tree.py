@@ -164,25 +164,6 @@ class ChunkStateTree:
                 nodes.append(parent)
             return nodes[::-1]
 
-    def labels(self, node: StateNode) -> tuple[str, ...] | None:
-        """The labels of *node*'s prefix, root first, following each node's parent (for
-        whole states and slices alike), or None when a parent is missing.
-
-        >>> tree = ChunkStateTree("root")
-        >>> a = tree.insert("a", "root", depth=1, n_tokens=2, label="system", size=1)
-        >>> tree.labels(tree.insert("b", "a", depth=2, n_tokens=9, label="c2", size=1))
-        ('system', 'c2')
-        """
-        with self._lock:
-            labels = [node.label]
-            while node.parent_key != self.root_key:
-                parent = self._nodes.get(node.parent_key)
-                if parent is None or len(labels) > len(self._nodes):
-                    return None
-                labels.append(parent.label)
-                node = parent
-            return tuple(labels[::-1])
-
     def insert(
         self, key: str, parent_key: str, *, depth: int, n_tokens: int, label: str, size: int, idle: bool = False
     ) -> StateNode:

@@ -212,8 +212,8 @@ class DemandEstimate:
         extensions); at most *limit* of them."""
         first: dict[str, float] = {}
         chunks: dict[str, Chunk] = {}
-        fields: dict[str, list[str]] = {}
         latest = self.asked[-1].embedding if self.asked else None
+        scope_fields = sorted(self.asked[-1].scope or {}) if self.asked else []  # every scope considered has these
         for scope, chance in self.scope_probabilities(knowledge):
             in_scope, cosines = knowledge.similarities(latest, where=scope)
             if not in_scope:
@@ -224,12 +224,11 @@ class DemandEstimate:
             for chunk, share in zip(in_scope, tilt.tolist()):
                 first[chunk.id] = first.get(chunk.id, 0.0) + chance * (uniform + (1 - FIRST_CHUNK_UNIFORM_SHARE) * share)
                 chunks[chunk.id] = chunk
-                fields[chunk.id] = sorted(scope or {})
         ranked = sorted(first, key=lambda c: -first[c])
         self._top_chunks = set(ranked[:HIT_RATE_TOP_N])
         paths: dict[Path, float] = {(c,): first[c] for c in ranked}
         for chunk_id in ranked[:PAIR_FIRST_CHUNKS]:
-            near = knowledge.neighbours(chunks[chunk_id], NEIGHBOUR_RANKS, scope_fields=fields[chunk_id])
+            near = knowledge.neighbours(chunks[chunk_id], NEIGHBOUR_RANKS, scope_fields=scope_fields)
             for rank, second in enumerate(near):
                 paths[(chunk_id, second.id)] = first[chunk_id] * self.second_chunk_rate(rank)
         ordered = sorted(paths, key=lambda path: (-paths[path], len(path)))

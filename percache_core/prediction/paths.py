@@ -1,8 +1,8 @@
 """Which retrieval paths idle time prefills, within the prefill share of the chunk-state
 budget: the paths the demand estimate names, likeliest first, making room by evicting
 stored paths it finds less likely (:func:`predicted_paths`, :func:`make_room`); and, only
-where the whole knowledge's prefill fits the budget, the bulk knowledge prefill's [chunk]
-and [chunk, neighbour] prefixes (:func:`knowledge_prefill_paths`)."""
+where every chunk's [system, chunk] state fits the budget, the bulk knowledge prefill's
+[chunk] and [chunk, neighbour] prefixes (:func:`knowledge_prefill_paths`)."""
 
 from __future__ import annotations
 
@@ -64,12 +64,9 @@ def predicted_paths(parts: CacheParts, probabilities: Mapping[Path, float]) -> I
     stored, as chunks, with their probability."""
     runner = parts.runtime.runner
     for path, probability in probabilities.items():
-        chunks = [parts.knowledge.get_chunk(chunk_id) for chunk_id in path]
-        if any(chunk is None for chunk in chunks):
-            continue
-        present = [chunk for chunk in chunks if chunk is not None]
-        if not runner.path_is_stored("", present, 1):
-            yield present, probability
+        chunks = [chunk for chunk in map(parts.knowledge.get_chunk, path) if chunk is not None]
+        if len(chunks) == len(path) and not runner.path_is_stored("", chunks, 1):
+            yield chunks, probability
 
 
 def make_room(parts: CacheParts, probabilities: Mapping[Path, float], probability: float) -> bool:
@@ -87,16 +84,15 @@ def make_room(parts: CacheParts, probabilities: Mapping[Path, float], probabilit
     for node in states.tree.nodes:
         if node.children or node.key in pinned:
             continue
-        labels = states.tree.labels(node)
-        if not labels or labels[0] != "system" or len(labels) == 1:
+        chain = states.tree.chain(node)
+        if not chain or chain[0].label != "system" or len(chain) == 1:
             continue  # a caller's prompt, or the system prompt every path starts with
-        estimate = probabilities.get(labels[1:], 0.0)
+        estimate = probabilities.get(tuple(n.label for n in chain[1:]), 0.0)
         if estimate < probability:
             ranked.append((estimate, node.hits, node.last_used_at, node))
     ranked.sort(key=lambda item: item[:3])
     for *_, node in ranked:
         if states.bytes < limit:
             break
-        states.delete(node.key)
-        states.evictions += 1
+        states.evict(node.key)
     return states.bytes < limit

@@ -14,8 +14,8 @@ One ``warm()`` round (PerCache, sections 4.1-4.3):
    the latest question), and populate them by the strategy: tau above ``strategy_cutoff``
    -> prefill only (chunk states and a pending QA entry), otherwise prefill and decode (a
    servable QA entry);
-6. knowledge prefill in bulk (``knowledge_prefill``), only when the whole knowledge's
-   states fit the budget: the [system, chunk] state of every chunk, recently retrieved
+6. knowledge prefill in bulk (``knowledge_prefill``), only when every chunk's [system,
+   chunk] state fits the budget: the [system, chunk] state of every chunk, recently retrieved
    chunks first, then the latest question's scope, then the rest, so that any prompt
    restores at least its first chunk; then [system, chunk, neighbour] for the
    ``knowledge_prefill_neighbours`` chunks that rank next when the chunk's own text is the
@@ -511,10 +511,10 @@ class Scheduler:
 
     def _prefill_predicted(self, should_stop: Callable[[], bool]) -> None:
         """Step 1: prefill the paths the demand estimate names, likeliest first. Where the
-        whole knowledge does not fit the budget, it evicts less likely stored paths to make
-        room and stops where the stored ones are all likelier than the next candidate;
-        where it fits, it evicts nothing (the bulk prefill fills the rest) and stops at the
-        prefill share."""
+        bulk prefill does not fit the budget (``ModelRuntime.knowledge_prefill_fits``), it
+        evicts less likely stored paths to make room and stops where the stored ones are
+        all likelier than the next candidate; where it fits, it evicts nothing (the bulk
+        prefill fills the rest) and stops at the prefill share."""
         parts, report = self.parts, self._report
         assert report is not None
         if not self._predicted_paths_due() or not len(parts.knowledge):

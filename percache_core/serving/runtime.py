@@ -142,12 +142,17 @@ class ModelRuntime:
         """The bytes the bulk knowledge prefill's states of *chunks* take on the loaded
         engine (every [system, chunk] and ``knowledge_prefill_neighbours`` pairs of each)."""
         config = self.config
+        return self._prefill_bytes(chunks, config.knowledge_prefill_neighbours if config.knowledge_prefill else 0)
+
+    def _prefill_bytes(self, chunks: Sequence[Chunk], neighbours: int) -> int:
+        """The bytes of every [system, chunk] state of *chunks* and *neighbours* pairs of
+        each, at the loaded engine's bytes per token (measured once)."""
         if self._bytes_per_token is None:
             self._bytes_per_token = state_bytes_per_token(self.engine)
         return prefill_state_bytes(
             self._knowledge_tokens(chunks),
             bytes_per_token=self._bytes_per_token,
-            neighbours=config.knowledge_prefill_neighbours if config.knowledge_prefill else 0,
+            neighbours=neighbours,
             slices=self.states.slices,
         )
 
@@ -172,12 +177,7 @@ class ModelRuntime:
         bulk prefill gives every prompt its first chunk and its pairs fill the rest; else
         idle time prefills only the paths the demand estimate names
         (:mod:`percache_core.prediction.demand`)."""
-        if self._bytes_per_token is None:
-            self._bytes_per_token = state_bytes_per_token(self.engine)
-        singles = prefill_state_bytes(
-            self._knowledge_tokens(chunks), bytes_per_token=self._bytes_per_token, neighbours=0, slices=True
-        )
-        return singles <= PREFILL_BUDGET_SHARE * self.state_budget_bytes
+        return self._prefill_bytes(chunks, 0) <= PREFILL_BUDGET_SHARE * self.state_budget_bytes
 
     @property
     def tree(self) -> ChunkStateTree:
