@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -45,10 +46,10 @@ def study_user(user: Any, pc: PerCache, top_k: int, max_new_tokens: int) -> list
     rows = []
     for position, query in enumerate(user.queries):
         scope = query_scope(query)
-        chunks = [r.chunk for r in pc.knowledge.retrieve(query["question"], top_k, where=scope)]
+        chunks = [r.chunk for r in internals(pc).knowledge.retrieve(query["question"], top_k, where=scope)]
         steps = []
         for k in range(1, len(chunks) + 1):
-            events = pc.runner.run(
+            events = internals(pc).runner.run(
                 query["question"], chunks[:k], max_new_tokens=max_new_tokens, decode=False, keep_logits=True
             )
             measured = confidence_signals(drain(events).next_token_logits)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -50,8 +51,8 @@ def measure_user(
             pc.add_documents(user.documents, split=False)
         for query in user.queries:
             scope = query_scope(query)
-            for retrieved in composed.knowledge.retrieve(query["question"], 3, where=scope):
-                composed.runner.prefill_prefix([retrieved.chunk])
+            for retrieved in internals(composed).knowledge.retrieve(query["question"], 3, where=scope):
+                internals(composed).runner.prefill_prefix([retrieved.chunk])
             reference = exact.answer(query["question"], scope=scope)
             row: dict[str, Any] = {
                 "user": user.name,

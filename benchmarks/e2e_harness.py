@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from percache_core.config import PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -233,7 +234,7 @@ class SystemRun:
         from percache_core.types import Answer
 
         started = time.perf_counter()
-        parts, config = self.pc.parts, self.pc.config
+        parts, config = internals(self.pc).parts, self.pc.config
         embedding = parts.embed_question(question)
         retrieved = parts.knowledge.retrieve(question, config.top_k, question_embedding=embedding, where=scope)
         chunks = [r.chunk for r in retrieved]

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -59,9 +60,9 @@ def p50(values: list[float]) -> float:
 
 def drop_deeper_states(pc: PerCache, depth: int) -> None:
     """Keep only chunk-state nodes of depth <= *depth* (system = 1, first chunk = 2)."""
-    for node in sorted(pc.tree.nodes, key=lambda n: -n.depth):
+    for node in sorted(internals(pc).tree.nodes, key=lambda n: -n.depth):
         if node.depth > depth:
-            pc.states.delete(node.key)
+            internals(pc).states.delete(node.key)
 
 
 def exact_mode(args, engine, embedder, pairs) -> dict:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.kv.pieces import exact_pieces
@@ -336,7 +337,7 @@ def bench_drafts(engine: LlamaEngine, embedder: Any, documents: list[dict], ques
                     pc.answer(question)
             answers = []
             for question in questions:
-                pc.parts.prompt_answers.clear()  # no prompt answer: the model runs with the drafts
+                internals(pc).parts.prompt_answers.clear()  # no prompt answer: the model runs with the drafts
                 answers.append(pc.answer(question))
             runs[name] = answers
             pc.close()

@@ -24,6 +24,7 @@ from collections import Counter
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 
 from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
@@ -36,13 +37,13 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 def probe_followers(pc: PerCache, top_k: int, neighbours: dict[str, list[str]]) -> dict[str, list[str]]:
     """Each chunk's likeliest second chunks, from its sentences asked as questions."""
     probes = []
-    for chunk in pc.knowledge.chunks:
+    for chunk in internals(pc).knowledge.chunks:
         where = {f: chunk.metadata[f] for f in SCOPE_FIELDS if f in chunk.metadata} or None
         probes += [(s, where) for s in _SENTENCE.split(chunk.text) if len(s.split()) >= 5]
     embeddings = pc.embedder.embed([text for text, _ in probes])
     seconds: dict[str, Counter] = {}
     for (text, where), embedding in zip(probes, embeddings):
-        ranked = [r.chunk.id for r in pc.knowledge.retrieve(text, top_k, question_embedding=embedding, where=where)]
+        ranked = [r.chunk.id for r in internals(pc).knowledge.retrieve(text, top_k, question_embedding=embedding, where=where)]
         if len(ranked) >= 2:
             seconds.setdefault(ranked[0], Counter())[ranked[1]] += 1
     followers = {}
@@ -57,15 +58,15 @@ def study_user(user: Any, pc: PerCache, top_k: int) -> dict[str, Any]:
     second chunk among the first n neighbours of the first, for each n in NEIGHBOURS."""
     pc.add_documents(user.documents, split=False)
     neighbours = {  # as the knowledge prefill picks them (KnowledgeBank.neighbours)
-        chunk.id: [n.id for n in pc.knowledge.neighbours(chunk, max(NEIGHBOURS), scope_fields=SCOPE_FIELDS)]
-        for chunk in pc.knowledge.chunks
+        chunk.id: [n.id for n in internals(pc).knowledge.neighbours(chunk, max(NEIGHBOURS), scope_fields=SCOPE_FIELDS)]
+        for chunk in internals(pc).knowledge.chunks
     }
     followers = probe_followers(pc, top_k, neighbours)
     questions = 0
     covered = dict.fromkeys(NEIGHBOURS, 0)
     learned = dict.fromkeys(NEIGHBOURS, 0)
     for query in user.queries:
-        ranked = [r.chunk.id for r in pc.knowledge.retrieve(query["question"], top_k, where=query_scope(query))]
+        ranked = [r.chunk.id for r in internals(pc).knowledge.retrieve(query["question"], top_k, where=query_scope(query))]
         if len(ranked) < 2:
             continue
         questions += 1
@@ -74,7 +75,7 @@ def study_user(user: Any, pc: PerCache, top_k: int) -> dict[str, Any]:
             learned[n] += ranked[1] in followers[ranked[0]][:n]
     return {
         "user": f"{user.dataset}/{user.name}",
-        "chunks": len(pc.knowledge),
+        "chunks": len(internals(pc).knowledge),
         "questions": questions,
         "second_chunk_is_a_neighbour": {str(n): covered[n] for n in NEIGHBOURS},
         "second_chunk_is_a_probe_follower": {str(n): learned[n] for n in NEIGHBOURS},

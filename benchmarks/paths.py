@@ -63,6 +63,7 @@ from pathlib import Path as FolderPath
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
 from percache_core.kv.llama_cpp import LlamaEngine
@@ -341,11 +342,11 @@ def measure_model(engine: LlamaEngine) -> tuple[float, float]:
 def user_paths(user: Any, pc: PerCache, engine: LlamaEngine, top_k: int) -> UserPaths:
     """Retrieve each of *user*'s questions and count each chunk's prompt tokens."""
     pc.add_documents(user.documents, split=False, progress=len(user.documents) > 1000)
-    chunks = pc.knowledge.chunks
+    chunks = internals(pc).knowledge.chunks
     asked = []
     for query in user.queries:
-        embedding = pc.parts.embed_question(query["question"])
-        found = pc.knowledge.retrieve(query["question"], top_k, question_embedding=embedding, where=query_scope(query))
+        embedding = internals(pc).parts.embed_question(query["question"])
+        found = internals(pc).knowledge.retrieve(query["question"], top_k, question_embedding=embedding, where=query_scope(query))
         asked.append(AskedQuestion(query["question"], embedding, query_scope(query), tuple(r.chunk.id for r in found)))
     return UserPaths(
         name=user.name,
@@ -354,7 +355,7 @@ def user_paths(user: Any, pc: PerCache, engine: LlamaEngine, top_k: int) -> User
         scopes={c.id: tuple(c.metadata.get(f) for f in SCOPE_FIELDS) for c in chunks},
         order=[c.id for c in chunks],
         neighbours={
-            c.id: [n.id for n in pc.knowledge.neighbours(c, MAX_NEIGHBOURS, scope_fields=SCOPE_FIELDS)]
+            c.id: [n.id for n in internals(pc).knowledge.neighbours(c, MAX_NEIGHBOURS, scope_fields=SCOPE_FIELDS)]
             for c in chunks
         },
         questions=[question.chunk_ids for question in asked],
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = stack.enter_context(tempfile.TemporaryDirectory())
             pc = stack.enter_context(PerCache.open(folder, config=config, embedder=embedder))
             users.append(user_paths(user, pc, engine, args.top_k))
-            knowledges[f"{user.dataset}/{user.name}"] = pc.knowledge
+            knowledges[f"{user.dataset}/{user.name}"] = internals(pc).knowledge
             print(f"{user.dataset}/{user.name}: {len(users[-1].order)} chunks", flush=True)
         free_disk = shutil.disk_usage(tempfile.gettempdir()).free
         results = []

@@ -18,6 +18,7 @@ from pathlib import Path
 from benchmarks.data_sets import default_data_folder, read_jsonl
 from benchmarks.output import write_json
 from percache_core import Chunk, PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.shared.bloom import BloomFilter
 from tests.local_redis import RedisServer
 
@@ -105,7 +106,7 @@ def main() -> None:
             fresh = prompts(args.data, 2 * args.prompts)[args.prompts :]  # never populated
             for question, chunks in fresh:
                 reader.caller.generate(question, chunks)
-            bloom = reader.shared.bloom
+            bloom = internals(reader).shared.bloom
             stats = reader.stats()["shared"]
         full = BloomFilter(bloom.capacity, bloom.false_positive_rate)  # the same filter, filled to capacity
         for _ in range(full.capacity):

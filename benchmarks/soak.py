@@ -38,6 +38,7 @@ from pathlib import Path
 from benchmarks.data_sets import default_data_folder, load_users
 from benchmarks.output import write_json
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.storage import Store
 
 MB = 1024 * 1024
@@ -125,7 +126,7 @@ def references(folder: Path, documents: list[dict], rows: list[dict], config: di
         for row in rows:
             key = (row["question"], tuple(row["chunk_ids"]))
             if key not in answers:
-                chunks = [pc.knowledge.get_chunk(chunk_id) for chunk_id in key[1]]
+                chunks = [internals(pc).knowledge.get_chunk(chunk_id) for chunk_id in key[1]]
                 answers[key] = pc.caller.generate(row["question"], chunks).text
     return answers
 
@@ -204,7 +205,7 @@ def kills(root: Path, documents: list[dict], questions: list[str], config: dict,
                         row |= {"question": question, "text": answer.text, "source": answer.source,
                                 "chunk_ids": list(answer.chunk_ids),
                                 "corrupt_dropped": pc.stats()["chunk_states"]["corrupt_dropped"],
-                                "qa_entries_kept": len(pc.qa_bank), "states_kept": len(pc.tree.nodes)}
+                                "qa_entries_kept": len(internals(pc).qa_bank), "states_kept": len(internals(pc).tree.nodes)}
                 except Exception:
                     row["error"] = traceback.format_exc(limit=3)
                 rows.append(row)

@@ -24,6 +24,7 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.config import MB
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.budget import BUDGET_FLOOR_BYTES, PREFILL_BUDGET_SHARE
 from percache_core.kv.llama_cpp import LlamaEngine
@@ -57,16 +58,16 @@ def measure_user(
             answers = {k: pc.answer(query["question"], scope=query_scope(query)) for k, pc in caches.items()}
             identical += answers["whole"].text == answers["slices"].text
             same_reuse += answers["whole"].reused_tokens == answers["slices"].reused_tokens
-        assert caches["slices"].states.slices, "the slices round trip failed on this engine"
+        assert internals(caches["slices"]).states.slices, "the slices round trip failed on this engine"
         by_depth = {kind: _bytes_by_depth(pc) for kind, pc in caches.items()}
         return {
             "user": f"{user.dataset}/{user.name}",
             "questions": len(user.queries),
-            "chunks": len(caches["whole"].knowledge),
+            "chunks": len(internals(caches["whole"]).knowledge),
             "identical_answers": identical,
             "same_reused_tokens": same_reuse,
-            "nodes": len(caches["whole"].tree),
-            "total_bytes": {kind: pc.tree.bytes for kind, pc in caches.items()},
+            "nodes": len(internals(caches["whole"]).tree),
+            "total_bytes": {kind: internals(pc).tree.bytes for kind, pc in caches.items()},
             "mean_node_bytes_by_depth": by_depth,
         }
     finally:
@@ -76,7 +77,7 @@ def measure_user(
 
 def _bytes_by_depth(pc: PerCache) -> dict[int, float]:
     depths: dict[int, list[int]] = {}
-    for node in pc.tree.nodes:
+    for node in internals(pc).tree.nodes:
         depths.setdefault(node.depth, []).append(node.size)
     return {depth: statistics.fmean(sizes) for depth, sizes in sorted(depths.items())}
 

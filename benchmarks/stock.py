@@ -48,6 +48,7 @@ import numpy as np
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -256,7 +257,7 @@ def bench_model(
         )
         pc = PerCache.open(Path(folder) / "cache", config=config, engine=engine, embedder=embedder)
         pc.add_documents([{"id": r["doc_id"], "text": r["text"]} for r in squad_chunks], progress=False)
-        runner = pc.parts.runtime.runner
+        runner = internals(pc).runner
         stops = list(config.stop)
 
         asked = squad_questions[:long_count]

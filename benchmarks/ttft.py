@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -99,10 +100,10 @@ def ttft_trials(args, engine, embedder, folder: Path) -> dict:
                 reused[name].append(answer.reused_tokens)
                 if name == "miss":
                     prompt_tokens.append(answer.prefilled_tokens)
-            node = max(pc.tree.nodes, key=lambda n: (n.depth, n.n_tokens))
+            node = max(internals(pc).tree.nodes, key=lambda n: (n.depth, n.n_tokens))
             for _ in range(5):
                 started = time.perf_counter()
-                data = pc.states.get(node)
+                data = internals(pc).states.get(node)
                 loaded = time.perf_counter()
                 with engine.lock:
                     assert engine.load_state(data, node.n_tokens)
@@ -131,7 +132,7 @@ def qa_hit_latency(args, engine, embedder, folder: Path) -> dict:
     with PerCache.open(folder / "qa", config=PerCacheConfig(), engine=engine, embedder=embedder) as pc:
         embeddings = embedder.embed(questions)
         for question, embedding in zip(questions, embeddings):
-            pc.qa_bank.put(question, embedding, "stored answer")
+            internals(pc).qa_bank.put(question, embedding, "stored answer")
         latencies, hits = [], 0
         for question in questions:
             answer = pc.answer(question)

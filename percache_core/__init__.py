@@ -7,7 +7,7 @@
 Importing this package loads no model and touches no file.
 """
 
-from .callers import CallerPipeline
+from .callers import CallerCache
 from .config import PerCacheConfig
 from .errors import (
     CacheClosedError,
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Answer",
     "AnswerStream",
-    "CallerPipeline",
+    "CallerCache",
     "ChatPrompt",
     "CacheClosedError",
     "CacheFolderError",

@@ -1,15 +1,15 @@
-"""``CallerPipeline`` (``pc.caller``): a PerCache for apps that run their own pipeline.
+"""``CallerCache`` (``pc.caller``): a PerCache for apps that run their own pipeline.
 
 A LlamaIndex query engine, a LangChain chain or your own code builds its prompts and
 retrieves on its own; what it needs of a cache is a short verb list over the same parts
 and the same answering path (:class:`~percache_core.serving.request_path.RequestPath`)
 that ``PerCache.answer`` uses:
 
-- :meth:`~CallerPipeline.lookup`: a stored answer the caller may serve (counted as a hit);
-- :meth:`~CallerPipeline.complete`: continue the caller's finished prompt through the
+- :meth:`~CallerCache.lookup`: a stored answer the caller may serve (counted as a hit);
+- :meth:`~CallerCache.complete`: continue the caller's finished prompt through the
   chunk states (its output is the model's own, with or without the cache);
-- :meth:`~CallerPipeline.generate`: answer a question from chunks the caller retrieved;
-- :meth:`~CallerPipeline.remember` / :meth:`~CallerPipeline.forget`: store the caller's
+- :meth:`~CallerCache.generate`: answer a question from chunks the caller retrieved;
+- :meth:`~CallerCache.remember` / :meth:`~CallerCache.forget`: store the caller's
   answer, and delete what it stored.
 
 Every answer the caller keeps is bound to a *binding* (a key of whatever decides its
@@ -37,7 +37,7 @@ from .serving.streaming import AnswerStream, delivered
 from .types import Answer, Chunk, QAEntry, QAHit
 
 
-class CallerPipeline:
+class CallerCache:
     """The verbs an app with its own pipeline uses (see the module docstring); reach it as
     ``pc.caller``."""
 
@@ -265,6 +265,22 @@ class CallerPipeline:
 
     # -- what the caller's prompts are made for ---------------------------------------------
 
+    def model_id(self) -> str:
+        """The identity of the model that answers (the engine's fingerprint; loads the
+        model on first use): part of every binding.
+
+        >>> pc.caller.model_id()   # doctest: +SKIP
+        'gemma-3-270m-it-Q8_0.gguf:...'
+        """
+        self._ensure_open()
+        return self._parts.runtime.model_id()
+
+    def binding(self, max_new_tokens: int | None = None) -> str:
+        """The binding of the answers this cache's own pipeline gives with its settings now:
+        the default *binding* of :meth:`lookup`, :meth:`find` and :meth:`remember`."""
+        self._ensure_open()
+        return self._parts.binding(max_new_tokens=max_new_tokens)
+
     @property
     def text_model(self) -> TextModel:
         """The model's tokenizer and chat template (loads the model on first use): what a
@@ -280,4 +296,3 @@ class CallerPipeline:
         """The stored chunk *chunk_id* (a whole document's first chunk as ``id#c000``)."""
         knowledge = self._parts.knowledge
         return knowledge.get_chunk(chunk_id) or knowledge.get_chunk(f"{chunk_id}#c000")
-

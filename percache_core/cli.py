@@ -169,7 +169,8 @@ def run_ingest(args: argparse.Namespace) -> int:
     documents = _read_documents(args.paths)
     with PerCache.open(args.cache, config=_config(args)) as pc:
         chunks = pc.add_documents(documents, split=not args.no_split, progress=True)
-        print(f"added {len(chunks)} chunks from {len(documents)} documents; {len(pc.knowledge)} in total")
+        total = pc.stats()["knowledge"]["chunks"]
+        print(f"added {len(chunks)} chunks from {len(documents)} documents; {total} in total")
     return 0
 
 

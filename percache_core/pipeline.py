@@ -15,22 +15,19 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .callers import CallerPipeline
+from .callers import CallerCache
 from .config import PerCacheConfig
 from .errors import CacheClosedError, CacheFolderError
 from .inputs import positive_override, similarity_override, validated_question, validated_scope
 from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
 from .kv.engine import Engine
-from .kv.tiers import TieredStateStore
-from .kv.tree import ChunkStateTree
 from .models import resolve_model_path
 from .prediction.scheduler import Scheduler, WarmReport
 from .prediction.worker import IdleWorker
 from .qa.bank import QABank
 from .qa.prompt_answers import PromptAnswers
 from .serving.activity import UserActivity
-from .serving.generation import PromptRunner
 from .serving.parts import CacheParts
 from .serving.request_path import RequestPath
 from .serving.runtime import ModelRuntime
@@ -78,7 +75,7 @@ class PerCache:
         model_path: Path | None,
         verbose: bool = False,
     ) -> None:
-        self.folder = folder
+        self._folder = folder
         self._closed = False
         try:
             private_folder(folder)
@@ -88,30 +85,29 @@ class PerCache:
         check_embedder(meta, embedder, folder)
         qa_store = Store(folder / "qa_bank")
         qa_bank = QABank(qa_store, dimension=embedding_dimension(embedder), budget_bytes=config.qa_bank_budget_bytes)
-        self.shared = open_shared_tier(config, qa_bank, embedder.name)
-        self.parts = CacheParts(
+        self._shared = open_shared_tier(config, qa_bank, embedder.name)
+        self._parts = CacheParts(
             config=config,
             embedder=embedder,
             knowledge=KnowledgeBank(
                 Store(folder / "knowledge"), embedder, chunk_words=config.chunk_words, rrf_k=config.rrf_k
             ),
             qa_bank=qa_bank,
-            prompt_answers=PromptAnswers(qa_store, budget_bytes=config.qa_bank_budget_bytes, shared=self.shared),
+            prompt_answers=PromptAnswers(qa_store, budget_bytes=config.qa_bank_budget_bytes, shared=self._shared),
             runtime=ModelRuntime(
-                folder, config, engine=engine, model_path=model_path, shared=self.shared, verbose=verbose
+                folder, config, engine=engine, model_path=model_path, shared=self._shared, verbose=verbose
             ),
             activity=UserActivity(history_size=config.history_size),
             usage=UsageCounters(),
             meta=meta,
         )
-        # the parts that never change, for callers and tools
-        self.embedder, self.knowledge, self.qa_bank = embedder, self.parts.knowledge, qa_bank
-        self.usage = self.parts.usage
-        self.request_path = RequestPath(self.parts)
-        self.scheduler = Scheduler(self.parts, self.request_path)
-        self.caller = CallerPipeline(self.parts, self.request_path, self._ensure_open)
+        # the parts stay behind the verbs (tests and benchmarks read them through
+        # percache_core.inspection.internals)
+        self._request_path = RequestPath(self._parts)
+        self._scheduler = Scheduler(self._parts, self._request_path)
+        self.caller = CallerCache(self._parts, self._request_path, self._ensure_open)
         """The verbs for apps that run their own pipeline (lookup, complete, generate,
-        remember, forget): see :class:`~percache_core.callers.CallerPipeline`."""
+        remember, forget): see :class:`~percache_core.callers.CallerCache`."""
         self._worker: IdleWorker | None = None
 
     @classmethod
@@ -163,10 +159,10 @@ class PerCache:
         if self._closed:
             return
         self.stop_worker()
-        if self.shared is not None:
-            self.shared.close()
+        if self._shared is not None:
+            self._shared.close()
         self._closed = True
-        parts = self.parts
+        parts = self._parts
         parts.qa_bank.close()
         parts.knowledge.close()
         parts.meta.close()
@@ -182,54 +178,32 @@ class PerCache:
         if self._closed:
             raise CacheClosedError("this PerCache is closed")
 
-    # -- the parts, for callers and tools -------------------------------------------------
+    # -- what the cache is ----------------------------------------------------------------
 
     @property
     def config(self) -> PerCacheConfig:
-        return self.parts.config
+        """The settings now (change them with :meth:`configure`)."""
+        return self._parts.config
 
     @property
-    def engine(self) -> Engine:
-        """The engine, loaded on first use."""
-        return self.parts.runtime.engine
+    def folder(self) -> Path:
+        """The cache folder."""
+        return self._folder
 
     @property
-    def states(self) -> TieredStateStore:
-        """The stored chunk states of this engine's fingerprint (local, shared behind)."""
-        return self.parts.runtime.states
-
-    @property
-    def tree(self) -> ChunkStateTree:
-        """Which prompt prefixes have a stored state locally."""
-        return self.parts.runtime.tree
-
-    @property
-    def runner(self) -> PromptRunner:
-        return self.parts.runtime.runner
-
-    @property
-    def last_activity(self) -> float:
-        """``time.monotonic()`` of the last user activity."""
-        return self.parts.activity.last_activity
-
-    def model_id(self) -> str:
-        """The identity of the model that answers (the engine's fingerprint); part of
-        every QA entry's binding."""
-        return self.parts.runtime.model_id()
-
-    def binding(self, max_new_tokens: int | None = None) -> str:
-        """The binding of answers this cache's own pipeline gives with its settings now."""
-        return self.parts.binding(max_new_tokens=max_new_tokens)
+    def embedder(self) -> Embedder:
+        """The embedder of questions and chunks (e.g. for an app's own vector store)."""
+        return self._parts.embedder
 
     def preload(self) -> None:
         """Load the embedder, the model and the chunk states now, and run the engine's
         self-checks (a few seconds once per engine: the exact prefill piece size, the
         draft-verification bound, whether drafts pay), not on first use."""
         self._ensure_open()
-        self.parts.embed_question("warm-up")
-        self.parts.runtime.preload()
-        self.parts.runtime.size_state_budget(self.knowledge.chunks)
-        logger.info("engine self-check: %s", self.parts.runtime.self_check_report())
+        self._parts.embed_question("warm-up")
+        self._parts.runtime.preload()
+        self._parts.runtime.size_state_budget(self._parts.knowledge.chunks)
+        logger.info("engine self-check: %s", self._parts.runtime.self_check_report())
 
     # -- knowledge ------------------------------------------------------------------------
 
@@ -242,10 +216,10 @@ class PerCache:
         with the same id and new text it replaces the old chunks.
         """
         self._ensure_open()
-        self.parts.activity.touch()
-        chunks = self.knowledge.add_documents(documents, split=split, progress=progress)
+        self._parts.activity.touch()
+        chunks = self._parts.knowledge.add_documents(documents, split=split, progress=progress)
         if chunks and self.config.qa_bank:
-            self.scheduler.invalidation.documents_added(chunks, self.knowledge.last_replaced)
+            self._scheduler.invalidation.documents_added(chunks, self._parts.knowledge.last_replaced)
         return chunks
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
@@ -263,19 +237,21 @@ class PerCache:
         """
         self._ensure_open()
         ids = validated_document_ids(doc_ids)
-        with self.parts.activity.user_turn():  # an idle round stops first
-            removing = [chunk for chunk in self.knowledge.chunks if chunk.doc_id in ids]
-            self.scheduler.invalidation.documents_deleted(removing, ids)
+        with self._parts.activity.user_turn():  # an idle round stops first
+            removing = [chunk for chunk in self._parts.knowledge.chunks if chunk.doc_id in ids]
+            self._scheduler.invalidation.documents_deleted(removing, ids)
             if removing:
-                self.parts.prompt_answers.clear()  # a key does not say which texts its prompt held
+                self._parts.prompt_answers.clear()  # a key does not say which texts its prompt held
             # the chunks go last: a failure (or kill) before leaves the documents, so a
             # retry does the whole work again
-            return len(self.knowledge.delete_documents(ids))
+            return len(self._parts.knowledge.delete_documents(ids))
 
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
         """The chunks hybrid retrieval gives for *question* (best first)."""
         self._ensure_open()
-        return self.knowledge.retrieve(validated_question(question), positive_override("k", k, self.config.top_k))
+        return self._parts.knowledge.retrieve(
+            validated_question(question), positive_override("k", k, self.config.top_k)
+        )
 
     # -- answering ------------------------------------------------------------------------
 
@@ -302,10 +278,14 @@ class PerCache:
         top_k = positive_override("top_k", top_k, self.config.top_k)
         max_new_tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
         scope_dict = validated_scope(scope)
-        events = self.request_path.answer(
-            question, similarity_threshold=threshold, top_k=top_k, max_new_tokens=max_new_tokens, scope=scope_dict
+        events = self._request_path.answer(
+            question,
+            similarity_threshold=threshold,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            scope=scope_dict,
         )
-        return delivered(self.parts.activity.in_user_turn(events), stream)
+        return delivered(self._parts.activity.in_user_turn(events), stream)
 
     def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
         """``answer(question, stream=True, **overrides)``."""
@@ -335,7 +315,7 @@ class PerCache:
         ['When is the launch talk?', ...]
         """
         self._ensure_open()
-        return self.scheduler.warm(
+        return self._scheduler.warm(
             max_seconds=max_seconds,
             max_predictions=max_predictions,
             knowledge_prediction=knowledge_prediction,
@@ -359,8 +339,8 @@ class PerCache:
         if self._worker is not None and self._worker.running:
             return self._worker
         self._worker = IdleWorker(
-            self.scheduler,
-            self.parts.activity,
+            self._scheduler,
+            self._parts.activity,
             idle_after_s=self.config.idle_after_s if idle_after_s is None else idle_after_s,
             should_run=should_run,
             round_seconds=round_seconds,
@@ -374,10 +354,6 @@ class PerCache:
             self._worker.stop()
             self._worker = None
 
-    def user_waiting(self) -> bool:
-        """True while a user's question is waiting for or using the model."""
-        return self.parts.activity.waiting()
-
     def configure(self, **changes: Any) -> PerCacheConfig:
         """Change settings at run time (e.g. ``similarity_threshold``, budgets): the next
         question and the next idle round use them. Settings fixed when the cache was
@@ -388,7 +364,7 @@ class PerCache:
         """
         self._ensure_open()
         fixed = set(changes) & SETTINGS_FIXED_AT_OPEN
-        if self.parts.runtime.engine_loaded:
+        if self._parts.runtime.engine_loaded:
             fixed |= set(changes) & SETTINGS_OF_THE_LOADED_MODEL
         fixed = {name for name in fixed if changes[name] != getattr(self.config, name)}
         if fixed:
@@ -397,12 +373,12 @@ class PerCache:
                 "(close it and open it again with the new config)"
             )
         config = self.config.replace(**changes)
-        self.parts.config = config
-        self.parts.runtime.configure(config)
-        self.qa_bank.budget_bytes = config.qa_bank_budget_bytes
-        self.parts.prompt_answers.budget_bytes = config.qa_bank_budget_bytes
-        self.knowledge.configure(chunk_words=config.chunk_words, rrf_k=config.rrf_k)
-        self.scheduler.configure(config)
+        self._parts.config = config
+        self._parts.runtime.configure(config)
+        self._parts.qa_bank.budget_bytes = config.qa_bank_budget_bytes
+        self._parts.prompt_answers.budget_bytes = config.qa_bank_budget_bytes
+        self._parts.knowledge.configure(chunk_words=config.chunk_words, rrf_k=config.rrf_k)
+        self._scheduler.configure(config)
         return config
 
     # -- reporting ------------------------------------------------------------------------
@@ -414,21 +390,20 @@ class PerCache:
         12
         """
         self._ensure_open()
-        summary = self.usage.summary()
+        summary = self._parts.usage.summary()
         summary["qa_bank"] = {
-            "entries": len(self.qa_bank),
-            "bytes": self.qa_bank.bytes,
-            "budget_bytes": self.qa_bank.budget_bytes,
-            "evictions": self.qa_bank.evictions,
-            "prompt_answers": len(self.parts.prompt_answers),
-            "prompt_answer_bytes": self.parts.prompt_answers.bytes,
+            "entries": len(self._parts.qa_bank),
+            "bytes": self._parts.qa_bank.bytes,
+            "budget_bytes": self._parts.qa_bank.budget_bytes,
+            "evictions": self._parts.qa_bank.evictions,
+            "prompt_answers": len(self._parts.prompt_answers),
+            "prompt_answer_bytes": self._parts.prompt_answers.bytes,
         }
-        summary["knowledge"] = {"chunks": len(self.knowledge)}
-        summary["idle"] = self.scheduler.stats()
-        summary["prediction"] = self.scheduler.demand_stats()
-        if self.shared is not None:
-            summary["shared"] = self.shared.stats()
-        summary["chunk_states"] = self.parts.runtime.stats()
-        summary["engine_self_check"] = self.parts.runtime.self_check_report()
+        summary["knowledge"] = {"chunks": len(self._parts.knowledge)}
+        summary["idle"] = self._scheduler.stats()
+        summary["prediction"] = self._scheduler.demand_stats()
+        if self._shared is not None:
+            summary["shared"] = self._shared.stats()
+        summary["chunk_states"] = self._parts.runtime.stats()
+        summary["engine_self_check"] = self._parts.runtime.self_check_report()
         return summary
-

@@ -24,7 +24,7 @@ from langchain_core.globals import get_llm_cache
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.load import dumps
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, field_validator
 
@@ -55,7 +55,12 @@ def _usage(answer: Answer | None) -> UsageMetadata | None:
         return None
     prompt_tokens = answer.reused_tokens + answer.prefilled_tokens
     generated = answer.generated_tokens
-    return UsageMetadata(input_tokens=prompt_tokens, output_tokens=generated, total_tokens=prompt_tokens + generated)
+    return UsageMetadata(
+        input_tokens=prompt_tokens,
+        output_tokens=generated,
+        total_tokens=prompt_tokens + generated,
+        input_token_details=InputTokenDetails(cache_read=answer.reused_tokens),  # restored, not prefilled
+    )
 
 
 class PerCacheChatLlamaCPP(BaseChatModel):

@@ -27,7 +27,7 @@ def generation_settings(percache: PerCache, max_new_tokens: int | None, temperat
     ``_identifying_params`` (so LangChain's cache keys tell them apart) and for the call."""
     config = percache.config
     return {
-        "model": percache.model_id(),
+        "model": percache.caller.model_id(),
         "max_new_tokens": max_new_tokens or config.max_new_tokens,
         "temperature": config.temperature if temperature is None else temperature,
         "top_p": config.top_p,

@@ -125,6 +125,7 @@ class KnowledgeBank:
         self._snapshot_min_chunks = snapshot_min_chunks
         self._snapshot_version = -1  # the store version of the snapshot on disk, when known
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
+        self.full_reads = 0  # times every record was read (no usable snapshot, or a removal)
         self.sync()
 
     def configure(self, *, chunk_words: int, rrf_k: int) -> None:
@@ -190,6 +191,7 @@ class KnowledgeBank:
         return changes.version
 
     def _reload(self) -> None:
+        self.full_reads += 1
         chunks: list[Chunk] = []
         vectors: list[np.ndarray] = []
         for record in self._store.records("chunk:"):

@@ -158,6 +158,12 @@ class Scheduler:
         self._asked_seen = 0  # of the activity's asked questions, those the estimate has seen
         self._predicted_done = -1  # asked questions seen when predicted paths last ran to the end
 
+    @property
+    def round_report(self) -> WarmReport | None:
+        """The report of the idle round now running (it fills in as the round goes), or None
+        between rounds."""
+        return self._report
+
     # -- what the facade tells the scheduler ------------------------------------------------
 
     def configure(self, config: PerCacheConfig) -> None:

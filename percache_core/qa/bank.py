@@ -181,6 +181,11 @@ class QABank:
         with self._lock:
             return self._entries[self._index[entry_id]]
 
+    def entry_bytes(self, entry_id: str) -> int:
+        """The bytes entry *entry_id* counts against the budget."""
+        with self._lock:
+            return self._sizes[self._index[entry_id]]
+
     def get(self, entry_id: str, default: QAEntry | None = None) -> QAEntry | None:
         """The entry with this id, or *default*."""
         with self._lock:

@@ -175,11 +175,13 @@ class SharedTier:
         assert self._fingerprint is not None
         return self._key(self._fingerprint[:32], "catalog")
 
-    def _qa_key(self, entry_id: str) -> str:
+    def qa_key(self, entry_id: str) -> str:
+        """The Redis key of a shared QA entry (for tools that inspect the namespace)."""
         assert self._embedder_id is not None
         return self._key(self._embedder_id, "qa", entry_id)
 
-    def _qa_catalog(self) -> str:
+    def qa_catalog(self) -> str:
+        """The Redis stream that lists the shared QA entries' ids, newest last."""
         assert self._embedder_id is not None
         return self._key(self._embedder_id, "qa-catalog")
 
@@ -248,7 +250,7 @@ class SharedTier:
             for fields in self._read_stream(self._state_catalog()):
                 self.bloom.add(fields.get(b"k", b"").decode("utf-8", "replace"))
         if self._embedder_id is not None and self._on_qa_entry is not None:
-            for fields in self._read_stream(self._qa_catalog()):
+            for fields in self._read_stream(self.qa_catalog()):
                 entry_id = fields.get(b"k", b"").decode("utf-8", "replace")
                 if entry_id and entry_id not in self._own_entries:
                     entry = self._fetch_qa(entry_id)
@@ -417,7 +419,7 @@ class SharedTier:
         """Share an answered entry (pending and stale ones are not shared)."""
         if not self.write or self._embedder_id is None or not entry.servable:
             return
-        key = self._qa_key(entry.id)
+        key = self.qa_key(entry.id)
         header = {
             "id": entry.id,
             "question": entry.question,
@@ -427,7 +429,7 @@ class SharedTier:
             **{name: entry.metadata.get(name) for name in _SHARED_METADATA},
         }
         envelope = seal(self._secret, key, header, np.asarray(entry.embedding, dtype=np.float32).tobytes())
-        catalog = self._qa_catalog()
+        catalog = self.qa_catalog()
         self._own_entries.add(entry.id)
         if self._call(lambda client: client.set(key, envelope)) is not None:
             self._call(
@@ -438,7 +440,7 @@ class SharedTier:
             self.counters.writes += 1
 
     def _fetch_qa(self, entry_id: str) -> QAEntry | None:
-        key = self._qa_key(entry_id)
+        key = self.qa_key(entry_id)
         opened = open_envelope(self._secret, key, self._call(lambda client: client.get(key)))
         if opened is None:
             self.counters.rejected += 1

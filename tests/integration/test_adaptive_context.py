@@ -2,6 +2,7 @@
 chunks and answers, each answer equals the fixed-context answer from the chunks chosen,
 and later steps restore their prefix from the tree."""
 
+from percache_core.inspection import internals
 from percache_core.serving.context import confidence_signals
 
 QUESTIONS = [
@@ -14,7 +15,7 @@ QUESTIONS = [
 
 def first_token_confidence(pc, question, count):
     chunks = [r.chunk for r in pc.retrieve(question)][:count]
-    result = pc.runner.run(question, chunks, max_new_tokens=8, decode=False, keep_logits=True)
+    result = internals(pc).runner.run(question, chunks, max_new_tokens=8, decode=False, keep_logits=True)
     while True:
         try:
             next(result)
@@ -42,7 +43,7 @@ def test_adaptive_answers_equal_the_policy_without_caches_and_fixed_context(make
         reference = without_caches.answer(question)
         answer = cached.answer(question)
         assert answer.chunk_ids == reference.chunk_ids and answer.text == reference.text, question
-        chosen = [c for c in fixed.knowledge.chunks if c.id in set(answer.chunk_ids)]
+        chosen = [c for c in internals(fixed).knowledge.chunks if c.id in set(answer.chunk_ids)]
         chosen.sort(key=lambda c: list(answer.chunk_ids).index(c.id))
         assert fixed.caller.generate(question, chosen).text == answer.text, question
         used.append(len(answer.chunk_ids))

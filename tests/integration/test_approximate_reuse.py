@@ -2,6 +2,7 @@
 [system, chunk] states are marked approximate, never stored, and leave the exact default
 untouched; recomputing every token of a composed chunk gives the exact answer back."""
 
+from percache_core.inspection import internals
 from percache_core.kv.tree import path_keys
 from percache_core.serving.prompting import lay_out, rag_prompt
 
@@ -10,7 +11,7 @@ QUESTION = "Who will repair the boiler and when?"
 
 def prefill_each_chunk(pc, question):
     for retrieved in pc.retrieve(question):  # what the idle knowledge prefill does
-        pc.runner.prefill_prefix([retrieved.chunk])
+        internals(pc).runner.prefill_prefix([retrieved.chunk])
 
 
 def test_a_moved_chunk_state_continues_the_sequence(make_cache, engine):
@@ -20,14 +21,14 @@ def test_a_moved_chunk_state_continues_the_sequence(make_cache, engine):
     spec = rag_prompt(pc.config.system_prompt, chunks, QUESTION)
     segments = [list(s.tokens) for s in lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=1900).segments]
     system, first, second = segments[0], segments[1], segments[2]
-    node = pc.tree.get(path_keys(pc.states.root_key, [system, second])[1])  # [system, chunk 2]
+    node = internals(pc).tree.get(path_keys(internals(pc).states.root_key, [system, second])[1])  # [system, chunk 2]
     assert node is not None
     with engine.lock:
         engine.reset()
         engine.eval(system)
         engine.eval(first)
         before = engine.n_past
-        assert engine.append_moved(pc.states.get(node), node.n_tokens, len(system))
+        assert engine.append_moved(internals(pc).states.get(node), node.n_tokens, len(system))
         assert engine.n_past == before + len(second)
         engine.eval(segments[-1])  # the question, on top of the composed sequence
         assert len(list(engine.generate(max_new_tokens=4))) >= 1
@@ -49,7 +50,7 @@ def test_approximate_answers_are_marked_and_never_stored(make_cache):
     assert answer.approximate and answer.text.strip()
     assert answer.reused_tokens > exact_answer.reused_tokens  # chunks 2 and 3 moved in
     assert answer.prefilled_tokens < exact_answer.prefilled_tokens
-    assert len(composed.qa_bank) == 0
+    assert len(internals(composed).qa_bank) == 0
     assert composed.answer(QUESTION).source != "qa_bank"
 
     recomputed = make_cache("recomputed", qa_bank=False, reuse="approximate", recompute_tokens=100_000)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from percache_core.config import DEFAULT_SYSTEM_PROMPT
+from percache_core.inspection import internals
 from percache_core.serving.drafting import AnswerDraft, PromptLookup, deviation_bound, greedy_tokens
 
 # (stored question, paraphrases, near misses) over the demo corpus; written for this
@@ -130,8 +131,8 @@ def test_semantic_mode_never_serves_a_stale_entry(make_cache, corpus):
     moved = dict(next(d for d in corpus["documents"] if d["id"] == "mail-rehearsal"))
     moved["text"] = moved["text"].replace("Thursday at 4 pm", "Friday at 11 am")
     pc.add_documents([moved])
-    for entry in pc.qa_bank.entries:  # as in a process that did not see the change
-        pc.qa_bank.correct(entry.id, entry.answer, stale=False)
+    for entry in internals(pc).qa_bank.entries:  # as in a process that did not see the change
+        internals(pc).qa_bank.correct(entry.id, entry.answer, stale=False)
     after = pc.answer(question)
     assert after.source != "qa_bank"
     assert after.text != before.text
@@ -141,9 +142,9 @@ def test_semantic_mode_never_serves_a_stale_entry(make_cache, corpus):
 def test_remembered_answers_are_never_replaced_by_the_models(make_cache):
     pc = make_cache("remember", max_new_tokens=16)
     question = "When is my dentist appointment?"
-    pc.caller.remember(question, "Monday 14 April, 8:15 am.", binding=pc.binding())
+    pc.caller.remember(question, "Monday 14 April, 8:15 am.", binding=pc.caller.binding())
     pc.answer(question)  # the model answers the same question under the same binding
-    kept = [e for e in pc.qa_bank.entries if e.question == question]
+    kept = [e for e in internals(pc).qa_bank.entries if e.question == question]
     assert [e.answer for e in kept] == ["Monday 14 April, 8:15 am."]
 
 

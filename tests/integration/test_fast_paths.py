@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
+from percache_core.inspection import internals
 from percache_core.kv.pieces import exact_pieces
 from percache_langchain import PerCacheChatLlamaCPP
 
@@ -54,7 +55,7 @@ def _refuse(*args, **kwargs):
 def test_framework_prompts_answer_as_stock_llama_cpp_with_and_without_states(make_cache, corpus, stock):
     pc = make_cache("framework", documents=False)
     pc.preload()
-    assert exact_pieces(pc.engine) is not None
+    assert exact_pieces(internals(pc).engine) is not None
     texts = [d["text"] for d in corpus["documents"]]
     prompts = [framework_prompt(texts[i : i + 2], q) for i, q in zip((0, 1, 0, 2), QUESTIONS)]
     expected = [stock_text(stock, p) for p in prompts]
@@ -106,7 +107,7 @@ def test_a_chat_restores_its_earlier_turns_and_a_new_session_its_system_message(
     turns = ("When is the rehearsal?", "Who times the talk?", "And who draws the mooring map?")
     replies, reused = session("on", turns)
     assert replies == session("off", turns)[0]
-    system_tokens = len(on.engine.tokenize(SYSTEM))
+    system_tokens = len(internals(on).engine.tokenize(SYSTEM))
     assert reused[0] == 0 and all(r >= system_tokens for r in reused[1:])
     assert reused[2] > reused[1]  # the second turn's state too
     replies, reused = session("on", ("Who runs the launch?",))  # a new session

@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from percache_core.inspection import internals
+
 IDLE = dict(prediction_stride=2, abstract_batch_chunks=5, max_new_tokens=24)
 # rounds that run only the steps under test (each step has its own tests): prediction and
 # its population without the knowledge prefill, the knowledge prefill without the abstract
@@ -15,11 +17,11 @@ STEP_ALONE = dict(IDLE, prediction=False, knowledge_prefill=False)
 
 
 def all_nodes_restorable(pc) -> bool:
-    engine = pc.engine
+    engine = internals(pc).engine
     with engine.lock:
         return all(
-            (data := pc.states.get(node)) is not None and engine.load_state(data, node.n_tokens)
-            for node in pc.tree.nodes
+            (data := internals(pc).states.get(node)) is not None and engine.load_state(data, node.n_tokens)
+            for node in internals(pc).tree.nodes
         )
 
 
@@ -27,12 +29,12 @@ def test_warm_round_predicts_and_populates_both_tiers_below_the_cutoff(make_cach
     pc = make_cache(similarity_threshold=0.85, **PREDICTION_ALONE)
     report = pc.warm(progress=False)
     assert report.strategy == "prefill_decode" and not report.preempted
-    assert report.chunks_summarised == 10 and pc.scheduler.abstract.lines
+    assert report.chunks_summarised == 10 and internals(pc).scheduler.abstract.lines
     assert 1 <= len(report.predicted) <= 2 and report.populated == len(report.predicted)
-    predicted = [e for e in pc.qa_bank.entries if e.metadata.get("origin") == "predicted-knowledge"]
+    predicted = [e for e in internals(pc).qa_bank.entries if e.metadata.get("origin") == "predicted-knowledge"]
     assert {e.question for e in predicted} == set(report.predicted)
     assert all(e.answer for e in predicted)
-    assert len(pc.tree) > 0 and report.prefill_tokens > 0 and report.decode_tokens > 0
+    assert len(internals(pc).tree) > 0 and report.prefill_tokens > 0 and report.decode_tokens > 0
     hit = pc.answer(report.predicted[0])
     assert hit.source == "qa_bank" and hit.matched_question == report.predicted[0]
     idle = pc.stats()["idle"]["prefill_decode"]
@@ -44,7 +46,7 @@ def test_prefill_only_above_the_cutoff_stores_pending_entries_that_are_never_ser
     report = pc.warm(progress=False)
     assert report.strategy == "prefill_only" and report.pending_stored == len(report.predicted) > 0
     assert report.decode_tokens > 0  # the abstract and the prediction itself decode
-    pending = [e for e in pc.qa_bank.entries if e.answer is None]
+    pending = [e for e in internals(pc).qa_bank.entries if e.answer is None]
     assert {e.question for e in pending} == set(report.predicted)
     answer = pc.answer(pending[0].question)
     assert answer.source != "qa_bank"  # pending entries are never served
@@ -53,7 +55,7 @@ def test_prefill_only_above_the_cutoff_stores_pending_entries_that_are_never_ser
     pc.configure(similarity_threshold=0.8)  # tau falls below the cutoff: convert
     converted = pc.warm(progress=False, max_predictions=0)
     assert converted.strategy == "prefill_decode" and converted.pending_decoded == len(pending) - 1
-    assert all(e.answer for e in pc.qa_bank.entries)
+    assert all(e.answer for e in internals(pc).qa_bank.entries)
 
 
 def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
@@ -68,7 +70,7 @@ def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
             }
         ]
     )
-    entry = next(e for e in pc.qa_bank.entries if e.question.startswith("When is the presentation"))
+    entry = next(e for e in internals(pc).qa_bank.entries if e.question.startswith("When is the presentation"))
     assert entry.metadata.get("stale") is True
     again = pc.answer("When is the presentation rehearsal for the launch talk?")
     assert again.source != "qa_bank"  # a stale answer is never served
@@ -87,11 +89,11 @@ def test_refresh_regenerates_stale_entries_in_idle_time(make_cache):
             }
         ]
     )
-    stale = [e for e in pc.qa_bank.entries if e.metadata.get("stale")]
+    stale = [e for e in internals(pc).qa_bank.entries if e.metadata.get("stale")]
     assert len(stale) == 1
     report = pc.warm(progress=False, max_predictions=0)
     assert report.refreshed == 1
-    refreshed = pc.qa_bank[stale[0].id]
+    refreshed = internals(pc).qa_bank[stale[0].id]
     assert not refreshed.metadata.get("stale") and "budget-update#c000" in refreshed.chunk_ids
     assert pc.answer("How much budget did finance approve for the Harbor design work?").source == "qa_bank"
 
@@ -120,7 +122,8 @@ def test_a_user_question_preempts_a_running_round(make_cache):
     worker = threading.Thread(target=idle_round)
     worker.start()
     deadline = time.monotonic() + 120
-    while pc.scheduler._report is None or pc.scheduler._report.prefill_tokens == 0:
+    scheduler = internals(pc).scheduler
+    while scheduler.round_report is None or scheduler.round_report.prefill_tokens == 0:
         assert time.monotonic() < deadline and worker.is_alive()
         time.sleep(0.01)
     answer = pc.answer("Why is the booking API late?")
@@ -140,13 +143,13 @@ def test_background_worker_runs_only_when_idle_and_allowed(make_cache):
     allowed = threading.Event()
     worker = pc.start_worker(idle_after_s=0.3, should_run=allowed.is_set, round_seconds=120)
     time.sleep(1.0)
-    assert worker.rounds == 0 and len(pc.qa_bank) == 0  # not on charger: nothing ran
+    assert worker.rounds == 0 and len(internals(pc).qa_bank) == 0  # not on charger: nothing ran
     allowed.set()
     deadline = time.monotonic() + 120
     while worker.rounds == 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert len(pc.qa_bank) > 0 and worker.errors == 0
+    assert len(internals(pc).qa_bank) > 0 and worker.errors == 0
     pc.stop_worker()
     assert not worker.running
 
@@ -158,16 +161,16 @@ def test_history_prediction_follows_user_questions(make_cache, origin):
     pc.answer("What is my flight booking reference?")
     report = pc.warm(progress=False, knowledge_prediction=False)
     assert report.history.llm_calls >= 1
-    assert pc.parts.activity.new_history == 0
-    origins = {e.metadata.get("origin") for e in pc.qa_bank.entries}
+    assert internals(pc).parts.activity.new_history == 0
+    origins = {e.metadata.get("origin") for e in internals(pc).qa_bank.entries}
     assert f"predicted-{origin}" in origins or report.history.accepted == 0
 
 
 def test_knowledge_prefill_gives_every_prompt_its_first_chunk_exactly(make_cache):
     pc = make_cache("prefilled", **PREFILL_ALONE)
     report = pc.warm(progress=False, max_predictions=0)
-    first_chunks = {chunk.id for chunk in pc.knowledge.chunks}
-    stored = {node.label for node in pc.tree.nodes if node.depth == 2}
+    first_chunks = {chunk.id for chunk in internals(pc).knowledge.chunks}
+    stored = {node.label for node in internals(pc).tree.nodes if node.depth == 2}
     assert report.chunks_prefilled == len(first_chunks) and stored == first_chunks
     question = "When does my flight to Lisbon leave?"
     answer = pc.answer(question)
@@ -182,7 +185,7 @@ def test_knowledge_prefill_pairs_give_a_prompt_its_first_two_chunks_exactly(make
     report = pc.warm(progress=False, max_predictions=0)
     assert report.pairs_prefilled >= 1 and all_nodes_restorable(pc)
     plain = make_cache("plain", chunk_states=False, qa_bank=False, prediction=False, max_new_tokens=24)
-    question = pc.knowledge.chunks[0].text  # ranks the chunk first and its neighbour second
+    question = internals(pc).knowledge.chunks[0].text  # ranks the chunk first and its neighbour second
     answer = pc.answer(question)
     assert answer.source == "chunk_states" and answer.reused_chunks >= 2
     assert answer.text == plain.answer(question).text
@@ -196,7 +199,7 @@ def test_a_knowledge_larger_than_the_budget_gets_the_paths_the_next_question_lik
     pc.answer("When does my flight to Lisbon leave?")
     report = pc.warm(progress=False, max_predictions=0)
     assert report.predicted_paths_prefilled >= 1 and report.chunks_prefilled == 0
-    assert pc.tree.bytes <= budget and all_nodes_restorable(pc)
+    assert internals(pc).tree.bytes <= budget and all_nodes_restorable(pc)
     assert pc.warm(progress=False, max_predictions=0).predicted_paths_prefilled == 0  # nothing new asked
     question = "What time is the flight to Lisbon?"
     answer = pc.answer(question)
@@ -230,7 +233,7 @@ def test_history_predictions_are_asked_in_the_latest_questions_scope(make_cache)
     )
     pc.answer("When is the kiln firing?", scope={"meeting": "pottery"})
     report = pc.warm(progress=False, knowledge_prediction=False)
-    history = [e for e in pc.qa_bank.entries if e.metadata.get("origin") == "predicted-history"]
+    history = [e for e in internals(pc).qa_bank.entries if e.metadata.get("origin") == "predicted-history"]
     assert report.history.llm_calls == 1 and history
     assert all(e.metadata["scope"] == {"meeting": "pottery"} for e in history)
     assert all(chunk_id.startswith(("kiln", "glaze")) for e in history for chunk_id in e.chunk_ids)

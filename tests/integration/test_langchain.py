@@ -21,6 +21,7 @@ from langchain_tests.integration_tests import (
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from percache_core import MissingDependencyError, PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_langchain import (
     PerCacheChatLlamaCPP,
     PerCacheLlamaCPP,
@@ -119,12 +120,12 @@ def test_exact_mode_serves_only_the_same_prompt_and_llm_string(make_cache):
     retriever.invoke("When is the rehearsal for the launch talk?")
     assert cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model A") is None
     # idle prediction learns from the user's questions, not from the prompts used as keys
-    assert list(pc.parts.activity.history)[-2:] == [
+    assert list(internals(pc).parts.activity.history)[-2:] == [
         "When is the launch talk rehearsal?",
         "When is the rehearsal for the launch talk?",
     ]
     cache.lookup("x" * 5000, "model A")  # a long prompt of an unknown question joins no history
-    assert all(len(question) < 600 for question in pc.parts.activity.history)
+    assert all(len(question) < 600 for question in internals(pc).parts.activity.history)
     cache.clear()
     assert cache.lookup("prompt one", "model A") is None
 
@@ -137,7 +138,7 @@ def test_semantic_mode_keys_on_the_question_and_binds_the_prompt_around_it(make_
     cache.update(
         prompt_for("When is the launch talk rehearsal?"), "model A", [Generation(text="Thursday 4 pm")]
     )
-    stored = {e.question for e in pc.qa_bank.entries}
+    stored = {e.question for e in internals(pc).qa_bank.entries}
     assert "When is the launch talk rehearsal?" in stored  # the question, not the long prompt
     retriever.invoke("When is the rehearsal for the launch talk?")
     hit = cache.lookup(prompt_for("When is the rehearsal for the launch talk?"), "model A")
@@ -164,7 +165,7 @@ def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
         ]
     assert results["on"] == results["off"]
     assert on.stats()["chunk_state_hits"] == 1 and on.stats()["reused_tokens"] > 0
-    assert len(on.knowledge) == 2  # the retriever added the documents
+    assert len(internals(on).knowledge) == 2  # the retriever added the documents
 
 
 def test_streaming_gives_the_invoke_text(make_cache):
@@ -225,10 +226,10 @@ def test_chat_model_keeps_the_text_with_or_without_cache_for_two_chains(make_cac
     shared = make_cache("shared", documents=False)
     first = outputs(shared, PerCacheSemanticCache(shared))
     assert first == expected
-    entries = len(shared.qa_bank)
+    entries = len(internals(shared).qa_bank)
     assert entries == 4  # two chains x two questions; the repeats were served
     assert outputs(shared, PerCacheSemanticCache(shared)) == expected  # all from the cache now
-    assert len(shared.qa_bank) == entries and shared.stats()["chunk_state_hits"] > 0
+    assert len(internals(shared).qa_bank) == entries and shared.stats()["chunk_state_hits"] > 0
 
 
 def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
@@ -239,9 +240,9 @@ def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
     streamed = list(model.stream(messages))
     text = "".join(c.content for c in streamed)
     assert text and streamed[-1].usage_metadata["output_tokens"] >= 1
-    assert len(pc.qa_bank) == 1  # the streamed answer was stored under invoke's key
+    assert len(internals(pc).qa_bank) == 1  # the streamed answer was stored under invoke's key
     assert model.invoke(messages).content == text
-    assert len(pc.qa_bank) == 1 and "".join(c.content for c in model.stream(messages)) == text
+    assert len(internals(pc).qa_bank) == 1 and "".join(c.content for c in model.stream(messages)) == text
     uncached = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=12, cache=False)
     assert uncached.invoke(messages).content == text
     set_llm_cache(None)
@@ -265,10 +266,10 @@ def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
     chain = chain_on(pc, PerCacheSemanticCache(pc))
     question = "When is the rehearsal?"
     chain.invoke(question)
-    entries, counted = len(pc.qa_bank), pc.stats()["queries"]
+    entries, counted = len(internals(pc).qa_bank), pc.stats()["queries"]
     report = pc.warm(max_predictions=2, progress=False, answer=lambda q: bool(chain.invoke(q).content))
-    assert report.predicted and len(pc.qa_bank) > entries  # the chain's answers, in its LLM cache
-    assert list(pc.parts.activity.history) == [question] and pc.stats()["queries"] == counted
+    assert report.predicted and len(internals(pc).qa_bank) > entries  # the chain's answers, in its LLM cache
+    assert list(internals(pc).parts.activity.history) == [question] and pc.stats()["queries"] == counted
     hits = pc.stats()["qa_bank_hits"]
     for predicted in report.predicted:
         assert chain.invoke(predicted).content == plain.invoke(predicted).content
@@ -286,4 +287,4 @@ def test_a_batch_of_sixteen_at_four_at_once_answers_as_each_asked_alone(make_cac
     pc = make_cache("batched", documents=False)
     batched = chain_on(pc, PerCacheSemanticCache(pc), 8).batch(questions, config={"max_concurrency": 4})
     assert [m.content for m in batched] == alone
-    assert len(pc.qa_bank) == 16
+    assert len(internals(pc).qa_bank) == 16

@@ -14,6 +14,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from nbclient import NotebookClient
 
 from percache_core import MissingDependencyError, PerCacheConfig
+from percache_core.inspection import internals
 from percache_llamaindex import (
     PerCacheEmbedding,
     PerCacheLlamaCPP,
@@ -67,7 +68,7 @@ def test_postprocessors_and_the_empty_response_are_the_apps(index, llm, tmp_path
     expected = plain.query(QUESTION).response
     assert expected == "Empty Response"
     assert [cached.query(QUESTION).response for _ in range(2)] == [expected, expected]
-    assert len(cached.percache.qa_bank) == 0  # nothing invented, nothing stored
+    assert len(internals(cached.percache).qa_bank) == 0  # nothing invented, nothing stored
     cached.close()
 
 
@@ -84,13 +85,13 @@ def test_an_insert_or_delete_takes_effect_at_the_next_question(embedder, corpus,
     assert after.response == rebuilt.query(QUESTION).response
     assert "moved" in {n.node.ref_doc_id for n in after.source_nodes}
     moved = [n.node.node_id for n in after.source_nodes if n.node.ref_doc_id == "moved"]
-    states_with_moved = {node.key for node in cached.percache.tree.nodes if node.label == "text"}
-    assert states_with_moved and any(set(moved) & set(e.chunk_ids) for e in cached.percache.qa_bank.entries)
+    states_with_moved = {node.key for node in internals(cached.percache).tree.nodes if node.label == "text"}
+    assert states_with_moved and any(set(moved) & set(e.chunk_ids) for e in internals(cached.percache).qa_bank.entries)
     index.delete_ref_doc("moved", delete_from_docstore=True)
     cached.retrieve(QueryBundle(QUESTION))  # the engine sees the deletion: PerCache forgets the node
-    assert not set(moved) & {c.doc_id for c in cached.percache.knowledge.chunks}
-    assert not any(set(moved) & set(e.chunk_ids) for e in cached.percache.qa_bank.entries)
-    assert not states_with_moved & {node.key for node in cached.percache.tree.nodes}
+    assert not set(moved) & {c.doc_id for c in internals(cached.percache).knowledge.chunks}
+    assert not any(set(moved) & set(e.chunk_ids) for e in internals(cached.percache).qa_bank.entries)
+    assert not states_with_moved & {node.key for node in internals(cached.percache).tree.nodes}
     again = cached.query(QUESTION)
     rebuilt = index.as_query_engine(llm=llm, similarity_top_k=2)
     assert again.response == rebuilt.query(QUESTION).response == before.response
@@ -101,13 +102,13 @@ def test_an_insert_or_delete_takes_effect_at_the_next_question(embedder, corpus,
 def test_idle_prediction_stores_the_apps_own_answers_for_predicted_questions(index, llm, tmp_path):
     plain, cached = plain_and_cached(index, llm, tmp_path, "warm")
     cached.query(QUESTION)
-    counted, last_activity = cached.percache.stats()["queries"], cached.percache.last_activity
+    counted, last_activity = cached.percache.stats()["queries"], internals(cached.percache).last_activity
     report = cached.warm(max_predictions=2, progress=False)
     assert report.predicted and report.answers_stored >= 1
     # idle work is no user's: no history, no usage counts, no activity that delays the next round
-    assert list(cached.percache.parts.activity.history) == [QUESTION]
+    assert list(internals(cached.percache).parts.activity.history) == [QUESTION]
     assert cached.percache.stats()["queries"] == counted
-    assert cached.percache.last_activity == last_activity
+    assert internals(cached.percache).last_activity == last_activity
     served = 0
     for question in report.predicted:
         response = cached.query(question)
@@ -120,7 +121,7 @@ def test_idle_prediction_stores_the_apps_own_answers_for_predicted_questions(ind
 def test_a_user_question_pre_empts_a_predicted_answer_half_way(index, llm, tmp_path):
     plain, cached = plain_and_cached(index, llm, tmp_path, "pre-empted")
     cached.query(QUESTION)
-    activity = cached.percache.parts.activity
+    activity = internals(cached.percache).parts.activity
     checks = []
 
     def user_arrives() -> bool:  # true from the first check inside the engine's LLM call
@@ -128,11 +129,11 @@ def test_a_user_question_pre_empts_a_predicted_answer_half_way(index, llm, tmp_p
         checks.append(inside)
         return inside
 
-    entries = len(cached.percache.qa_bank)
+    entries = len(internals(cached.percache).qa_bank)
     report = cached.warm(max_predictions=2, progress=False, should_stop=user_arrives)
     assert report.predicted and report.preempted and not report.out_of_time
     assert True in checks and report.answers_stored == 0
-    assert len(cached.percache.qa_bank) == entries  # nothing half-answered was stored
+    assert len(internals(cached.percache).qa_bank) == entries  # nothing half-answered was stored
     question = report.predicted[0]
     response = cached.query(question)
     assert response.metadata["percache"]["source"] != "qa_bank"
@@ -202,7 +203,7 @@ def test_other_llms_get_the_qa_bank_only(index, tmp_path):
     assert engine.query(QUESTION).metadata["percache"]["source"] == "qa_bank"
     assert engine.query(PARAPHRASE).metadata["percache"]["source"] == "full"  # exact: same question only
     report = engine.warm(progress=False)  # idle prediction would answer with another model
-    assert report.populated == 0 and not engine.percache.parts.runtime.engine_loaded
+    assert report.populated == 0 and not internals(engine.percache).parts.runtime.engine_loaded
     semantic = PerCacheQueryEngine.from_index(
         index,
         cache_dir=tmp_path / "mock-semantic",
@@ -225,8 +226,8 @@ def test_node_postprocessor_records_and_reorders(make_cache):
     ]
     recorder = PerCacheNodePostprocessor(pc)
     assert recorder.postprocess_nodes(nodes) == nodes
-    assert len(pc.knowledge) == 2
-    pc.caller.generate("How much are tickets?", [c for c in reversed(pc.knowledge.chunks)])  # stores [n1, n0]
+    assert len(internals(pc).knowledge) == 2
+    pc.caller.generate("How much are tickets?", [c for c in reversed(internals(pc).knowledge.chunks)])  # stores [n1, n0]
     reordering = PerCacheNodePostprocessor(pc, reorder=True)
     assert [n.node.node_id for n in reordering.postprocess_nodes(nodes)] == ["n1", "n0"]
 

@@ -13,6 +13,7 @@ from percache_core import (
     PerCache,
     PerCacheConfig,
 )
+from percache_core.inspection import internals
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.kv.tree import StateNode
 
@@ -20,7 +21,7 @@ QUESTION = "What did Ana say about the mooring map?"
 
 
 def deepest_node(pc):
-    return max(pc.tree.nodes, key=lambda n: n.depth)
+    return max(internals(pc).tree.nodes, key=lambda n: n.depth)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -28,7 +29,7 @@ def test_a_damaged_state_is_deleted_and_the_answer_stays_correct(make_cache, dam
     pc = make_cache(qa_bank=False)
     reference = pc.answer(QUESTION)
     node = deepest_node(pc)
-    path = pc.states.local.blob_path(node.key)
+    path = internals(pc).states.local.blob_path(node.key)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncate" else bytes(b ^ 0xFF for b in data))
 
@@ -37,7 +38,7 @@ def test_a_damaged_state_is_deleted_and_the_answer_stays_correct(make_cache, dam
     assert again.reused_chunks == node.depth - 2  # fell back to the parent prefix
     assert pc.stats()["chunk_states"]["corrupt_dropped"] == 1
     assert "unusable" in caplog.text
-    assert pc.states.local.blob_path(node.key).read_bytes() == data  # re-stored, whole again
+    assert internals(pc).states.local.blob_path(node.key).read_bytes() == data  # re-stored, whole again
     assert pc.answer(QUESTION).reused_chunks == node.depth - 1
 
 
@@ -46,10 +47,10 @@ def test_a_state_llama_cpp_refuses_is_a_logged_miss(make_cache, caplog):
     reference = pc.answer(QUESTION)
     node = deepest_node(pc)
     junk = b"\x00" * node.size  # right size and a matching digest, but not a state
-    pc.states.put(
+    internals(pc).states.put(
         StateNode(node.key, node.parent_key, node.depth, node.n_tokens, node.label, len(junk)),
         junk,
-        budget_bytes=pc.parts.runtime.state_budget_bytes,
+        budget_bytes=internals(pc).parts.runtime.state_budget_bytes,
     )
     again = pc.answer(QUESTION)
     assert again.text == reference.text
@@ -73,7 +74,7 @@ def test_states_of_another_configuration_are_never_loaded(make_cache, model_path
             answer = second.answer(QUESTION)
             assert answer.reused_tokens == 0 and answer.source == "full"
             assert answer.text == reference.text
-            assert second.tree.root_key != pc.tree.root_key
+            assert internals(second).tree.root_key != internals(pc).tree.root_key
     finally:
         other.close()
 
@@ -122,7 +123,7 @@ def test_bad_documents_and_paths(make_cache, tmp_path):
         pc.add_documents([3.14])
     with pytest.raises(InvalidDocumentError):
         pc.add_documents([{"id": "x"}])
-    assert len(pc.knowledge) == 0  # nothing half-added
+    assert len(internals(pc).knowledge) == 0  # nothing half-added
 
     with pytest.raises(ModelNotFoundError):
         PerCache.open(tmp_path / "m", config=PerCacheConfig(model_path=str(tmp_path / "missing.gguf")))
@@ -133,9 +134,9 @@ def test_bad_documents_and_paths(make_cache, tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(CacheFolderError):
-        PerCache.open(a_file, engine=pc.engine, embedder=pc.embedder)
+        PerCache.open(a_file, engine=internals(pc).engine, embedder=pc.embedder)
     broken = tmp_path / "broken" / "meta"
     broken.mkdir(parents=True)
     (broken / "percache.sqlite3").write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(CacheFolderError):
-        PerCache.open(tmp_path / "broken", engine=pc.engine, embedder=pc.embedder)
+        PerCache.open(tmp_path / "broken", engine=internals(pc).engine, embedder=pc.embedder)

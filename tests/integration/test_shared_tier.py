@@ -11,6 +11,7 @@ import time
 import pytest
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server is not installed (make test installs it)"
@@ -78,24 +79,24 @@ def test_process_b_reuses_what_process_a_populated(kind, request, make_cache, tm
     populate_in_another_process(url, tmp_path / "a")  # process A: its own cache folder and model
 
     qa_client = make_cache("b-qa", **shared(url))
-    wait_until(lambda: len(qa_client.qa_bank) >= 1)
+    wait_until(lambda: len(internals(qa_client).qa_bank) >= 1)
     repeat = qa_client.answer(QUESTION)  # exact mode: A's answer is a draft the model confirms
     assert repeat.source == "qa_bank" and repeat.matched_question == QUESTION
     assert repeat.text == reference and not repeat.approximate
 
     semantic_client = make_cache("b-semantic", qa_mode="semantic", **shared(url))
-    wait_until(lambda: len(semantic_client.qa_bank) >= 1)
+    wait_until(lambda: len(internals(semantic_client).qa_bank) >= 1)
     hit = semantic_client.answer(PARAPHRASE)
     assert hit.source == "qa_bank" and hit.matched_question == QUESTION and hit.approximate
 
     states_client = make_cache("b-states", qa_bank=False, **shared(url))
     states_client.preload()  # binds the engine fingerprint, so the state catalog syncs
-    wait_until(lambda: states_client.shared.bloom.count >= 4)
+    wait_until(lambda: internals(states_client).shared.bloom.count >= 4)
     answer = states_client.answer(QUESTION)
     assert answer.source == "chunk_states" and answer.reused_chunks == len(answer.chunk_ids)
     assert answer.text == reference
     # states are slices: the deepest prefix is fetched with its ancestors (system + each chunk)
-    assert states_client.states.slices
+    assert internals(states_client).states.slices
     assert states_client.stats()["shared"]["hits"] == len(answer.chunk_ids) + 1
 
 
@@ -105,7 +106,7 @@ def test_namespaces_and_fingerprints_never_meet(standalone, make_cache, model_pa
     reader = make_cache("bob", qa_bank=True, **shared(standalone.url, "bob"))
     reader.preload()
     time.sleep(0.5)
-    assert len(reader.qa_bank) == 0
+    assert len(internals(reader).qa_bank) == 0
     answer = reader.answer(QUESTION)
     assert answer.source == "full" and answer.reused_tokens == 0
 
@@ -118,7 +119,7 @@ def test_namespaces_and_fingerprints_never_meet(standalone, make_cache, model_pa
             writer.folder.parent / "alice-256", config=config, engine=other, embedder=embedder
         ) as foreign:
             foreign.add_documents(
-                [{"id": c.doc_id, "text": c.text} for c in writer.knowledge.chunks], split=False
+                [{"id": c.doc_id, "text": c.text} for c in internals(writer).knowledge.chunks], split=False
             )
             result = foreign.answer(QUESTION)
             assert result.reused_tokens == 0 and foreign.stats()["shared"]["hits"] == 0
@@ -145,7 +146,7 @@ def test_tampered_or_unsigned_entries_are_never_served(standalone, make_cache):
             client.set(key, bytes(value))
     reader = make_cache("r", **shared(standalone.url, "tamper"))
     time.sleep(0.5)
-    assert all("cancelled" not in (e.answer or "") for e in reader.qa_bank.entries)
+    assert all("cancelled" not in (e.answer or "") for e in internals(reader).qa_bank.entries)
     answer = reader.answer(QUESTION)
     assert answer.source == "full" and answer.text == original.text
     assert reader.stats()["shared"]["rejected"] >= 1
@@ -158,12 +159,12 @@ def test_a_signed_entry_of_another_embedding_size_is_refused_and_sync_goes_on(st
 
     writer = make_cache("w", **shared(standalone.url, "sizes"))
     odd = QAEntry("odd", "An odd question?", np.full(8, 8**-0.5, dtype=np.float32), "odd answer")
-    writer.shared.put_qa(odd)  # signed with the namespace's secret, but 8 values, not 384
+    internals(writer).shared.put_qa(odd)  # signed with the namespace's secret, but 8 values, not 384
     reader = make_cache("r", **shared(standalone.url, "sizes"))  # its first sync meets it
     writer.answer(QUESTION)  # a genuine entry after the odd one
-    wait_until(lambda: len(reader.qa_bank) >= 1)
+    wait_until(lambda: len(internals(reader).qa_bank) >= 1)
     assert reader.stats()["shared"]["rejected"] >= 1
-    assert [e.question for e in reader.qa_bank.entries] == [QUESTION]
+    assert [e.question for e in internals(reader).qa_bank.entries] == [QUESTION]
 
 
 def test_a_replayed_older_envelope_is_refused(standalone, make_cache):
@@ -172,16 +173,16 @@ def test_a_replayed_older_envelope_is_refused(standalone, make_cache):
     writer = make_cache("w", **shared(standalone.url, "replay"))
     first = writer.caller.remember(QUESTION, "Monday at 9 am.")
     client = redis.Redis.from_url(standalone.url)
-    key = writer.shared._qa_key(first.id)
+    key = internals(writer).shared.qa_key(first.id)
     old_envelope = client.get(key)
     reader = make_cache("r", **shared(standalone.url, "replay"))
     time.sleep(0.01)
     writer.caller.remember(QUESTION, "Tuesday at 10 am.")  # a newer signed envelope
-    wait_until(lambda: any(e.answer == "Tuesday at 10 am." for e in reader.qa_bank.entries))
+    wait_until(lambda: any(e.answer == "Tuesday at 10 am." for e in internals(reader).qa_bank.entries))
     client.set(key, old_envelope)  # a peer replays the old, validly signed envelope
-    client.xadd(writer.shared._qa_catalog(), {"k": first.id})
+    client.xadd(internals(writer).shared.qa_catalog(), {"k": first.id})
     wait_until(lambda: reader.stats()["shared"]["replayed"] >= 1)
-    assert [e.answer for e in reader.qa_bank.entries] == ["Tuesday at 10 am."]
+    assert [e.answer for e in internals(reader).qa_bank.entries] == ["Tuesday at 10 am."]
 
 
 def test_a_fresh_client_never_serves_a_replayed_envelope(standalone, make_cache):
@@ -190,16 +191,16 @@ def test_a_fresh_client_never_serves_a_replayed_envelope(standalone, make_cache)
     writer = make_cache("w", **shared(standalone.url, "replay-fresh"))
     question = "What is the door code?"
     first = writer.caller.remember(question, "The door code is 1111 (v1).")
-    key = writer.shared._qa_key(first.id)
+    key = internals(writer).shared.qa_key(first.id)
     client = redis.Redis.from_url(standalone.url)
     old_envelope = client.get(key)
     writer.caller.remember(question, "The door code is 2222 (v2).")
     assert client.get(key) != old_envelope
     client.set(key, old_envelope)  # put back with plain Redis commands, before anyone reads v2
-    client.xadd(writer.shared._qa_catalog(), {"k": first.id})
+    client.xadd(internals(writer).shared.qa_catalog(), {"k": first.id})
     for mode in ("exact", "semantic"):
         reader = make_cache(f"fresh-{mode}", qa_mode=mode, **shared(standalone.url, "replay-fresh"))
-        wait_until(lambda reader=reader: len(reader.qa_bank) >= 1)
+        wait_until(lambda reader=reader: len(internals(reader).qa_bank) >= 1)
         hit = reader.caller.lookup(question)
         assert hit is None or "1111" not in hit.text
         answer = reader.answer(question)
@@ -249,7 +250,7 @@ def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_ca
     try:
         pc = make_cache("dies", **shared(server.url, "faults", shared_timeout_s=0.05))
         expected = pc.answer(QUESTION).text
-        pc.shared.breaker.cooldown_s = 0.3
+        internals(pc).shared.breaker.cooldown_s = 0.3
         server.stop()
         for question in (
             QUESTION,
@@ -271,7 +272,7 @@ def test_redis_dying_never_fails_an_answer_and_sharing_resumes(tmp_path, make_ca
         )
         other = make_cache("after-restart", **shared(server.url, "faults"))
         wait_until(
-            lambda: any(e.question == "What is my flight booking reference?" for e in other.qa_bank.entries)
+            lambda: any(e.question == "What is my flight booking reference?" for e in internals(other).qa_bank.entries)
         )
     finally:
         server.stop()

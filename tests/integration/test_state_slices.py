@@ -2,6 +2,7 @@
 model: the start-up round trip, answers identical to whole states and to no cache, a
 broken chain falling back to a shorter prefix, and the bytes saved on deep paths."""
 
+from percache_core.inspection import internals
 from percache_core.kv.slicing import slices_round_trip
 
 QUESTIONS = [
@@ -22,7 +23,7 @@ def test_answers_from_slices_equal_whole_states_and_no_cache(make_cache):
     reference = make_cache("reference", qa_bank=False, chunk_states=False)
     whole = make_cache("whole", qa_bank=False, chunk_state_slices=False)
     sliced = make_cache("sliced", qa_bank=False)
-    assert sliced.states.slices and not whole.states.slices
+    assert internals(sliced).states.slices and not internals(whole).states.slices
     reused = 0
     for question in QUESTIONS:
         expected = reference.answer(question).text
@@ -35,13 +36,13 @@ def test_answers_from_slices_equal_whole_states_and_no_cache(make_cache):
     # the same prefixes are stored (keys differ: each kind has its own root); slices hold
     # each segment once
     def prefixes(pc):
-        return sorted((n.depth, n.n_tokens, n.label) for n in pc.tree.nodes)
+        return sorted((n.depth, n.n_tokens, n.label) for n in internals(pc).tree.nodes)
 
     assert prefixes(sliced) == prefixes(whole)
-    assert max(n.depth for n in whole.tree.nodes) >= 4  # system + 3 chunks
-    assert sliced.tree.bytes < 0.7 * whole.tree.bytes
-    on_disk = [sliced.states.local.blob_path(n.key).stat().st_size for n in sliced.tree.nodes]
-    assert sum(on_disk) == sliced.tree.bytes
+    assert max(n.depth for n in internals(whole).tree.nodes) >= 4  # system + 3 chunks
+    assert internals(sliced).tree.bytes < 0.7 * internals(whole).tree.bytes
+    on_disk = [internals(sliced).states.local.blob_path(n.key).stat().st_size for n in internals(sliced).tree.nodes]
+    assert sum(on_disk) == internals(sliced).tree.bytes
 
 
 def test_a_missing_ancestor_makes_a_shorter_prefix_restore(make_cache):
@@ -49,14 +50,14 @@ def test_a_missing_ancestor_makes_a_shorter_prefix_restore(make_cache):
     sliced = make_cache("sliced", qa_bank=False)
     first = sliced.answer(QUESTIONS[0])
     assert first.text == reference and first.reused_tokens == 0
-    middle = next(n for n in sliced.tree.nodes if n.depth == 2)  # [system, first chunk]
-    sliced.states.delete(middle.key)
-    with sliced.engine.lock:
-        sliced.engine.reset()  # the context no longer holds the prompt: only stored states can serve
+    middle = next(n for n in internals(sliced).tree.nodes if n.depth == 2)  # [system, first chunk]
+    internals(sliced).states.delete(middle.key)
+    with internals(sliced).engine.lock:
+        internals(sliced).engine.reset()  # the context no longer holds the prompt: only stored states can serve
 
     again = sliced.answer(QUESTIONS[0])  # deeper slices lack their parent: only the system restores
     assert again.text == reference and again.reused_chunks == 0 and again.reused_tokens > 0
-    assert sliced.runner.restore_failures == 0
+    assert internals(sliced).runner.restore_failures == 0
 
     healed = sliced.answer(QUESTIONS[0])  # the missing slice was stored again
     assert healed.text == reference and healed.reused_chunks == len(healed.chunk_ids)
@@ -66,8 +67,8 @@ def test_a_damaged_slice_is_dropped_and_the_answer_kept(make_cache):
     reference = make_cache("reference", qa_bank=False, chunk_states=False).answer(QUESTIONS[1]).text
     sliced = make_cache("sliced", qa_bank=False)
     sliced.answer(QUESTIONS[1])
-    deepest = max(sliced.tree.nodes, key=lambda n: n.depth)
-    path = sliced.states.local.blob_path(deepest.key)
+    deepest = max(internals(sliced).tree.nodes, key=lambda n: n.depth)
+    path = internals(sliced).states.local.blob_path(deepest.key)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -75,4 +76,4 @@ def test_a_damaged_slice_is_dropped_and_the_answer_kept(make_cache):
     again = sliced.answer(QUESTIONS[1])
     assert again.text == reference
     assert again.reused_chunks == len(again.chunk_ids) - 1  # the prefix before the damaged slice
-    assert deepest.key in sliced.tree  # stored again after the answer
+    assert deepest.key in internals(sliced).tree  # stored again after the answer

@@ -65,9 +65,9 @@ def chat_both_ways(model_path: Path, make_cache, max_tokens: int) -> tuple[list[
                 [{"role": r, "content": c} for r, c in messages], max_tokens=max_tokens, temperature=0.0
             )
             stock_texts.append(out["choices"][0]["message"]["content"] or "")
-            stream = model._pieces([kinds[r](c) for r, c in messages], None)
-            texts.append("".join(stream))
-            kept.append(stream.answer.reused_tokens)
+            reply = model.invoke([kinds[r](c) for r, c in messages])
+            texts.append(reply.content)
+            kept.append(reply.usage_metadata["input_token_details"]["cache_read"])
             history += [turn[1], ("assistant", stock_texts[-1])]
         return stock_texts, texts, kept
     finally:

@@ -6,6 +6,7 @@ import pytest
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.cli import main as cli_main
+from percache_core.inspection import internals
 
 QUESTIONS = [
     "When is my dentist appointment?",
@@ -19,7 +20,7 @@ QUESTIONS = [
 
 
 def blob_bytes_on_disk(pc) -> list[int]:
-    return [pc.states.local.blob_path(n.key).stat().st_size for n in pc.tree.nodes]
+    return [internals(pc).states.local.blob_path(n.key).stat().st_size for n in internals(pc).tree.nodes]
 
 
 def test_chunk_state_budget_holds_after_every_answer(make_cache):
@@ -30,31 +31,31 @@ def test_chunk_state_budget_holds_after_every_answer(make_cache):
         pc.answer(question)
         sizes = blob_bytes_on_disk(pc)
         largest = max([largest, *sizes])
-        assert sum(sizes) == pc.tree.bytes
-        assert pc.tree.bytes <= budget + largest
+        assert sum(sizes) == internals(pc).tree.bytes
+        assert internals(pc).tree.bytes <= budget + largest
     stats = pc.stats()["chunk_states"]
     assert stats["evictions"] > 0 and stats["bytes"] <= budget + largest
     # every remaining node still has its parent: only leaves were evicted
-    keys = {n.key for n in pc.tree.nodes}
-    assert all(n.depth == 1 or n.parent_key in keys for n in pc.tree.nodes)
+    keys = {n.key for n in internals(pc).tree.nodes}
+    assert all(n.depth == 1 or n.parent_key in keys for n in internals(pc).tree.nodes)
 
 
 def test_qa_bank_budget_holds_with_real_embeddings(make_cache):
     pc = make_cache(chunk_states=False, qa_bank_budget_bytes=6000, max_new_tokens=8)
     for question in QUESTIONS:
         pc.answer(question)
-        assert pc.qa_bank.bytes <= 6000 + max(pc.qa_bank._sizes)
+        assert internals(pc).qa_bank.bytes <= 6000 + max(internals(pc).qa_bank.entry_bytes(e.id) for e in internals(pc).qa_bank.entries)
     assert pc.stats()["qa_bank"]["evictions"] > 0
 
 
 def test_everything_persists_across_reopen(make_cache, tmp_path, engine, embedder, corpus):
     pc = make_cache("persist")
     first = pc.answer(QUESTIONS[0])
-    chunk_ids = [c.id for c in pc.knowledge.chunks]
+    chunk_ids = [c.id for c in internals(pc).knowledge.chunks]
     pc.close()
     config = PerCacheConfig(max_new_tokens=24)
     with PerCache.open(tmp_path / "persist", config=config, engine=engine, embedder=embedder) as again:
-        assert [c.id for c in again.knowledge.chunks] == chunk_ids
+        assert [c.id for c in internals(again).knowledge.chunks] == chunk_ids
         assert again.add_documents(corpus["documents"]) == []  # same texts: nothing new
         hit = again.answer(QUESTIONS[0])  # the stored answer, verified as a draft
         assert hit.source == "qa_bank" and hit.text == first.text
@@ -69,10 +70,10 @@ def test_everything_persists_across_reopen(make_cache, tmp_path, engine, embedde
 def test_changed_document_replaces_its_chunks(make_cache):
     pc = make_cache(documents=False)
     pc.add_documents([{"id": "memo", "text": "The picnic is on Sunday."}])
-    assert [c.text for c in pc.knowledge.chunks] == ["The picnic is on Sunday."]
+    assert [c.text for c in internals(pc).knowledge.chunks] == ["The picnic is on Sunday."]
     new = pc.add_documents([{"id": "memo", "text": "The picnic moved to Monday."}])
     assert [c.id for c in new] == ["memo#c000"]
-    assert [c.text for c in pc.knowledge.chunks] == ["The picnic moved to Monday."]
+    assert [c.text for c in internals(pc).knowledge.chunks] == ["The picnic moved to Monday."]
 
 
 def test_retrieval_is_hybrid_and_the_question_is_embedded_once(make_cache, embedder):

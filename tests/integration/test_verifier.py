@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.verify import main as verify_main
 from benchmarks.verify_harness import evaluate, read_pairs
+from percache_core.inspection import internals
 from percache_core.qa.verifier import LexicalVerifier
 from percache_core.types import QAEntry
 
@@ -85,7 +86,7 @@ def test_scoped_entries_never_answer_another_scope(make_cache):
     again = pc.answer("Summarize the whole meeting.", scope={"meeting": "harbor-kickoff"})
     assert again.source == "qa_bank" and again.text == kickoff.text
     assert pc.answer("Summarize the whole meeting.", max_new_tokens=4).source != "qa_bank"  # no scope
-    assert len(pc.qa_bank) == 3
+    assert len(internals(pc).qa_bank) == 3
     with pytest.raises(TypeError, match="scope"):
         pc.answer("Summarize the whole meeting.", scope="harbor-kickoff")
 

@@ -10,6 +10,7 @@ import pytest
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.errors import CacheFolderError, InvalidDocumentError
+from percache_core.inspection import internals
 from percache_core.kv.fake_engine import FakeEngine
 from percache_core.storage import Store
 from tests.fakes import HashingEmbedder
@@ -32,7 +33,7 @@ def test_add_documents_checks_everything_first_and_a_retry_does_the_work(fake_ca
         pc.add_documents([good, {"id": "bad", "text": "x", "metadata": {"when": object()}}])
     with pytest.raises(InvalidDocumentError, match="twice"):
         pc.add_documents([good, {"id": "good", "text": "Another text."}])
-    assert len(pc.knowledge) == 0
+    assert len(internals(pc).knowledge) == 0
     assert [c.doc_id for c in pc.add_documents([good])] == ["good"]
 
 
@@ -50,9 +51,9 @@ def test_an_interrupted_add_documents_leaves_nothing_and_a_retry_adds_once(tmp_p
     with PerCache.open(tmp_path / "c", engine=FakeEngine(), embedder=FailingOnce()) as pc:
         with pytest.raises(RuntimeError):
             pc.add_documents(documents)
-        assert len(pc.knowledge) == 0
+        assert len(internals(pc).knowledge) == 0
         assert len(pc.add_documents(documents)) == 3
-        assert pc.add_documents(documents) == [] and len(pc.knowledge) == 3
+        assert pc.add_documents(documents) == [] and len(internals(pc).knowledge) == 3
 
 
 @pytest.mark.parametrize(
@@ -71,11 +72,11 @@ def test_an_interrupted_add_documents_leaves_nothing_and_a_retry_adds_once(tmp_p
 )
 def test_bad_calls_fail_before_the_model_runs(fake_cache, call, error):
     pc = fake_cache()
-    engine = pc.engine
+    engine = internals(pc).engine
     calls = dict(engine.calls)
     with pytest.raises(error):
         call(pc)
-    assert engine.calls == calls and len(pc.qa_bank) == 0
+    assert engine.calls == calls and len(internals(pc).qa_bank) == 0
 
 
 def test_settings_are_checked_and_reach_every_part(fake_cache):
@@ -92,7 +93,7 @@ def test_settings_are_checked_and_reach_every_part(fake_cache):
     pc.configure(chunk_words=20, abstract_max_lines=7)
     added = pc.add_documents([{"id": "long", "text": " ".join(f"word{i}" for i in range(100))}])
     assert len(added) >= 4  # new chunking reached the knowledge bank
-    assert pc.scheduler.abstract.max_lines == 7
+    assert internals(pc).scheduler.abstract.max_lines == 7
 
 
 def test_folder_paths_are_checked(tmp_path):
@@ -119,7 +120,7 @@ def test_another_programs_sqlite_file_is_refused_and_left_alone(tmp_path):
 
 def test_a_damaged_chunk_record_is_left_out_and_the_cache_opens(fake_cache, tmp_path):
     pc = fake_cache()
-    count = len(pc.knowledge)
+    count = len(internals(pc).knowledge)
     pc.close()
     database = sqlite3.connect(tmp_path / "cache" / "knowledge" / "percache.sqlite3")
     key = database.execute("SELECT key FROM records WHERE key LIKE 'chunk:%' LIMIT 1").fetchone()[0]
@@ -129,7 +130,7 @@ def test_a_damaged_chunk_record_is_left_out_and_the_cache_opens(fake_cache, tmp_
     database.commit()
     database.close()
     with PerCache.open(tmp_path / "cache", engine=FakeEngine(), embedder=HashingEmbedder()) as again:
-        assert len(again.knowledge) == count - 2
+        assert len(internals(again).knowledge) == count - 2
         assert again.answer(QUESTION).text is not None
 
 
@@ -153,5 +154,5 @@ def test_a_failed_correct_keeps_the_entry(fake_cache):
     pc = fake_cache()
     entry = pc.caller.remember("When is the review?", "Monday.")
     with pytest.raises(TypeError, match="JSON"):
-        pc.qa_bank.correct(entry.id, "Tuesday.", scope={"note": object()})  # a new id: moves the entry
+        internals(pc).qa_bank.correct(entry.id, "Tuesday.", scope={"note": object()})  # a new id: moves the entry
     assert pc.caller.lookup("When is the review?").text == "Monday."

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.kv.fake_engine import FakeEngine
 from percache_core.storage import Store
 from tests.fakes import HashingEmbedder
@@ -84,7 +85,7 @@ def test_byte_budget_holds_over_three_processes(tmp_path):
     store.close()
     assert total <= budget + entry_size, (total, budget, entry_size)
     with fake_open(folder, qa_bank_budget_bytes=budget) as pc:
-        assert pc.qa_bank.bytes == total and pc.stats()["qa_bank"]["entries"] == len(pc.qa_bank)
+        assert internals(pc).qa_bank.bytes == total and pc.stats()["qa_bank"]["entries"] == len(internals(pc).qa_bank)
 
 
 def test_kill_9_at_random_points_leaves_a_folder_that_opens_whole(tmp_path):
@@ -96,7 +97,7 @@ def test_kill_9_at_random_points_leaves_a_folder_that_opens_whole(tmp_path):
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
         with fake_open(folder) as pc:  # opens, and every document is whole
-            chunks = pc.knowledge.chunks
+            chunks = internals(pc).knowledge.chunks
             documents = Store(folder / "knowledge")
             for key in documents.keys("doc:"):
                 doc_id = key.removeprefix("doc:")
@@ -104,8 +105,8 @@ def test_kill_9_at_random_points_leaves_a_folder_that_opens_whole(tmp_path):
                 assert sum(c.doc_id == doc_id for c in chunks) == stored
             assert len({c.id for c in chunks}) == len(chunks)
             documents.close()
-            for node in list(pc.tree.nodes):  # every listed state is whole, or dropped as damaged
-                data = pc.states.get(node)
+            for node in list(internals(pc).tree.nodes):  # every listed state is whole, or dropped as damaged
+                data = internals(pc).states.get(node)
                 assert data is None or len(data) == node.size
             assert pc.answer("What is the code of note 3?").text is not None
             assert pc.stats()["chunk_states"]["corrupt_dropped"] == 0

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from percache_core.inspection import internals
 from percache_core.kv.engine import Engine
 from percache_core.kv.fake_engine import FakeEngine, FakeTextModel
 from percache_core.prediction.predictor import PredictedQuestion, PredictionTally
@@ -48,11 +49,11 @@ def test_chunk_state_reuse_gives_the_cache_off_output(fake_cache):
 def test_an_identical_prompt_is_answered_without_the_model(fake_cache):
     pc = fake_cache()
     first = pc.answer(QUESTION)
-    calls = dict(pc.engine.calls)
+    calls = dict(internals(pc).engine.calls)
     repeat = pc.answer(QUESTION)
     assert first.source != "qa_bank"
     assert repeat.source == "qa_bank" and repeat.text == first.text and not repeat.approximate
-    assert pc.engine.calls == calls  # no restore, prefill or decode
+    assert internals(pc).engine.calls == calls  # no restore, prefill or decode
     assert pc.stats()["qa_bank"]["prompt_answers"] == 1
     # other decoding settings, another prompt (top_k) or another model: the model runs
     assert pc.answer(QUESTION, max_new_tokens=5).source != "qa_bank"
@@ -63,24 +64,24 @@ def test_an_identical_prompt_is_answered_without_the_model(fake_cache):
     assert "".join(pc.answer_stream(QUESTION)) == first.text
     prompt = "Context:\nThe boiler is repaired on Monday.\nQ: When?\nA:"
     text = pc.caller.complete(prompt).text
-    calls = dict(pc.engine.calls)
+    calls = dict(internals(pc).engine.calls)
     again = pc.caller.complete(prompt)
-    assert again.text == text and again.source == "qa_bank" and pc.engine.calls == calls
+    assert again.text == text and again.source == "qa_bank" and internals(pc).engine.calls == calls
     # deleting documents empties them (a prompt's key does not say which texts it held)
-    pc.delete_documents([pc.knowledge.chunks[0].doc_id])
+    pc.delete_documents([internals(pc).knowledge.chunks[0].doc_id])
     assert pc.stats()["qa_bank"]["prompt_answers"] == 0
 
 
 def test_exact_mode_serves_a_stored_answer_as_a_verified_draft_when_the_model_agrees(fake_cache):
     pc = fake_cache(draft_decoding="on")
     first = pc.answer(QUESTION)
-    pc.parts.prompt_answers.clear()  # the prompt is new again: the QA entry is a draft
+    internals(pc).parts.prompt_answers.clear()  # the prompt is new again: the QA entry is a draft
     repeat = pc.answer(QUESTION)
     assert repeat.source == "qa_bank" and repeat.text == first.text and not repeat.approximate
     assert repeat.draft_tokens_accepted > 0
     # with draft decoding off the answer is the same, decoded one token at a time
     pc.configure(draft_decoding="off")
-    pc.parts.prompt_answers.clear()
+    internals(pc).parts.prompt_answers.clear()
     plain = pc.answer(QUESTION)
     assert plain.text == first.text and plain.draft_tokens_accepted == 0
 
@@ -101,11 +102,11 @@ def test_a_question_waiting_pre_empts_an_idle_round(fake_cache):
 def test_knowledge_prefill_stores_every_first_chunk_within_budget(fake_cache):
     pc = fake_cache(prediction=False)
     report = pc.warm(progress=False)
-    first_chunks = {node.label for node in pc.tree.nodes if node.depth == 2}
-    assert report.chunks_prefilled == len(pc.knowledge) == len(first_chunks)
-    pairs = [node for node in pc.tree.nodes if node.depth == 3]  # [system, chunk, its neighbour]
+    first_chunks = {node.label for node in internals(pc).tree.nodes if node.depth == 2}
+    assert report.chunks_prefilled == len(internals(pc).knowledge) == len(first_chunks)
+    pairs = [node for node in internals(pc).tree.nodes if node.depth == 3]  # [system, chunk, its neighbour]
     assert report.pairs_prefilled == len(pairs) >= 1
-    assert all(pc.tree.get(node.parent_key).depth == 2 and node.label in first_chunks for node in pairs)
+    assert all(internals(pc).tree.get(node.parent_key).depth == 2 and node.label in first_chunks for node in pairs)
     answer = pc.answer(QUESTION)
     assert answer.reused_chunks >= 1
 
@@ -142,24 +143,24 @@ class _Predictor:
 def test_a_round_with_the_callers_answer_only_predicts_and_hands_questions_over(fake_cache, monkeypatch):
     pc = fake_cache()
     pc.answer(QUESTION)
-    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
-    entries, nodes = len(pc.qa_bank), len(pc.tree)
+    monkeypatch.setattr(internals(pc).scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    entries, nodes = len(internals(pc).qa_bank), len(internals(pc).tree)
     asked: list[str] = []
     report = pc.warm(progress=False, max_predictions=2, answer=lambda q: asked.append(q) or True)
     assert asked == report.predicted == ["Who repairs the boiler?", "What is the booking reference?"]
     assert report.answers_stored == 2
     assert report.chunks_prefilled == report.refreshed == report.pending_decoded == 0
-    assert (len(pc.qa_bank), len(pc.tree)) == (entries, nodes)  # nothing of this cache's own prompt
+    assert (len(internals(pc).qa_bank), len(internals(pc).tree)) == (entries, nodes)  # nothing of this cache's own prompt
     no_prediction = fake_cache("no-prediction", prediction=False)
-    assert no_prediction.scheduler.has_work()  # its own knowledge prefill, which a caller's pipeline cannot use
-    assert not no_prediction.scheduler.has_work(own_pipeline=False)
+    assert internals(no_prediction).scheduler.has_work()  # its own knowledge prefill, which a caller's pipeline cannot use
+    assert not internals(no_prediction).scheduler.has_work(own_pipeline=False)
 
 
 def test_the_callers_calls_in_a_round_are_idle_work_not_a_users(fake_cache, monkeypatch):
     pc = fake_cache()
-    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    monkeypatch.setattr(internals(pc).scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
     pc.answer(QUESTION)
-    counted, last, history = pc.stats()["queries"], pc.last_activity, list(pc.parts.activity.history)
+    counted, last, history = pc.stats()["queries"], internals(pc).last_activity, list(internals(pc).parts.activity.history)
     texts: list[str] = []
 
     def answer(question: str) -> bool:  # a framework's pipeline: a lookup, then its own prompt streamed
@@ -170,16 +171,16 @@ def test_the_callers_calls_in_a_round_are_idle_work_not_a_users(fake_cache, monk
 
     report = pc.warm(progress=False, max_predictions=2, answer=answer)
     assert len(texts) == 2 and all(texts) and not report.preempted
-    assert (pc.stats()["queries"], pc.last_activity, list(pc.parts.activity.history)) == (counted, last, history)
+    assert (pc.stats()["queries"], internals(pc).last_activity, list(internals(pc).parts.activity.history)) == (counted, last, history)
     inside: list[bool] = []
 
     def stop() -> bool:  # a user arrives once the caller's model run has started
-        inside.append(pc.parts.activity.background_stop() is not None)
+        inside.append(internals(pc).parts.activity.background_stop() is not None)
         return inside[-1]
 
     report = pc.warm(progress=False, max_predictions=2, answer=answer, should_stop=stop)
     assert report.preempted and True in inside and len(texts) == 2  # the third answer never finished
-    assert not pc.parts.activity.waiting() and pc.stats()["queries"] == counted
+    assert not internals(pc).parts.activity.waiting() and pc.stats()["queries"] == counted
 
 
 def test_neighbours_are_retrievals_ranks_within_the_scope_and_follow_the_knowledge(fake_cache):
@@ -193,7 +194,7 @@ def test_neighbours_are_retrievals_ranks_within_the_scope_and_follow_the_knowled
         ],
         split=False,
     )
-    knowledge = pc.knowledge
+    knowledge = internals(pc).knowledge
     first = knowledge.get_chunk("a#c000")
     ranked = [r.chunk.id for r in knowledge.retrieve(first.text, 4) if r.chunk.id != first.id]
     assert [n.id for n in knowledge.neighbours(first, 3)] == ranked[:3]
@@ -208,7 +209,7 @@ def test_neighbours_are_retrievals_ranks_within_the_scope_and_follow_the_knowled
 @pytest.mark.parametrize("bad", ["", "   ", None, 3])
 def test_bad_questions_fail_before_any_work(fake_cache, bad):
     pc = fake_cache()
-    engine = pc.engine
+    engine = internals(pc).engine
     assert isinstance(engine, FakeEngine)
     before = dict(engine.calls)
     with pytest.raises((TypeError, ValueError)):
@@ -243,7 +244,7 @@ def test_adaptive_context_uses_a_leading_run_of_the_retrieved_chunks(fake_cache)
     assert list(always.answer(QUESTION).chunk_ids) == retrieved[:1]  # confident at once
     assert list(never.answer(QUESTION).chunk_ids) == retrieved  # never confident: all
     assert never.answer(QUESTION, top_k=3).text == fixed.answer(QUESTION).text
-    assert always.binding() != fixed.binding()  # answers of another policy are never served
+    assert always.caller.binding() != fixed.caller.binding()  # answers of another policy are never served
 
 
 def test_adaptive_context_settings_are_checked():
@@ -263,7 +264,7 @@ def test_approximate_reuse_composes_independent_states_and_never_stores_its_answ
     chunks = [r.chunk for r in composed.retrieve(QUESTION)]
     for cache in (exact, composed):
         for chunk in chunks:  # what the knowledge prefill does: [system, chunk] of each chunk
-            cache.runner.prefill_prefix([chunk])
+            internals(cache).runner.prefill_prefix([chunk])
     reference = exact.answer(QUESTION)
     assert not reference.approximate and reference.reused_chunks == 1
 
@@ -271,13 +272,13 @@ def test_approximate_reuse_composes_independent_states_and_never_stores_its_answ
     assert answer.approximate and answer.source == "chunk_states"
     assert answer.reused_tokens > reference.reused_tokens  # chunks 2 and 3 moved in
     assert answer.prefilled_tokens < reference.prefilled_tokens
-    assert len(composed.qa_bank) == 0  # never stored as an exact entry
-    assert max(n.depth for n in composed.tree.nodes) == 2  # no state after a composed chunk
+    assert len(internals(composed).qa_bank) == 0  # never stored as an exact entry
+    assert max(n.depth for n in internals(composed).tree.nodes) == 2  # no state after a composed chunk
     assert composed.answer(QUESTION).source != "qa_bank"
 
     whole_chunks = fake_cache("recompute-all", reuse="approximate", recompute_tokens=10_000)
     for chunk in chunks:
-        whole_chunks.runner.prefill_prefix([chunk])
+        internals(whole_chunks).runner.prefill_prefix([chunk])
     same = whole_chunks.answer(QUESTION)  # every token recomputed: nothing moved, exact
     assert not same.approximate and same.text == reference.text
 
@@ -305,11 +306,11 @@ def test_a_remembered_answer_is_the_callers_whatever_documents_arrive(fake_cache
     pc.warm(progress=False)
     hit = pc.caller.lookup("What colour is the van?")
     assert hit is not None and hit.text == "The van is red."
-    calls = dict(pc.engine.calls)
+    calls = dict(internals(pc).engine.calls)
     answer = pc.answer("What colour is the van?")
     assert (answer.text, answer.source, answer.approximate) == ("The van is red.", "remembered", False)
     assert "".join(pc.answer_stream("What colour is the van?")) == "The van is red."
-    assert pc.engine.calls == calls  # no model call
+    assert internals(pc).engine.calls == calls  # no model call
     assert pc.stats()["remembered"] == 2
     # another question, or the same one in another scope, is the model's
     assert pc.answer("What colour is the van?", scope={"thread": "cars"}).source != "remembered"
@@ -343,8 +344,8 @@ def test_a_callers_verbs_cover_its_pipeline_and_embed_a_question_once(fake_cache
     with pytest.raises(TypeError):
         pc.caller.forget(entry_ids="one id")
     # the engine's two sides, and a caller's prompt answered from its stored answer
-    assert pc.caller.runs_on(pc.engine) and not pc.caller.runs_on(FakeEngine())
-    assert pc.caller.text_model.tokenize("hello") == pc.engine.tokenize("hello")
+    assert pc.caller.runs_on(internals(pc).engine) and not pc.caller.runs_on(FakeEngine())
+    assert pc.caller.text_model.tokenize("hello") == internals(pc).engine.tokenize("hello")
     first = pc.caller.complete("Context: the boiler is old.\n\nQuestion: who? Answer:")
     repeat = pc.caller.complete("Context: the boiler is old.\n\nQuestion: who? Answer:")
     assert repeat.text == first.text and repeat.source == "qa_bank"
@@ -364,37 +365,37 @@ def test_the_engine_protocol_has_a_text_side_and_a_sequence_side():
 def test_idle_work_stores_its_answers_through_the_request_path(fake_cache, monkeypatch):
     pc = fake_cache()
     pc.answer(QUESTION)  # a question for history prediction
-    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    monkeypatch.setattr(internals(pc).scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
     stored: list[str] = []
-    populate = pc.request_path.populate
+    populate = internals(pc).request_path.populate
 
     def recording(question, *args, **kwargs):
         stored.append(question)
         return populate(question, *args, **kwargs)
 
-    pc.request_path.populate = recording
+    internals(pc).request_path.populate = recording
     pc.configure(similarity_threshold=0.5, strategy_cutoff=0.9)  # prefill and decode
     report = pc.warm(progress=False, max_predictions=2)
     assert report.populated == 2 and stored == report.predicted
-    predicted = {e.question: e for e in pc.qa_bank.entries if e.origin.startswith("predicted")}
+    predicted = {e.question: e for e in internals(pc).qa_bank.entries if e.origin.startswith("predicted")}
     assert sorted(predicted) == sorted(report.predicted)
-    assert all(e.answer and e.metadata["tokens"] and e.binding == pc.binding() for e in predicted.values())
+    assert all(e.answer and e.metadata["tokens"] and e.binding == pc.caller.binding() for e in predicted.values())
     # a prefill-only round stores them pending, and a later decode round answers them in place
     pc.configure(similarity_threshold=0.95)
     pc.caller.forget(entry_ids=[e.id for e in predicted.values()])
     report = pc.warm(progress=False, max_predictions=2)
-    pending = [e for e in pc.qa_bank.entries if e.state == "pending"]
+    pending = [e for e in internals(pc).qa_bank.entries if e.state == "pending"]
     assert report.pending_stored == len(pending) >= 1
     assert {e.question for e in pending} <= set(report.predicted)
     pc.configure(similarity_threshold=0.5)
     report = pc.warm(progress=False, max_predictions=0)
     assert report.pending_decoded == len(pending)
-    assert all(pc.qa_bank.get(e.id).state == "answered" for e in pending)  # answered in place
+    assert all(internals(pc).qa_bank.get(e.id).state == "answered" for e in pending)  # answered in place
 
 
 def test_stats_say_what_prediction_populated_and_what_it_later_served(fake_cache, monkeypatch):
     pc = fake_cache()
-    monkeypatch.setattr(pc.scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    monkeypatch.setattr(internals(pc).scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
     pc.configure(similarity_threshold=0.5, strategy_cutoff=0.9)  # predicted questions are answered
     report = pc.warm(progress=False, max_predictions=1)
     assert report.predicted == ["What is the booking reference?"] and report.chunks_prefilled > 0
@@ -413,12 +414,12 @@ def test_stats_say_what_prediction_populated_and_what_it_later_served(fake_cache
     assert pc.warm(progress=False, max_predictions=0).served_from_prediction["answers"] == 1
     assert pc.warm(progress=False, max_predictions=0).served_from_prediction["answers"] == 0  # since the last round
     # the marks survive reopening (stored with the states and the prompt answers)
-    idle_nodes = {node.key for node in pc.tree.nodes if node.idle}
-    assert idle_nodes and len(idle_nodes) < len(pc.tree)  # the users' own runs are not idle work's
+    idle_nodes = {node.key for node in internals(pc).tree.nodes if node.idle}
+    assert idle_nodes and len(idle_nodes) < len(internals(pc).tree)  # the users' own runs are not idle work's
     pc.close()
     again = fake_cache(documents=False)
     assert again.answer("What is the booking reference?").predicted
-    assert {node.key for node in again.tree.nodes if node.idle} == idle_nodes
+    assert {node.key for node in internals(again).tree.nodes if node.idle} == idle_nodes
 
 
 def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_disk(fake_cache, monkeypatch):
@@ -430,9 +431,9 @@ def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_d
     from percache_core.serving.prompting import chunk_text
 
     pc = fake_cache()
-    assert pc.parts.runtime.state_budget_bytes == BUDGET_FLOOR_BYTES  # no model loaded yet: nothing measured
-    tokens = knowledge_tokens([chunk_text(c) for c in pc.knowledge.chunks], pc.engine.tokenize)
-    assert tokens == sum(len(pc.engine.tokenize(chunk_text(c))) for c in pc.knowledge.chunks)  # all sampled
+    assert internals(pc).parts.runtime.state_budget_bytes == BUDGET_FLOOR_BYTES  # no model loaded yet: nothing measured
+    tokens = knowledge_tokens([chunk_text(c) for c in internals(pc).knowledge.chunks], internals(pc).engine.tokenize)
+    assert tokens == sum(len(internals(pc).engine.tokenize(chunk_text(c))) for c in internals(pc).knowledge.chunks)  # all sampled
     monkeypatch.setattr(runtime, "state_bytes_per_token", lambda engine: 1_000_000.0)  # a model with huge states
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 1000 * GIB))
@@ -440,15 +441,15 @@ def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_d
     neighbours = pc.config.knowledge_prefill_neighbours
     wanted = tokens * (1 + neighbours) * 1_000_000 / 0.8  # singles and pairs, slices, over the 80% share
     stats = pc.stats()["chunk_states"]
-    assert stats["budget_bytes"] == pc.parts.runtime.runner.budget_bytes == int(wanted)
+    assert stats["budget_bytes"] == internals(pc).runner.budget_bytes == int(wanted)
     assert stats["budget"] == "sized from the knowledge" and stats["bytes_per_token"] == 1_000_000.0
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 8 * GIB))  # a quarter of the free disk
     pc.add_documents(["The plumber comes on Tuesday between 8 and 10."])
-    stored = pc.states.bytes  # what the states take when the next round sizes the budget
+    stored = internals(pc).states.bytes  # what the states take when the next round sizes the budget
     pc.warm(progress=False, max_predictions=0)  # sized again at the start of the next idle round
-    assert pc.parts.runtime.state_budget_bytes == int(0.25 * (8 * GIB + stored))
+    assert internals(pc).parts.runtime.state_budget_bytes == int(0.25 * (8 * GIB + stored))
     pc.configure(chunk_state_budget_bytes=3 * GIB)  # a configured budget is the budget
-    assert pc.parts.runtime.runner.budget_bytes == pc.stats()["chunk_states"]["budget_bytes"] == 3 * GIB
+    assert internals(pc).runner.budget_bytes == pc.stats()["chunk_states"]["budget_bytes"] == 3 * GIB
 
 
 GIB = 1024**3
@@ -460,8 +461,8 @@ def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_c
     reference = fake_cache("off", qa_bank=False, chunk_states=False)
     expected = []
     for prompt in prompts:
-        with reference.engine.lock:
-            reference.engine.reset()  # nothing kept: each prompt from an empty context
+        with internals(reference).engine.lock:
+            internals(reference).engine.reset()  # nothing kept: each prompt from an empty context
         expected.append(reference.caller.complete(prompt, stop=[]).text)
     pc = fake_cache("kept", qa_bank=False, engine=FakeEngine(name="fake"))
     pc.preload()  # the self-check's rule says where a caller's prompt may be cut
@@ -471,6 +472,6 @@ def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_c
     common = len(os.path.commonprefix(prompts)) + 1  # with BOS
     assert 200 <= second.reused_tokens <= common  # the shared start, cut under the rule
     # a change of the sequence by anything else (here a reset) and nothing is kept
-    with pc.engine.lock:
-        pc.engine.reset()
+    with internals(pc).engine.lock:
+        internals(pc).engine.reset()
     assert pc.caller.complete(prompts[0] + " ", stop=[]).reused_tokens == 0

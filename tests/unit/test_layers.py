@@ -13,7 +13,8 @@ The layers, lowest first (parts in one layer do not import each other):
 6. ``serving``, ``shared``: answering a request (the runner, the request path, the runtime
    and the parts a cache is made of); the Redis tier behind the local ones;
 7. ``prediction``: idle work (the demand estimate, the predictor, the scheduler, the worker);
-8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``cli`` and the package.
+8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``cli``, ``inspection``
+   (the parts behind a facade, for tests and benchmarks) and the package.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LAYERS: list[set[str]] = [
     {"prediction"},
     {"callers"},
     {"pipeline"},
-    {"cli", "__init__", "__main__"},
+    {"cli", "inspection", "__init__", "__main__"},
 ]
 LAYER_OF = {part: index for index, parts in enumerate(LAYERS) for part in parts}
 

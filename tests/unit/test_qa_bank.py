@@ -75,7 +75,7 @@ def test_budget_evicts_least_frequently_used(tmp_path):
     sizes = []
     for i in range(200):
         entry = bank.put(f"q{i}", unit(0, 1, i / 200), "y" * 100)
-        sizes.append(bank._sizes[bank._index[entry.id]])
+        sizes.append(bank.entry_bytes(entry.id))
         assert bank.bytes <= bank.budget_bytes + max(sizes)
     assert hot.id in bank and bank.evictions > 0
     bank.close()
