@@ -32,6 +32,7 @@ from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.serving.context import SIGNALS, confidence_signals, is_confident
+from percache_core.serving.generation import RunOptions
 from percache_core.serving.streaming import drain
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments
@@ -49,9 +50,9 @@ def study_user(user: Any, pc: PerCache, top_k: int, max_new_tokens: int) -> list
         chunks = [r.chunk for r in internals(pc).knowledge.retrieve(query["question"], top_k, where=scope)]
         steps = []
         for k in range(1, len(chunks) + 1):
-            events = internals(pc).runner.run(
-                query["question"], chunks[:k], max_new_tokens=max_new_tokens, decode=False, keep_logits=True
-            )
+            runner = internals(pc).runner
+            layout = runner.lay_out(query["question"], chunks[:k], max_new_tokens=max_new_tokens)
+            events = runner.run(layout, RunOptions(max_new_tokens, decode=False, keep_logits=True))
             measured = confidence_signals(drain(events).next_token_logits)
             answer = pc.caller.generate(query["question"], chunks[:k], max_new_tokens=max_new_tokens)
             steps.append(

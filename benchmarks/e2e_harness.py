@@ -46,6 +46,7 @@ from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache
+from percache_core.types import ANSWERED_BEFORE
 
 from .data_sets import User, load_merged_user, load_users, query_scope
 
@@ -217,7 +218,7 @@ class SystemRun:
                 latency_s=answer.latency_s,
                 ttft_s=answer.ttft_s,
                 prefix_overlap=answer.reused_chunks / max(1, len(answer.chunk_ids))
-                if answer.source != "qa_bank"
+                if not answer.answered_before
                 else None,
                 rouge_reference=rouge_l(answer.text, query.get("answer", "")),
                 f1_reference=squad_f1(answer.text, query.get("answer", "")),
@@ -322,14 +323,14 @@ def run_user(
 
 def _totals(run: dict[str, Any], naive: dict[str, Any] | None) -> dict[str, Any]:
     ok = [r for r in run["records"] if "error" not in r]
-    generated = [r for r in ok if r["source"] != "qa_bank"]
+    generated = [r for r in ok if r["source"] not in ANSWERED_BEFORE]
     naive_answers = {r["qid"]: r.get("answer", "") for r in (naive or run)["records"]}
     return {
         "answered": len(ok),
         "failures": len(run["records"]) - len(ok),
         "latency_s": _summary([r["latency_s"] for r in ok]),
         "ttft_s": _summary([r["ttft_s"] for r in ok]),
-        "qa_bank_hit_rate": sum(r["source"] == "qa_bank" for r in ok) / max(1, len(ok)),
+        "qa_bank_hit_rate": sum(r["source"] in ANSWERED_BEFORE for r in ok) / max(1, len(ok)),
         "chunk_state_prefix_overlap": statistics.fmean(r["prefix_overlap"] for r in generated)
         if generated
         else 0.0,

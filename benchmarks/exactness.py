@@ -35,7 +35,7 @@ from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.qa.verifier import make_verifier
-from percache_core.types import QAEntry
+from percache_core.types import ANSWERED_BEFORE, QAEntry
 
 OFF = {"qa_bank": False, "chunk_states": False, "prompt_lookup": False}
 TAUS = (0.80, 0.85, 0.90, 0.95)
@@ -115,7 +115,7 @@ def exact_mode(args, engine, embedder, pairs) -> dict:
             )
     paraphrases = [r for r in results["pairs"] if r["label"] == "paraphrase"]
     for name in ("path", "first_chunk"):
-        served = [r for r in paraphrases if r[name]["source"] == "qa_bank"]
+        served = [r for r in paraphrases if r[name]["source"] in ANSWERED_BEFORE]
         results[name] = {
             "paraphrases_served_from_draft": len(served) / max(1, len(paraphrases)),
             "hit_latency_p50_s": p50([r[name]["latency_s"] for r in served]),
@@ -123,7 +123,7 @@ def exact_mode(args, engine, embedder, pairs) -> dict:
             "hit_to_miss_ratio_p50": p50([r[name]["latency_s"] / r["miss_s"] for r in served]),
             "all_latency_ratio_p50": p50([r[name]["latency_s"] / r["miss_s"] for r in results["pairs"]]),
             "near_misses_served": sum(
-                r[name]["source"] == "qa_bank" for r in results["pairs"] if r["label"] == "near_miss"
+                r[name]["source"] in ANSWERED_BEFORE for r in results["pairs"] if r["label"] == "near_miss"
             ),
         }
     return results

@@ -12,7 +12,7 @@ reference:
   ``PerCacheQueryEngine`` with ``PerCacheLlamaCPP``: first-ask time ratio and identical
   texts; then the same questions again (repeats) and the time of questions whose nodes
   earlier questions shared (states restored).
-- ``chat``: ``PerCacheChatLlamaCPP`` with a ~300-token system message, one session of four
+- ``chat``: ``PerCacheChatModel`` with a ~300-token system message, one session of four
   turns and three new sessions on the same cache: time to first token of each new
   session's first answer as a ratio of the first session's, tokens restored per turn, and
   every answer against the same chat with every cache off.
@@ -39,10 +39,11 @@ import numpy as np
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.kv.cuts import measure_cut_rule
 from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.kv.pieces import exact_pieces
 from percache_core.models import resolve_model_path
 from percache_core.serving.drafting import known_bound, known_drafts_pay
+from percache_core.types import ANSWERED_BEFORE
 
 from .data_sets import read_jsonl
 from .output import write_json
@@ -126,7 +127,7 @@ def bench_repeat(engine: LlamaEngine, embedder: Any, users: list[tuple[str, list
         "miss_p50_s": p50(miss),
         "repeat_p50_s": p50(again),
         "repeat_over_miss_p50": p50(again) / p50(miss),
-        "served_without_model": sum(r["repeat_source"] == "qa_bank" for r in rows),
+        "served_without_model": sum(r["repeat_source"] in ANSWERED_BEFORE for r in rows),
         "identical": sum(r["identical"] for r in rows),
         "rows": rows,
     }
@@ -246,7 +247,7 @@ def bench_llamaindex(
 def bench_chat(engine: LlamaEngine, embedder: Any) -> dict:
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
-    from percache_langchain import PerCacheChatLlamaCPP
+    from percache_langchain import PerCacheChatModel
 
     def session_turns(chat: Any, pc: PerCache, turns: tuple[str, ...]) -> list[dict]:
         messages: list[Any] = [SystemMessage(SYSTEM_MESSAGE)]
@@ -282,8 +283,8 @@ def bench_chat(engine: LlamaEngine, embedder: Any) -> dict:
             embedder=embedder,
         )
         on = PerCache.open(Path(folder) / "on", config=PerCacheConfig(), engine=engine, embedder=embedder)
-        reference_chat = PerCacheChatLlamaCPP(percache=off, max_new_tokens=32, stop=["\n"])
-        chat = PerCacheChatLlamaCPP(percache=on, max_new_tokens=32, stop=["\n"])
+        reference_chat = PerCacheChatModel(percache=off, max_new_tokens=32, stop=["\n"])
+        chat = PerCacheChatModel(percache=on, max_new_tokens=32, stop=["\n"])
         sessions = [session_turns(chat, on, CHAT_TURNS)]
         references = [session_turns(reference_chat, off, CHAT_TURNS)]
         for question in NEW_SESSIONS:
@@ -373,7 +374,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(),
         "model": model_path.name,
-        "exact_pieces": str(exact_pieces(engine)),
+        "cut_rule": str(measure_cut_rule(engine)),
         "self_check_s": time.perf_counter() - started,
     }
     squad = user_data(args.data, "squad11-dev", SQUAD_USER, args.questions)

@@ -47,11 +47,11 @@ def run_user(user: User, config: PerCacheConfig, predictive: bool, engine, embed
             answers.append(answer)
             if predictive:
                 rounds.append(pc.warm(progress=False, knowledge_prediction=False))
-        generated = [a for a in answers if a.source != "qa_bank"]
+        generated = [a for a in answers if not a.answered_before]
         idle = pc.stats()["idle"]
     return {
         "queries": len(answers),
-        "qa_bank_hit_rate": sum(a.source == "qa_bank" for a in answers) / len(answers),
+        "qa_bank_hit_rate": sum(a.answered_before for a in answers) / len(answers),
         "chunk_state_hit_rate": (sum(a.reused_chunks > 0 for a in generated) / len(generated))
         if generated
         else 0.0,

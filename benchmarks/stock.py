@@ -13,7 +13,7 @@ Workloads (built from ``--data``; every prompt differs from the one before):
 - ``rag_chat``: a multi-turn RAG chat as a LangChain app lays it out: a system message with
   the turn's retrieved passages (QMSum meeting chunks; consecutive turns share some), then
   the conversation so far, then the question. Stock: ``Llama.create_chat_completion``;
-  PerCache: ``PerCacheChatLlamaCPP`` with ``invoke``, ``stream`` and ``batch`` (one turn
+  PerCache: ``PerCacheChatModel`` with ``invoke``, ``stream`` and ``batch`` (one turn
   each, in turn).
 - ``long_prompts``: completion prompts of 1,000-3,000 tokens (several chunks, then a
   question; each entry point its own prompts). Stock:
@@ -52,8 +52,7 @@ from percache_core.inspection import internals
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_langchain import PerCacheChatLlamaCPP
-from percache_langchain import PerCacheLlamaCPP as PerCacheLlamaCppLLM
+from percache_langchain import PerCacheChatModel, PerCacheLLM
 from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP
 
 from .data_sets import read_jsonl
@@ -175,7 +174,7 @@ def compare(name: str, stock_runs: list[tuple[str, float]], ours: list[tuple[str
 def chat_side(pc: PerCache, mode: str, messages: list[tuple[str, str]], max_tokens: int) -> str:
     kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
     lc_messages = [kinds[r](c) for r, c in messages]
-    model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=max_tokens, cache=False)
+    model = PerCacheChatModel(percache=pc, max_new_tokens=max_tokens, cache=False)
     if mode == "invoke":
         return str(model.invoke(lc_messages).content)
     if mode == "stream":
@@ -238,7 +237,7 @@ def bench_model(
             for i in range(len(sessions))
         ]
         rows.append(interleaved("rag_chat (LangChain chat model)", steps, next_turn))
-        llm = PerCacheLlamaCppLLM(percache=pc, max_new_tokens=32)
+        llm = PerCacheLLM(percache=pc, max_new_tokens=32)
         stop = ["Question:"]
         entries: dict[str, Callable[[str], str]] = {
             "pc.caller.complete": lambda p: pc.caller.complete(p, max_new_tokens=32, stop=stop).text,  # type: ignore[union-attr]

@@ -136,7 +136,7 @@ def qa_hit_latency(args, engine, embedder, folder: Path) -> dict:
         latencies, hits = [], 0
         for question in questions:
             answer = pc.answer(question)
-            hits += answer.source == "qa_bank"
+            hits += answer.answered_before
             latencies.append(answer.latency_s)
         embed_times = []
         for question in questions[:50]:

@@ -21,7 +21,7 @@ from langchain_core.vectorstores import InMemoryVectorStore
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.cli import demo_corpus
-from percache_langchain import PerCacheLlamaCPP, PerCacheRetriever, PerCacheSemanticCache
+from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
 
 
 class BundledEmbeddings(Embeddings):
@@ -46,7 +46,7 @@ def main(folder: str) -> list[dict]:
         prompt = PromptTemplate.from_template(
             "Use the notes to answer briefly.\n\n{context}\n\nQuestion: {question}\nAnswer:"
         )
-        llm = PerCacheLlamaCPP(percache=pc, cache=PerCacheSemanticCache(pc))
+        llm = PerCacheLLM(percache=pc, cache=PerCacheLLMCache(pc))
         chain = (
             {
                 "context": retriever | (lambda docs: "\n\n".join(d.page_content for d in docs)),

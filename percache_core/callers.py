@@ -78,8 +78,7 @@ class CallerCache:
             hit = self._hit(question, threshold, scope_dict, binding, asked)
         if hit is None:
             return None
-        answer = stored_answer(question, hit, started, {})
-        answer.approximate = config.qa_mode != "exact"
+        answer = stored_answer(question, hit, started, {}, approximate=config.qa_mode != "exact")
         self._path.count(answer)
         return answer
 

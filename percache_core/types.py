@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-AnswerSource = Literal["qa_bank", "remembered", "chunk_states", "full"]
+AnswerSource = Literal["qa_bank", "prompt_answer", "remembered", "chunk_states", "full"]
+ANSWERED_BEFORE: frozenset[str] = frozenset({"qa_bank", "prompt_answer", "remembered"})
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,12 @@ class Answer:
 
     Attributes:
         text: the answer.
-        source: ``"qa_bank"`` (stored answer), ``"remembered"`` (the answer a caller stored
-            for this question with ``remember()``, returned as given), ``"chunk_states"``
-            (at least one retrieved chunk's KV state was restored) or ``"full"``
-            (prefilled from scratch).
+        source: where the text came from: ``"qa_bank"`` (a QA entry: served in semantic
+            mode, or verified as a draft in exact mode), ``"prompt_answer"`` (the stored
+            answer of an identical prompt, without the model), ``"remembered"`` (the answer
+            a caller stored for this question with ``remember()``, returned as given),
+            ``"chunk_states"`` (generated; at least one retrieved chunk's KV state was
+            restored) or ``"full"`` (generated, prefilled from scratch).
         similarity: cosine similarity of the matched QA entry (QA-bank hits), else the best
             similarity seen in the QA bank (``None`` when the bank was not consulted).
         chunk_ids: the chunks the answer was generated from.
@@ -158,3 +161,13 @@ class Answer:
     predicted: bool = False
     idle_reused_chunks: int = 0
     idle_reused_tokens: int = 0
+
+    @property
+    def answered_before(self) -> bool:
+        """Whether the text is an answer stored before (``source`` ``"qa_bank"``,
+        ``"prompt_answer"`` or ``"remembered"``), not one decoded for this call.
+
+        >>> Answer(text="Friday.", source="prompt_answer", question="When?").answered_before
+        True
+        """
+        return self.source in ANSWERED_BEFORE

@@ -23,6 +23,7 @@ class _Totals:
     storage_failures: int = 0
     draft_tokens_accepted: int = 0
     remembered: int = 0
+    prompt_answers: int = 0
     predicted: int = 0  # answers served from what idle work stored (QA entries, prompt answers)
     idle_state_answers: int = 0  # answers that restored at least one state idle work stored
     idle_reused_chunks: int = 0
@@ -51,8 +52,9 @@ class UsageCounters:
         with self._lock:
             totals = self._totals
             totals.queries += 1
-            source = "qa_bank" if answer.source == "remembered" else answer.source  # a QA-bank answer
+            source = "qa_bank" if answer.answered_before else answer.source  # a stored answer
             totals.remembered += answer.source == "remembered"
+            totals.prompt_answers += answer.source == "prompt_answer"
             if source == "qa_bank":
                 totals.qa_bank_hits += 1
             elif answer.source == "chunk_states":
@@ -94,8 +96,9 @@ class UsageCounters:
             queries = max(1, c.queries)
             return {
                 "queries": c.queries,
-                "qa_bank_hits": c.qa_bank_hits,
+                "qa_bank_hits": c.qa_bank_hits,  # every answer stored before, the two below included
                 "remembered": c.remembered,
+                "prompt_answers": c.prompt_answers,
                 "chunk_state_hits": c.chunk_state_hits,
                 "full": c.full,
                 "qa_bank_hit_rate": c.qa_bank_hits / queries,

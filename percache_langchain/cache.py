@@ -1,4 +1,4 @@
-"""``PerCacheSemanticCache``: LangChain's LLM cache on PerCache's QA bank.
+"""``PerCacheLLMCache``: LangChain's LLM cache on PerCache's QA bank.
 
 A LangChain cache answers without calling the model, so it cannot have a stored answer
 verified. In PerCache's default ``qa_mode="exact"`` it therefore returns an answer only
@@ -32,10 +32,12 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\x1f".join(parts).encode("utf-8")).hexdigest()[:32]
 
 
-class PerCacheSemanticCache(BaseCache):
-    """A semantic LLM cache: ``set_llm_cache(PerCacheSemanticCache(pc))`` or ``cache=``.
+class PerCacheLLMCache(BaseCache):
+    """LangChain's LLM cache on PerCache's QA bank: ``set_llm_cache(PerCacheLLMCache(pc))``
+    or ``cache=``. Exact (the same prompt and settings) unless the PerCache's
+    ``qa_mode="semantic"`` (see the module docstring).
 
-    ``similarity_threshold`` overrides the PerCache's tau for this cache.
+    ``similarity_threshold`` overrides the PerCache's tau for this cache (semantic mode).
     """
 
     def __init__(self, percache: PerCache, *, similarity_threshold: float | None = None) -> None:
@@ -87,4 +89,4 @@ class PerCacheSemanticCache(BaseCache):
         await asyncio.to_thread(self.clear, **kwargs)
 
 
-__all__: Sequence[str] = ["PerCacheSemanticCache"]
+__all__: Sequence[str] = ["PerCacheLLMCache"]

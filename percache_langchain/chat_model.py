@@ -1,9 +1,9 @@
-"""``PerCacheChatLlamaCPP``: a LangChain chat model on PerCache's llama.cpp engine.
+"""``PerCacheChatModel``: a LangChain chat model on PerCache's llama.cpp engine.
 
 Messages are laid out as stock ``llama_cpp.Llama.create_chat_completion`` lays them out
 (the GGUF file's chat template, or llama-cpp-python's ``llama-2`` fallback for a model
 without one; ``chat_template`` names one of llama.cpp's built-in templates instead, such as
-``"gemma"``) and the prompt is continued like ``PerCacheLlamaCPP``'s: stock's text, the same
+``"gemma"``) and the prompt is continued like ``PerCacheLLM``'s: stock's text, the same
 with or without stored chunk states, reusing the states of documents a ``PerCacheRetriever``
 returned. A state is also kept after the system message (a new session restores it) and
 after the conversation before the new message; the next turn keeps what the context holds
@@ -63,14 +63,14 @@ def _usage(answer: Answer | None) -> UsageMetadata | None:
     )
 
 
-class PerCacheChatLlamaCPP(BaseChatModel):
+class PerCacheChatModel(BaseChatModel):
     """A chat model on the PerCache's engine and settings (``max_new_tokens``, alias
     ``max_tokens``, and ``temperature`` override them); a call's ``stop`` strings (else
     ``stop``) and the chat format's own end the answer (the configured stop strings are
     for PerCache's own completion prompt, not chats). The reply is llama.cpp's text as
     decoded, as stock ``create_chat_completion`` returns it.
 
-    >>> chat = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=64)        # doctest: +SKIP
+    >>> chat = PerCacheChatModel(percache=pc, max_new_tokens=64)        # doctest: +SKIP
     >>> (retriever | prompt | chat).invoke({"question": "When is the rehearsal?"})  # doctest: +SKIP
     """
 

@@ -1,4 +1,4 @@
-"""``PerCacheLlamaCPP``: a LangChain LLM on PerCache's llama.cpp engine.
+"""``PerCacheLLM``: a LangChain LLM on PerCache's llama.cpp engine.
 
 The prompt string, whatever template made it, is continued exactly as the model does
 without a cache (``pc.caller.complete``): tokenized whole and prefilled as one call
@@ -64,12 +64,12 @@ def complete(
     )  # type: ignore[return-value]
 
 
-class PerCacheLlamaCPP(LLM):
+class PerCacheLLM(LLM):
     """Generates with the PerCache's engine and settings (``max_new_tokens`` and
     ``temperature`` override them for this LLM); ``stop`` replaces the configured stop
     strings for one call.
 
-    >>> llm = PerCacheLlamaCPP(percache=pc, max_new_tokens=48)   # doctest: +SKIP
+    >>> llm = PerCacheLLM(percache=pc, max_new_tokens=48)   # doctest: +SKIP
     >>> (retriever | prompt | llm).invoke("When is the rehearsal?")   # doctest: +SKIP
     """
 

@@ -22,7 +22,7 @@ def _document_id(document: Document) -> str:
 
 class PerCacheRetriever(BaseRetriever):
     """Returns the inner retriever's documents unchanged, and records the question and the
-    documents for ``PerCacheSemanticCache`` and ``PerCacheLlamaCPP``; with
+    documents for ``PerCacheLLMCache`` and ``PerCacheLLM``; with
     ``add_to_knowledge`` (default) the documents also join PerCache's knowledge bank, so
     that prediction and chunk states cover them.
     """

@@ -2,7 +2,7 @@
 
 Generation, draft verification, the scheduler and the adapters use only these members.
 :class:`~percache_core.kv.llama_cpp.LlamaEngine` is the real one;
-:class:`~percache_core.kv.fake_engine.FakeEngine` is a deterministic stand-in for tests of
+``tests/fake_engine.py``'s ``FakeEngine`` is a deterministic stand-in for tests of
 pure logic (no model file, answers in microseconds).
 
 One engine holds one sequence. Callers hold ``engine.lock`` around any run of calls that
@@ -26,8 +26,8 @@ class EngineVerdicts(Generic[T]):
     """What a self-check measured, remembered per engine object and forgotten with it (so
     a new engine, even one at a recycled address, is measured afresh).
 
-    >>> from percache_core.kv.fake_engine import FakeEngine
-    >>> verdicts, engine = EngineVerdicts(), FakeEngine()
+    >>> class Probe: ...
+    >>> verdicts, engine = EngineVerdicts(), Probe()
     >>> verdicts.known(engine)
     (False, None)
     >>> verdicts.keep(engine, 2.5)
@@ -114,7 +114,7 @@ class KVSequence(Protocol):
     lock: threading.Lock
     n_ctx: int  # the most tokens the sequence can hold
     n_past: int  # tokens in the sequence now
-    n_batch: int  # the most tokens one call feeds (longer pieces are split: kv.pieces.batch_bounds)
+    n_batch: int  # the most tokens one call feeds (longer pieces are split: kv.cuts.batch_bounds)
     changes: int  # bumped by every call that changes the sequence (reset, eval, load, truncate, ...)
 
     def fingerprint(self, extra: str = "") -> str:

@@ -5,7 +5,7 @@ needs what ``Llama`` hides: per-sequence state bytes (``llama_state_seq_*``), a 
 sequence for state slices, and no n_tokens x n_vocab score copies. Weights are repacked
 as ``Llama`` does by default (``repack_weights``), so a prompt prefilled in one call gives
 ``Llama``'s logits; where a prompt may be cut without changing them is found by the
-self-check in :mod:`percache_core.kv.pieces` (with repacking: pieces of 8+ tokens cut at
+self-check in :mod:`percache_core.kv.cuts` (with repacking: pieces of 8+ tokens cut at
 multiples of 4).
 
 Facts it relies on (llama-cpp-python 0.3.36, CPU): restoring a state saved after
@@ -30,8 +30,8 @@ import numpy as np
 from ..errors import EngineError, ModelNotFoundError, missing_dependency
 from ..models import file_sha256
 from .compute_thread import ComputeThread, on_compute_thread
+from .cuts import batch_bounds
 from .engine import Sampling
-from .pieces import batch_bounds
 from .text_model import LlamaTextModel
 
 logger = logging.getLogger(__name__)

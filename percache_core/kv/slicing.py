@@ -28,10 +28,8 @@ _verdicts: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
 def slices_work(engine: Engine) -> bool:
     """:func:`slices_round_trip` of *engine*, run once per engine and remembered.
 
-    >>> from percache_core.kv.fake_engine import FakeEngine
-    >>> engine = FakeEngine()
-    >>> slices_work(engine), engine in _verdicts
-    (True, True)
+    >>> slices_work(LlamaEngine(model_path))   # doctest: +SKIP
+    True
     """
     try:
         return _verdicts[engine]
@@ -49,8 +47,7 @@ def slices_round_trip(engine: Engine) -> bool:
     """Prefill three segments and a question live, then again from a whole state and two
     appended slices; True when the last logits are identical (the sequence is emptied).
 
-    >>> from percache_core.kv.fake_engine import FakeEngine
-    >>> slices_round_trip(FakeEngine())
+    >>> slices_round_trip(LlamaEngine(model_path))   # doctest: +SKIP
     True
     """
     try:
@@ -95,8 +92,7 @@ def state_bytes_per_token(engine: Engine) -> float:
     engine over a 100-odd-token segment after a first one; the sequence is emptied). The
     bundled Gemma 3 270M takes about 18 KB.
 
-    >>> from percache_core.kv.fake_engine import FakeEngine
-    >>> 0 < state_bytes_per_token(FakeEngine()) < 100
+    >>> state_bytes_per_token(LlamaEngine(model_path)) > 10_000   # doctest: +SKIP
     True
     """
     try:

@@ -41,7 +41,7 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..serving.completion import complete_plain
-from ..serving.generation import Preempted, RunResult
+from ..serving.generation import Preempted, RunOptions, RunResult
 from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath
 from ..serving.streaming import drain
@@ -485,16 +485,10 @@ class Scheduler:
             chunks = [c for c in (parts.knowledge.get_chunk(i) for i in entry.chunk_ids) if c is not None]
             if not chunks or runner.path_is_stored(entry.question, chunks, parts.config.max_new_tokens):
                 continue
-            result = drain(
-                runner.run(
-                    entry.question,
-                    chunks,
-                    max_new_tokens=parts.config.max_new_tokens,
-                    decode=False,
-                    should_stop=should_stop,
-                    idle=True,
-                )
-            )
+            tokens = parts.config.max_new_tokens
+            layout = runner.lay_out(entry.question, chunks, max_new_tokens=tokens)
+            options = RunOptions(max_new_tokens=tokens, decode=False, idle=True)
+            result = drain(runner.run(layout, options, should_stop=should_stop))
             report.prefill_tokens += result.prefilled_tokens
             report.paths_reprefilled += 1
 

@@ -1,16 +1,16 @@
 """Completion without a cache: a caller's prompt as stock llama.cpp completes it
 (:class:`UncachedCompletion`, for an adapter's LLM used outside a cache), and the plain
-completions of idle work (the predictor's and the abstract's LLM calls: :func:`stream_text`,
+completions of idle work (the predictor's and the abstract's LLM calls:
 :func:`complete_plain`)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from ..config import PerCacheConfig
 from ..kv.engine import Engine, Sampling
 from ..kv.stopping import StopStringFilter
-from .generation import Preempted, PromptRunner, StopCheck, decode_text
+from .generation import Preempted, PromptRunner, RunOptions, StopCheck, decode_text
 from .prompting import TextPrompt
 from .streaming import BackgroundStream
 
@@ -41,59 +41,12 @@ class UncachedCompletion:
     ) -> Iterator[str]:
         """The completion's text pieces, produced by a thread of their own (an abandoned
         stream never keeps the engine from other calls)."""
-        events = self._runner.run(
-            prompt.text,
-            [],
-            spec=prompt,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            stop=list(stop),
-            prompt_lookup=prompt_lookup,
-            trim=False,
+        layout = self._runner.lay_out(prompt.text, [], spec=prompt, max_new_tokens=max_new_tokens)
+        options = RunOptions(
+            max_new_tokens, sampling=sampling, stop=list(stop), prompt_lookup=prompt_lookup, trim=False
         )
+        events = self._runner.run(layout, options)
         return BackgroundStream(events)
-
-
-def stream_text(
-    engine: Engine,
-    prompt: str,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop: Sequence[str] = (),
-    chat: bool = False,
-    should_stop: StopCheck | None = None,
-) -> Generator[str | tuple[int, int], None, None]:
-    """Complete *prompt* on *engine* without chunk states (plain LLM calls), yielding the
-    shown text pieces as they are decoded and finally ``(prompt tokens, generated tokens)``.
-
-    With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
-    tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
-    """
-    with engine.lock:
-        tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
-        tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
-        engine.reset()
-        engine.eval(tokens, should_stop)
-        if engine.n_past != len(tokens):
-            raise Preempted("completion pre-empted by a user question")
-        generated = [0]
-
-        def count_token(token: int) -> None:
-            if not engine.is_end_of_generation(token):
-                generated[0] += 1
-
-        sampling = Sampling(temperature, top_p, seed)
-        yield from decode_text(
-            engine,
-            engine.generate(max_new_tokens=max_new_tokens, sampling=sampling),
-            StopStringFilter(stop),
-            should_stop,
-            count_token,
-        )
-        yield (len(tokens), generated[0])
 
 
 def complete_plain(
@@ -107,20 +60,36 @@ def complete_plain(
     chat: bool = False,
     should_stop: StopCheck | None = None,
 ) -> tuple[str, int, int]:
-    """Complete *prompt* without chunk states: (text, prompt tokens, generated tokens)."""
-    pieces = list(
-        stream_text(
-            engine,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            stop=stop,
-            chat=chat,
-            should_stop=should_stop,
+    """Complete *prompt* on *engine* without chunk states or stored answers (idle work's
+    plain LLM calls: the predictor's and the abstract's): (text, prompt tokens, generated
+    tokens). The prompt keeps its last ``n_ctx - max_new_tokens`` tokens.
+
+    With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
+    tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
+    """
+    with engine.lock:
+        tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
+        tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
+        engine.reset()
+        engine.eval(tokens, should_stop)
+        if engine.n_past != len(tokens):
+            raise Preempted("completion pre-empted by a user question")
+        generated = 0
+
+        def count_token(token: int) -> None:
+            nonlocal generated
+            if not engine.is_end_of_generation(token):
+                generated += 1
+
+        sampling = Sampling(temperature, 1.0, seed)
+        stops = StopStringFilter(stop)
+        text = "".join(
+            decode_text(
+                engine,
+                engine.generate(max_new_tokens=max_new_tokens, sampling=sampling),
+                stops,
+                should_stop,
+                count_token,
+            )
         )
-    )
-    text = "".join(piece for piece in pieces if isinstance(piece, str))
-    counts = pieces[-1]
-    assert isinstance(counts, tuple)
-    return text, counts[0], counts[1]
+        return text, len(tokens), generated

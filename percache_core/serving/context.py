@@ -21,7 +21,7 @@ import numpy as np
 
 from ..config import CONTEXT_MODES, SIGNALS
 from ..types import Chunk
-from .generation import PromptRunner, StopCheck
+from .generation import PromptRunner, RunOptions, StopCheck
 from .streaming import drain
 
 __all__ = ["CONTEXT_MODES", "SIGNALS", "confidence_signals", "context_chunks", "is_confident"]
@@ -73,9 +73,9 @@ def context_chunks(
     if config.context != "adaptive":
         return list(chunks)
     for count in range(1, len(chunks)):
-        events = runner.run(
-            question, chunks[:count], max_new_tokens=max_new_tokens, decode=False, should_stop=should_stop, keep_logits=True
-        )
+        layout = runner.lay_out(question, chunks[:count], max_new_tokens=max_new_tokens)
+        options = RunOptions(max_new_tokens, decode=False, keep_logits=True)
+        events = runner.run(layout, options, should_stop=should_stop)
         logits = drain(events).next_token_logits
         assert logits is not None
         if is_confident(confidence_signals(logits), config.adaptive_signal, config.adaptive_threshold):

@@ -1,7 +1,7 @@
 """Running a prompt through the chunk-state tree: restore, prefill, decode, keep new states.
 
 ``PromptRunner.run`` is where PerCache's and callers' prompts meet the model (idle work's
-free-form LLM calls use :func:`~percache_core.serving.completion.stream_text`). It restores the
+free-form LLM calls use :func:`~percache_core.serving.completion.complete_plain`). It restores the
 deepest stored prefix of the prompt's segments, prefills the rest one segment per call
 (on hits and misses alike, so outputs do not depend on the cache), keeps the states of
 new prefixes, and decodes. Idle work passes ``should_stop`` so that a user's question can
@@ -22,8 +22,8 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.budget import BUDGET_FLOOR_BYTES
+from ..kv.cuts import CutRule, known_cut_rule, measure_cut_rule
 from ..kv.engine import Engine, Sampling
-from ..kv.pieces import PieceRule, exact_pieces, known_pieces
 from ..kv.stopping import StopStringFilter
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
@@ -99,30 +99,32 @@ class _NewState:
 
 
 @dataclass(frozen=True)
-class _Prefill:
-    """How one run prefills."""
+class RunOptions:
+    """How one prompt runs (:meth:`PromptRunner.run`): what it decodes and how, and what
+    its prefill keeps. ``None`` settings take the configured ones when the run starts.
 
-    keep_logits: bool = False
-    approximate: bool = False  # compose chunks from independent states (reuse="approximate")
-    recompute_tokens: int = 0  # of each composed chunk, prefilled live
-    idle: bool = False  # the states kept are idle work's (StateNode.idle)
-
-
-@dataclass(frozen=True)
-class _Decoding:
-    """How one run decodes."""
+    >>> RunOptions(max_new_tokens=8, decode=False, keep_logits=True).decode
+    False
+    """
 
     max_new_tokens: int
-    sampling: Sampling
-    prompt_lookup: bool
-    stop: Sequence[str] | None
-    answer_drafts: Sequence[Sequence[int]]
-    trim: bool  # drop white space around the answer (else llama.cpp's text as decoded)
+    decode: bool = True  # False: only the prefill runs (to populate chunk states)
+    prefix_only: bool = False  # without decoding, and without the question's segment either
+    stop: Sequence[str] | None = None  # None: the configured stop strings
+    sampling: Sampling | None = None  # None: the configured sampling
+    prompt_lookup: bool | None = None  # None: the configured prompt lookup
+    answer_drafts: Sequence[Sequence[int]] = ()  # stored answers' token ids, verified as drafts
+    trim: bool = True  # drop white space around the answer (else llama.cpp's text as decoded)
+    keep_logits: bool = False  # keep a copy of the logits after the prompt in the result
+    approximate: bool = False  # compose chunks from independent states (reuse="approximate")
+    idle: bool = False  # the states kept are idle work's (StateNode.idle)
 
     @property
     def drafting(self) -> bool:
-        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time)."""
-        return self.sampling.temperature == 0 and (self.prompt_lookup or bool(self.answer_drafts))
+        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time).
+        Only for resolved options (sampling set)."""
+        greedy = self.sampling is not None and self.sampling.temperature == 0
+        return greedy and (bool(self.prompt_lookup) or bool(self.answer_drafts))
 
 
 class PromptRunner:
@@ -141,68 +143,45 @@ class PromptRunner:
 
     def run(
         self,
-        question: str,
-        chunks: Sequence[Chunk],
+        layout: PromptLayout,
+        options: RunOptions,
         *,
-        spec: PromptSpec | TextPrompt | None = None,
-        layout: PromptLayout | None = None,
-        stop: Sequence[str] | None = None,
-        max_new_tokens: int,
-        decode: bool = True,
         should_stop: StopCheck | None = None,
         started: float | None = None,
-        prefix_only: bool = False,
-        answer_drafts: Sequence[Sequence[int]] = (),
-        sampling: Sampling | None = None,
-        prompt_lookup: bool | None = None,
-        keep_logits: bool = False,
-        approximate: bool = False,
-        trim: bool = True,
-        idle: bool = False,
     ) -> Generator[str, None, RunResult]:
-        """Run [system, *chunks, question]; yields answer text, returns a :class:`RunResult`.
+        """Run the prompt *layout* (from :meth:`lay_out`) as *options* say; yields answer
+        text, returns a :class:`RunResult`.
 
-        *spec* replaces PerCache's own prompt: segments of a caller's template
-        (:class:`PromptSpec`) or a finished prompt string (:class:`TextPrompt`); *layout*
-        is the prompt already laid out by :meth:`lay_out`.
-        *answer_drafts* (token ids of stored answers) are verified as drafts with greedy
-        decoding; the output is the same with or without them. *sampling* and
-        *prompt_lookup* replace the configured ones.
-
-        With ``decode=False`` only the prefill runs (to populate chunk states); with
-        ``prefix_only=True`` the question is not prefilled either. With ``keep_logits`` a
-        copy of the logits after the prompt is kept in the result. With *approximate*
-        (``reuse="approximate"``), chunks after the restored prefix are taken from their
-        independent [system, chunk] states where stored (their first
+        Stored answers' token ids (``options.answer_drafts``) are verified as drafts with
+        greedy decoding; the output is the same with or without them. With
+        ``options.approximate`` (``reuse="approximate"``), chunks after the restored prefix
+        are taken from their independent [system, chunk] states where stored (their first
         ``recompute_tokens`` prefilled live); the result is then marked approximate. When
         ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
-        not complete, no new state is kept. With *trim* the white space around the answer
-        is dropped; without, the text is llama.cpp's as decoded, up to the first stop string.
-        *idle* marks the states it keeps as idle work's (``StateNode.idle``), so that
-        answers can tell what prediction saved them.
+        not complete, no new state is kept. *started* (``time.perf_counter()``) is when the
+        request began, for the time to first token.
         """
         started = time.perf_counter() if started is None else started
         states = self.states if self.config.chunk_states else None
         engine = self.engine
         config = self.config
-        sampling = sampling or config.sampling
-        lookup = config.prompt_lookup if prompt_lookup is None else prompt_lookup
-        if layout is None:
-            layout = self.lay_out(question, chunks, spec=spec, max_new_tokens=max_new_tokens)
+        options = replace(
+            options,
+            sampling=options.sampling or config.sampling,
+            prompt_lookup=config.prompt_lookup if options.prompt_lookup is None else options.prompt_lookup,
+            approximate=options.approximate and states is not None,
+            decode=options.decode and not options.prefix_only,
+        )
         with engine.lock:
             layout, kept = self._reuse_point(layout, states)
             segments = [list(s.tokens) for s in layout.segments]
-            keys = self._keys(layout, states)
-            if prefix_only:
-                segments, decode = segments[:-1], False
+            keys = self._keys(layout, segments, states)
+            if options.prefix_only:
+                segments = segments[:-1]
             result = RunResult(layout)
-            decoding = _Decoding(max_new_tokens, sampling, lookup, stop, answer_drafts, trim)
-            prefill = _Prefill(keep_logits, approximate and states is not None, config.recompute_tokens, idle)
             previous, self._live = self._live, None  # unknown until this prefill is complete
             with states.pinned(keys) if states is not None else nullcontext():
-                yield from self._run_segments(
-                    result, segments, keys, decode, should_stop, started, decoding, prefill, kept, previous
-                )
+                yield from self._run_segments(result, segments, keys, options, should_stop, started, kept, previous)
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
@@ -217,7 +196,7 @@ class PromptRunner:
         engine = self.engine
         live = self._live if self._live is not None and self._live.changes == engine.changes else None
         tokens = layout.tokens
-        rule = known_pieces(engine)[1] if layout.caller_prompt else None
+        rule = known_cut_rule(engine)[1] if layout.caller_prompt else None
         if rule is None:  # PerCache's own prompt, or no self-check yet: same calls only
             if live is None:
                 return layout, 0
@@ -230,7 +209,7 @@ class PromptRunner:
             layout = with_cut(layout, point, rule)
         return layout, kept
 
-    def _stored_text_prefix(self, tokens: Sequence[int], rule: PieceRule) -> int:
+    def _stored_text_prefix(self, tokens: Sequence[int], rule: CutRule) -> int:
         """The length of the longest stored state of a caller's prompt that *tokens* start
         with and that leaves at least ``rule.min_tokens`` to prefill (0: none)."""
         limit = len(tokens) - rule.min_tokens
@@ -241,7 +220,7 @@ class PromptRunner:
         keys = prefix_keys(self.states.root_key, tokens, lengths)
         return next((n for n, key in zip(reversed(lengths), reversed(keys)) if key in self.states), 0)
 
-    def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
+    def _keys(self, layout: PromptLayout, segments: list[list[int]], states: TieredStateStore | None) -> list[str]:
         """The stored-state keys of the layout's prefixes (all but the whole prompt): a
         caller's prompt keyed by its leading tokens whatever the cuts before them,
         PerCache's own by its segments."""
@@ -249,7 +228,7 @@ class PromptRunner:
             return []
         if layout.caller_prompt:
             return prefix_keys(states.root_key, layout.tokens, layout.ends[:-1])
-        return path_keys(states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
+        return path_keys(states.root_key, segments[:-1])
 
     def lay_out(
         self,
@@ -262,7 +241,7 @@ class PromptRunner:
         """The pieces *run* feeds for this prompt: PerCache's own [system, *chunks,
         question] or *spec*. A finished prompt string is cut only where a state is worth
         keeping, within the cuts that leave the engine's prefill unchanged (measured once,
-        see :func:`~percache_core.kv.pieces.exact_pieces`)."""
+        see :func:`~percache_core.kv.cuts.measure_cut_rule`)."""
         engine = self.engine
         spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
         max_prompt_tokens = engine.n_ctx - max_new_tokens
@@ -271,17 +250,17 @@ class PromptRunner:
             # engine) runs here only for such a prompt; otherwise preload() or an idle round
             # runs it, and until then the context is kept only where the calls were the same
             cut = bool(spec.documents) and self.config.chunk_states
-            rule = exact_pieces(engine) if cut else None
+            rule = measure_cut_rule(engine) if cut else None
             return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
         return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
 
-    def _draft_bound(self, decoding: _Decoding) -> float | None:
+    def _draft_bound(self, options: RunOptions) -> float | None:
         """The lead a batched logit needs for drafts to be verified (None: decode one token
         at a time). ``draft_decoding="auto"`` drafts only where the engine's self-check
         (run by ``preload()`` and idle rounds, never inside an answer) measured the bound
         and found that batches pay; "on" measures the bound on first use; "off" never."""
         mode = self.config.draft_decoding
-        if not decoding.drafting or mode == "off":
+        if not options.drafting or mode == "off":
             return None
         if mode == "on":
             return deviation_bound(self.engine)
@@ -292,11 +271,9 @@ class PromptRunner:
         result: RunResult,
         segments: list[list[int]],
         keys: list[str],
-        decode: bool,
+        options: RunOptions,
         should_stop: StopCheck | None,
         started: float,
-        decoding: _Decoding,
-        prefill: _Prefill,
         kept: int = 0,
         previous: LiveContext | None = None,
     ) -> Generator[str, None, None]:
@@ -304,7 +281,7 @@ class PromptRunner:
         prompt in the context), prefill the rest, decode, keep the new states."""
         engine = self.engine
         timings = result.timings
-        bound = self._draft_bound(decoding) if decode else None
+        bound = self._draft_bound(options) if options.decode else None
         clock = time.perf_counter()
         depth, reused, from_context = self._keep_or_restore(result.layout, keys, kept, previous)
         result.depth, result.reused_tokens = depth, reused
@@ -320,26 +297,26 @@ class PromptRunner:
 
         clock = time.perf_counter()
         new_states: list[_NewState] = []
-        self._prefill(result, segments, keys, depth, prefill, should_stop, new_states)
+        self._prefill(result, segments, keys, depth, options, should_stop, new_states)
         result.prefilled_tokens = sum(len(s) for s in segments) - reused - result.moved_tokens
         prompt = [t for segment in segments for t in segment]
         starts = call_starts([len(segment) for segment in segments], engine.n_batch)
         if result.live_tokens and previous is not None:  # the kept part was computed by the previous calls
             starts = [s for s in previous.starts if s < reused] + [s for s in starts if s >= reused]
-        if prefill.keep_logits:
+        if options.keep_logits:
             result.next_token_logits = np.array(engine.last_logits(), copy=True)
         timings["prefill"] = time.perf_counter() - clock
         try:
-            if decode:
-                rebuild = self._rebuilder(result, segments, keys, prefill)
-                yield from self._decode(result, decoding, should_stop, started, bound, rebuild)
+            if options.decode:
+                rebuild = self._rebuilder(result, segments, keys, options)
+                yield from self._decode(result, options, should_stop, started, bound, rebuild)
         finally:
             # The prefill is complete, so its states are whole whatever happened while
             # decoding; they are written after the answer so that they do not delay it.
             if not result.approximate:  # the next prompt may keep what this one prefilled
                 self._live = LiveContext(tuple(prompt), tuple(starts), engine.changes)
             clock = time.perf_counter()
-            self._keep_states(result.layout, keys, new_states, idle=prefill.idle)
+            self._keep_states(result.layout, keys, new_states, idle=options.idle)
             timings["store_states"] = time.perf_counter() - clock
 
     def _prefill(
@@ -348,7 +325,7 @@ class PromptRunner:
         segments: list[list[int]],
         keys: list[str],
         depth: int,
-        prefill: _Prefill,
+        options: RunOptions,
         should_stop: StopCheck | None,
         new_states: list[_NewState] | None,
     ) -> None:
@@ -361,9 +338,9 @@ class PromptRunner:
             if should_stop is not None and should_stop():
                 raise Preempted("prefill pre-empted by a user question")
             expected = engine.n_past + len(segments[index])
-            independent = self._independent_state(result.layout, segments, index) if prefill.approximate else None
+            independent = self._independent_state(result.layout, segments, index) if options.approximate else None
             if independent is not None:
-                moved = self._prefill_approximately(independent, segments[index], prefill.recompute_tokens)
+                moved = self._prefill_approximately(independent, segments[index], self.config.recompute_tokens)
                 result.moved_tokens += moved
                 result.approximate = result.approximate or moved > 0
             else:
@@ -418,7 +395,7 @@ class PromptRunner:
         return len(tokens) - head
 
     def _rebuilder(
-        self, result: RunResult, segments: list[list[int]], keys: list[str], prefill: _Prefill
+        self, result: RunResult, segments: list[list[int]], keys: list[str], options: RunOptions
     ) -> Callable[[], None]:
         """A function that brings the sequence back to the end of the prompt (restore the
         deepest stored prefix, prefill the rest as the first time), for when it cannot be
@@ -427,22 +404,22 @@ class PromptRunner:
         def rebuild() -> None:
             depth, _ = self._restore_or_reset(keys)  # what the context held is gone: stored states only
             again = RunResult(result.layout)
-            self._prefill(again, segments, keys, depth, replace(prefill, keep_logits=False), None, None)
+            self._prefill(again, segments, keys, depth, replace(options, keep_logits=False), None, None)
 
         return rebuild
 
     def _decode(
         self,
         result: RunResult,
-        decoding: _Decoding,
+        options: RunOptions,
         should_stop: StopCheck | None,
         started: float,
         bound: float | None,
         rebuild: Callable[[], None],
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
-        stop = StopStringFilter(self.config.stop if decoding.stop is None else decoding.stop, strip=decoding.trim)
-        max_new_tokens = decoding.max_new_tokens
+        stop = StopStringFilter(self.config.stop if options.stop is None else options.stop, strip=options.trim)
+        max_new_tokens = options.max_new_tokens
 
         def count_token(token: int) -> None:
             result.tokens.append(token)
@@ -453,15 +430,15 @@ class PromptRunner:
                 result.ttft_s = time.perf_counter() - started
 
         if bound is None:
-            tokens = self.engine.generate(max_new_tokens=max_new_tokens, sampling=decoding.sampling)
+            assert options.sampling is not None  # resolved by run()
+            tokens = self.engine.generate(max_new_tokens=max_new_tokens, sampling=options.sampling)
         else:
-            sources: list[DraftSource] = [AnswerDraft(decoding.answer_drafts)]
-            if decoding.prompt_lookup:
-                prompt = [t for segment in result.layout.segments for t in segment.tokens]
-                sources.append(PromptLookup(prompt))
+            sources: list[DraftSource] = [AnswerDraft(options.answer_drafts)]
+            if options.prompt_lookup:
+                sources.append(PromptLookup(result.layout.tokens))
             tokens = self._greedy_with_drafts(result, max_new_tokens, sources, bound, should_stop, rebuild)
         yield from decode_text(self.engine, tokens, stop, should_stop, count_token)
-        result.text = stop.text.strip() if decoding.trim else stop.text
+        result.text = stop.text.strip() if options.trim else stop.text
         result.timings["decode"] = time.perf_counter() - clock
 
     def _greedy_with_drafts(
@@ -498,7 +475,8 @@ class PromptRunner:
     def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
         """Prefill [system, *chunks] and keep its states, with no question and no decode
         (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
-        events = self.run("", chunks, max_new_tokens=1, prefix_only=True, should_stop=should_stop, idle=True)
+        layout = self.lay_out("", chunks, max_new_tokens=1)
+        events = self.run(layout, RunOptions(max_new_tokens=1, prefix_only=True, idle=True), should_stop=should_stop)
         return drain(events).prefilled_tokens
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:

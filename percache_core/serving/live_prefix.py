@@ -7,7 +7,7 @@ only what follows the longest common token prefix. PerCache does the same (for P
 own prompt, a caller's prompt and a chat alike), with one more condition: the positions it
 keeps must hold what the new prompt's own prefill would compute, bit for bit. A position's
 KV depends on the calls that computed it (llama.cpp's CPU kernels take a path by the number
-of rows in a call: see :mod:`percache_core.kv.pieces`), so the kept part must have been
+of rows in a call: see :mod:`percache_core.kv.cuts`), so the kept part must have been
 computed by calls that the new prompt's prefill could have made, and decoded tokens (one
 call each) are never kept.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kv.pieces import PieceRule, batch_bounds
+from ..kv.cuts import CutRule, batch_bounds
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def text_cut(live: LiveContext, tokens: Sequence[int], rule: PieceRule) -> int:
+def text_cut(live: LiveContext, tokens: Sequence[int], rule: CutRule) -> int:
     """How many leading *tokens* of a caller's prompt (prefilled as one call, cut only
     under *rule*) may be kept from *live* (0: none): the largest cut of *rule* within the
     common prefix that the live calls also allow, leaving at least ``rule.min_tokens`` to
     prefill.
 
     >>> live = LiveContext(tuple(range(40)), (0, 16), 0)
-    >>> text_cut(live, list(range(30)) + [99] * 20, PieceRule(8, 4))
+    >>> text_cut(live, list(range(30)) + [99] * 20, CutRule(8, 4))
     28
     """
     m, least = rule.multiple, rule.min_tokens

@@ -5,7 +5,7 @@ caller's finished prompt string (a LlamaIndex or LangChain template, a chat temp
 laid out by ``lay_out_text``: tokenized whole, exactly as llama.cpp tokenizes it, and cut
 only where a state is worth keeping (after a retrieved document, a system message or an
 earlier chat turn), into pieces no shorter than the size from which the engine's prefill
-does not depend on the cuts (a start-up self-check, :mod:`percache_core.kv.pieces`). The
+does not depend on the cuts (a start-up self-check, :mod:`percache_core.kv.cuts`). The
 output is then a one-call prefill's, with or without stored states, inside or outside a
 framework's engine. On a build where no cut is safe, the prompt is one piece (no state is
 kept: the output stays the one-call output).
@@ -24,11 +24,12 @@ import bisect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from ..errors import ContextOverflowError
+from ..kv.cuts import CutRule
 from ..kv.engine import ChatPrompt, TextModel
-from ..kv.pieces import PieceRule
 from ..types import Chunk
 
 TEMPLATE_VERSION = "completion-v1"
@@ -101,11 +102,12 @@ class PromptLayout:
         under the engine's rule) rather than PerCache's own (one call per segment)."""
         return all(s.kind == "text" for s in self.segments)
 
-    @property
+    @cached_property
     def tokens(self) -> list[int]:
+        """The prompt's token ids (computed once per layout: do not change the list)."""
         return [t for s in self.segments for t in s.tokens]
 
-    @property
+    @cached_property
     def ends(self) -> list[int]:
         """Where each segment ends, in tokens from the prompt's start."""
         ends: list[int] = []
@@ -159,13 +161,13 @@ def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
 
 
 def lay_out_text(
-    prompt: TextPrompt, engine: TextModel, *, max_prompt_tokens: int, rule: PieceRule | None
+    prompt: TextPrompt, engine: TextModel, *, max_prompt_tokens: int, rule: CutRule | None
 ) -> PromptLayout:
     """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, BOS
     as ``prompt.add_bos`` says) and cut only where a state is worth keeping: at the last position *rule* allows
     at or before the end of one of its ``documents`` (and the white space after it).
 
-    *rule* (see :func:`~percache_core.kv.pieces.exact_pieces`) says which cuts leave the
+    *rule* (see :func:`~percache_core.kv.cuts.measure_cut_rule`) says which cuts leave the
     engine's prefill unchanged, so the output is that of a one-call prefill, with or
     without stored states, inside or outside a framework's engine. Without documents, or
     without a rule (a build where no cut is safe), or when the detokenized tokens do not
@@ -210,7 +212,7 @@ def lay_out_text(
     return PromptLayout(tuple(segments))
 
 
-def with_cut(layout: PromptLayout, cut: int, rule: PieceRule | None) -> PromptLayout:
+def with_cut(layout: PromptLayout, cut: int, rule: CutRule | None) -> PromptLayout:
     """A caller's prompt laid out by :func:`lay_out_text`, with a cut at token *cut* (a
     cut *rule* allows, where a kept or stored state ends): the pieces before it become one,
     and the later cuts stay where *rule* allows them after it. The text is unchanged (each
@@ -246,7 +248,7 @@ def _char_boundaries(text: str, boundaries: dict[int, int]) -> dict[int, int]:
     return found
 
 
-def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_tokens: int, rule: PieceRule) -> list[int]:
+def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_tokens: int, rule: CutRule) -> list[int]:
     """Token indices of the cuts after documents: after a document's end and the white
     space that follows it (else at the first token boundary after its end), moved back to a
     multiple of ``rule.multiple``, and only where ``rule`` allows the pieces it leaves.

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,15 +47,37 @@ from ..errors import StorageWriteError
 from ..kv.engine import Sampling
 from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
-from ..types import Answer, Chunk, QAEntry, QAHit
+from ..types import Answer, AnswerSource, Chunk, QAEntry, QAHit
 from .binding import answer_metadata, chunk_sources
 from .context import context_chunks
-from .generation import RunResult, StopCheck
+from .generation import RunOptions, RunResult, StopCheck
 from .parts import CacheParts
 from .prompting import PromptLayout, TextPrompt
 from .streaming import drain
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One question on its way through the request path: what the call asked, with what
+    is computed for it once (its embedding and binding), the clock and the timings."""
+
+    question: str
+    embedding: np.ndarray
+    binding: str  # of the answers this request may serve and stores
+    scope: dict[str, Any] | None
+    max_new_tokens: int
+    top_k: int
+    started: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=dict)
+    best_similarity: float | None = None  # the best QA-bank similarity seen, when consulted
+
+    def timed(self, name: str, since: float) -> float:
+        """Add the seconds since *since* to timing *name*; returns now."""
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - since
+        return now
 
 
 class RequestPath:
@@ -91,57 +114,38 @@ class RequestPath:
         """Yield the answer's text as it is produced; return the :class:`Answer`."""
         parts, config = self.parts, self.config
         started = time.perf_counter()
-        timings: dict[str, float] = {}
-        clock = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            timings[name] = timings.get(name, 0.0) + now - clock
-            clock = now
-
         embedding = parts.embed_question(question)
-        lap("embed")
         binding = parts.binding(top_k=top_k, max_new_tokens=max_new_tokens)
+        request = Request(question, embedding, binding, scope, max_new_tokens, top_k, started)
+        clock = request.timed("embed", started)
         remembered = self.remembered(question, scope, binding)
         if remembered is not None:  # the caller's own answer to this very question
             parts.activity.record_question(question, embedding, remembered, scope)
             yield remembered.entry.answer or ""
-            answer = stored_answer(question, remembered, started, timings)
-            answer.source, answer.approximate = "remembered", False
+            answer = stored_answer(
+                question, remembered, started, request.timings, source="remembered", approximate=False
+            )
             return self._finish(answer)
-        best: float | None = None
         if config.qa_bank and config.qa_mode == "semantic":
-            hit, best = self.semantic_hit(question, embedding, similarity_threshold, scope, binding, top_k)
-            lap("qa_check")
+            hit, request.best_similarity = self.semantic_hit(
+                question, embedding, similarity_threshold, scope, binding, top_k
+            )
+            clock = request.timed("qa_check", clock)
             if hit is not None:
                 parts.activity.record_question(question, embedding, hit, scope)
                 yield hit.entry.answer or ""
-                return self._finish(stored_answer(question, hit, started, timings))
+                return self._finish(stored_answer(question, hit, started, request.timings))
         candidates = self.candidates(embedding, binding=binding, scope=scope)
         if candidates:
-            best = candidates[0].similarity
-        lap("qa_check")
+            request.best_similarity = candidates[0].similarity
+        clock = request.timed("qa_check", clock)
         parts.activity.record_question(question, embedding, None, scope)
 
         retrieved = parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
         chunks = [r.chunk for r in retrieved]
         parts.activity.record_retrieval(question, embedding, scope, [c.id for c in chunks])
-        lap("retrieve")
-        answer = yield from self.run(
-            question,
-            chunks,
-            embedding=embedding,
-            binding=binding,
-            scope=scope,
-            max_new_tokens=max_new_tokens,
-            started=started,
-            timings=timings,
-            candidates=candidates,
-        )
-        if answer.source != "qa_bank":
-            answer.similarity = best
-        return answer
+        request.timed("retrieve", clock)
+        return (yield from self.run(request, chunks, candidates))
 
     def remembered(self, question: str, scope: dict[str, Any] | None, binding: str) -> QAHit | None:
         """The answer a caller stored with ``remember()`` for this question text, under
@@ -178,23 +182,18 @@ class RequestPath:
         if stored is not None:
             yield stored.text
             return self._finish(prompt_answered(question, stored, started, {}))
-        result = yield from runner.run(
-            question,
-            [],
-            layout=layout,
+        background = self.parts.activity.background_stop()  # idle work yields to users
+        options = RunOptions(
+            max_new_tokens,
             stop=stop,
-            max_new_tokens=max_new_tokens,
-            started=started,
             sampling=sampling,
             prompt_lookup=prompt_lookup,
             trim=trim,
-            should_stop=self.parts.activity.background_stop(),  # idle work yields to users
-            idle=self.parts.activity.background_stop() is not None,
+            idle=background is not None,
         )
-        answer = generated_answer(question, result, started, dict(result.timings))
+        result = yield from runner.run(layout, options, should_stop=background, started=started)
         self.remember_prompt_answer(key, result)
-        answer.latency_s = time.perf_counter() - started
-        return self._finish(answer)
+        return self._finish(generated_answer(question, result, started, dict(result.timings)))
 
     # -- prompt answers: an identical prompt needs no model --------------------------------
 
@@ -202,11 +201,29 @@ class RequestPath:
         """The stored answer of the prompt with *key*, if any."""
         return None if key is None else self.parts.prompt_answers.find(key)
 
-    def remember_prompt_answer(self, key: str | None, result: RunResult) -> None:
-        """Keep what a run of a user's (with ``store_answers``) or idle work's prompt produced."""
-        idle = self.parts.activity.background_stop() is not None
-        if self.config.store_answers or idle:
-            keep_prompt_answer(self.parts, key, result, idle=idle)
+    def remember_prompt_answer(self, key: str | None, result: RunResult, *, idle: bool | None = None) -> None:
+        """Store what an exact run of a prompt produced under *key*, for the next identical
+        prompt: a user's run with ``store_answers``, idle work's always (*idle*: idle work
+        ran it; None: whether the run was in the background). A failed write is logged and
+        counted (the answer stands)."""
+        parts = self.parts
+        if idle is None:
+            idle = parts.activity.background_stop() is not None
+        if key is None or result.approximate or not (self.config.store_answers or idle):
+            return
+        answer = PromptAnswer(
+            result.text,
+            tuple(result.tokens),
+            prompt_tokens=result.layout.n_tokens,
+            generated_tokens=result.generated_tokens,
+            chunk_ids=result.layout.chunk_ids,
+            idle=idle,
+        )
+        try:
+            parts.prompt_answers.put(key, answer)
+        except StorageWriteError as error:
+            parts.usage.count_storage_failure()
+            logger.warning("prompt answer not stored (%s); the answer is returned all the same", error)
 
     def candidates(self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None) -> list[QAHit]:
         """Exact mode: the stored answers offered as drafts (same binding and scope)."""
@@ -228,85 +245,56 @@ class RequestPath:
         is embedded when the run starts."""
         started = time.perf_counter()
         embedding = self.parts.embed_question(question)
-        return (
-            yield from self.run(
-                question,
-                chunks,
-                embedding=embedding,
-                binding=binding,
-                scope=scope,
-                max_new_tokens=max_new_tokens,
-                started=started,
-                timings={},
-            )
-        )
+        request = Request(question, embedding, binding, scope, max_new_tokens, self.config.top_k, started)
+        return (yield from self.run(request, chunks))
 
     def run(
-        self,
-        question: str,
-        chunks: list[Chunk],
-        *,
-        embedding: np.ndarray,
-        binding: str,
-        scope: dict[str, Any] | None,
-        max_new_tokens: int,
-        started: float,
-        timings: dict[str, float],
-        candidates: list[QAHit] | None = None,
+        self, request: Request, chunks: list[Chunk], candidates: list[QAHit] | None = None
     ) -> Generator[str, None, Answer]:
-        """Generate the answer from *chunks* with the stored answers of similar questions
-        as drafts; label it ``qa_bank`` when it is one of them token for token, else store
-        it under *binding* and *scope*. Yields text; returns the :class:`Answer`. Callers
-        hold the user's turn (idle work yields the model to it)."""
+        """Generate the answer to *request* from *chunks* with the stored answers of similar
+        questions (*candidates*, found here when None) as drafts; label it ``qa_bank`` when
+        it is one of them token for token, else store it under the request's binding and
+        scope. Yields text; returns the :class:`Answer`. Callers hold the user's turn (idle
+        work yields the model to it)."""
         parts, config = self.parts, self.config
+        question, tokens = request.question, request.max_new_tokens
         if candidates is None:
-            candidates = self.candidates(embedding, binding=binding, scope=scope)
+            candidates = self.candidates(request.embedding, binding=request.binding, scope=request.scope)
         drafts = [self.draft_tokens(c.entry) for c in candidates]
         runner = parts.runtime.runner
         if config.context != "fixed":
             clock = time.perf_counter()
-            chunks = context_chunks(runner, question, chunks, max_new_tokens=max_new_tokens)
-            timings["adaptive_context"] = time.perf_counter() - clock
+            chunks = context_chunks(runner, question, chunks, max_new_tokens=tokens)
+            request.timed("adaptive_context", clock)
         clock = time.perf_counter()
-        layout = runner.lay_out(question, chunks, max_new_tokens=max_new_tokens)
-        key = prompt_answer_key(parts, layout, max_new_tokens, config.sampling, None)
+        layout = runner.lay_out(question, chunks, max_new_tokens=tokens)
+        key = prompt_answer_key(parts, layout, tokens, config.sampling, None)
         stored = self.stored_prompt_answer(key)
-        timings["prompt_answer"] = time.perf_counter() - clock
+        request.timed("prompt_answer", clock)
         if stored is not None:
             yield stored.text
-            return self._finish(prompt_answered(question, stored, started, timings))
-        result = yield from runner.run(
-            question,
-            chunks,
-            layout=layout,
-            max_new_tokens=max_new_tokens,
-            started=started,
-            answer_drafts=drafts,
-            approximate=config.reuse == "approximate",
-            should_stop=parts.activity.background_stop(),  # idle work yields to users
-            idle=parts.activity.background_stop() is not None,
+            return self._finish(prompt_answered(question, stored, request.started, request.timings))
+        background = parts.activity.background_stop()  # idle work yields to users
+        options = RunOptions(
+            tokens, answer_drafts=drafts, approximate=config.reuse == "approximate", idle=background is not None
         )
-        clock = time.perf_counter()
-        timings.update(result.timings)
-        answer = generated_answer(question, result, started, timings)
+        result = yield from runner.run(layout, options, should_stop=background, started=request.started)
+        request.timings.update(result.timings)
         self.remember_prompt_answer(key, result)
         served = next((c for c, d in zip(candidates, drafts) if d and result.tokens == d), None)
         if served is not None:
             parts.qa_bank.record_hit(served.entry.id)
-            answer.source = "qa_bank"
-            answer.similarity = served.similarity
-            answer.matched_question = served.entry.question
-            answer.entry_id = served.entry.id
-            answer.predicted = is_predicted(served.entry)
-        elif config.qa_bank and config.store_answers and answer.text and not answer.approximate:
+        elif config.qa_bank and config.store_answers and result.text and not result.approximate:
+            clock = time.perf_counter()
             try:
-                self.store_answer(question, embedding, result, chunks, binding=binding, scope=scope, origin="user")
+                self.remember_answer(
+                    question, request.embedding, result, chunks, binding=request.binding, scope=request.scope, origin="user"
+                )
             except StorageWriteError as error:
                 parts.usage.count_storage_failure()
                 logger.warning("answer not stored in the QA bank (%s); it is returned all the same", error)
-            timings["store_qa"] = time.perf_counter() - clock
-        answer.latency_s = time.perf_counter() - started
-        return self._finish(answer)
+            request.timed("store_qa", clock)
+        return self._finish(generated_answer(question, result, request.started, request.timings, request, served))
 
     def populate(
         self,
@@ -330,16 +318,14 @@ class RequestPath:
         chunks = context_chunks(
             runner, question, [r.chunk for r in retrieved], max_new_tokens=config.max_new_tokens, should_stop=should_stop
         )
-        result = drain(
-            runner.run(
-                question, chunks, max_new_tokens=config.max_new_tokens, decode=decode, should_stop=should_stop, idle=True
-            )
-        )
+        layout = runner.lay_out(question, chunks, max_new_tokens=config.max_new_tokens)
+        options = RunOptions(config.max_new_tokens, decode=decode, idle=True)
+        result = drain(runner.run(layout, options, should_stop=should_stop))
         if decode:  # the same prompt asked later is answered without the model
             key = prompt_answer_key(parts, result.layout, config.max_new_tokens, config.sampling, None)
-            keep_prompt_answer(parts, key, result, idle=True)
+            self.remember_prompt_answer(key, result, idle=True)
         if config.qa_bank and (result.text or not decode):
-            self.store_answer(
+            self.remember_answer(
                 question,
                 embedding,
                 result,
@@ -351,7 +337,7 @@ class RequestPath:
             )
         return result
 
-    def store_answer(
+    def remember_answer(
         self,
         question: str,
         embedding: np.ndarray,
@@ -443,12 +429,21 @@ class RequestPath:
             self.parts.usage.record(answer)
 
 
-def stored_answer(question: str, hit: QAHit, started: float, timings: dict[str, float]) -> Answer:
-    """An answer served from the QA bank without the model (semantic mode)."""
+def stored_answer(
+    question: str,
+    hit: QAHit,
+    started: float,
+    timings: dict[str, float],
+    *,
+    source: AnswerSource = "qa_bank",
+    approximate: bool = True,
+) -> Answer:
+    """An answer served from a QA entry without the model: semantic mode's hit
+    (*approximate*), an exact-mode lookup of the same question, or a remembered answer."""
     elapsed = time.perf_counter() - started
     return Answer(
         text=hit.entry.answer or "",
-        source="qa_bank",
+        source=source,
         question=question,
         similarity=hit.similarity,
         chunk_ids=hit.entry.chunk_ids,
@@ -457,7 +452,7 @@ def stored_answer(question: str, hit: QAHit, started: float, timings: dict[str, 
         matched_question=hit.entry.question,
         entry_id=hit.entry.id,
         timings=timings,
-        approximate=True,
+        approximate=approximate,
         predicted=is_predicted(hit.entry),
     )
 
@@ -484,34 +479,13 @@ def prompt_answer_key(
     return prompt_key(parts.runtime.model_id(), [s.tokens for s in layout.segments], decoding)
 
 
-def keep_prompt_answer(parts: CacheParts, key: str | None, result: RunResult, *, idle: bool = False) -> None:
-    """Store what an exact run of a prompt produced under *key*, for the next identical
-    prompt (*idle*: idle work ran it); a failed write is logged and counted (the answer
-    stands)."""
-    if key is None or result.approximate:
-        return
-    answer = PromptAnswer(
-        result.text,
-        tuple(result.tokens),
-        prompt_tokens=result.layout.n_tokens,
-        generated_tokens=result.generated_tokens,
-        chunk_ids=result.layout.chunk_ids,
-        idle=idle,
-    )
-    try:
-        parts.prompt_answers.put(key, answer)
-    except StorageWriteError as error:
-        parts.usage.count_storage_failure()
-        logger.warning("prompt answer not stored (%s); the answer is returned all the same", error)
-
-
 def prompt_answered(question: str, stored: PromptAnswer, started: float, timings: dict[str, float]) -> Answer:
     """An identical prompt's stored answer, served without the model (exact: the model
     gives this answer to this prompt)."""
     elapsed = time.perf_counter() - started
     return Answer(
         text=stored.text,
-        source="qa_bank",
+        source="prompt_answer",
         question=question,
         similarity=1.0,
         chunk_ids=stored.chunk_ids,
@@ -524,13 +498,29 @@ def prompt_answered(question: str, stored: PromptAnswer, started: float, timings
     )
 
 
-def generated_answer(question: str, result: RunResult, started: float, timings: dict[str, float]) -> Answer:
-    """An answer the model produced (through the chunk-state tree)."""
+def generated_answer(
+    question: str,
+    result: RunResult,
+    started: float,
+    timings: dict[str, float],
+    request: Request | None = None,
+    served: QAHit | None = None,
+) -> Answer:
+    """An answer the model produced (through the chunk-state tree), built when the run is
+    over: labelled ``qa_bank`` when it is the *served* candidate's answer token for token,
+    else with the *request*'s best QA-bank similarity."""
+    # what the context kept of the previous prompt is stock llama.cpp's reuse, not the tier's
+    restored = (result.reused_chunks > 0 and not result.live_tokens) or result.moved_tokens
+    source: AnswerSource = "qa_bank" if served is not None else "chunk_states" if restored else "full"
     return Answer(
         text=result.text,
-        # what the context kept of the previous prompt is stock llama.cpp's reuse, not the tier's
-        source="chunk_states" if (result.reused_chunks > 0 and not result.live_tokens) or result.moved_tokens else "full",
+        source=source,
         question=question,
+        similarity=served.similarity if served is not None else request.best_similarity if request else None,
+        matched_question=served.entry.question if served is not None else None,
+        entry_id=served.entry.id if served is not None else None,
+        predicted=served is not None and is_predicted(served.entry),
+        latency_s=time.perf_counter() - started,
         chunk_ids=result.layout.chunk_ids,
         reused_tokens=result.reused_tokens + result.moved_tokens,
         prefilled_tokens=result.prefilled_tokens,

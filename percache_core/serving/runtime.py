@@ -2,7 +2,7 @@
 first use (opening a cache loads no model).
 
 The engine is a loaded :class:`~percache_core.kv.engine.Engine` passed in (shared between
-caches, or a :class:`~percache_core.kv.fake_engine.FakeEngine` in tests) or a GGUF file
+caches, or the ``FakeEngine`` of the tests) or a GGUF file
 loaded at the first question that needs it. Its states live in a
 :class:`~percache_core.kv.tiers.TieredStateStore` under ``folder/states``, one folder per
 engine fingerprint, with the shared tier (when configured) behind the local one. States are
@@ -26,8 +26,8 @@ from ..kv.budget import (
     prefill_state_bytes,
     sized_state_budget,
 )
+from ..kv.cuts import known_cut_rule, measure_cut_rule
 from ..kv.engine import Engine
-from ..kv.pieces import exact_pieces, known_pieces
 from ..kv.slicing import slices_work, state_bytes_per_token
 from ..kv.state_store import StateStore, delete_document_states
 from ..kv.tiers import SharedStates, TieredStateStore
@@ -86,6 +86,7 @@ class ModelRuntime:
         self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
+        self._model_id: tuple[Engine, str] | None = None  # (engine, its fingerprint)
 
     @property
     def engine(self) -> Engine:
@@ -105,8 +106,13 @@ class ModelRuntime:
         return self._engine is not None
 
     def model_id(self) -> str:
-        """The identity of the model that answers (the engine's fingerprint)."""
-        return self.engine.fingerprint(TEMPLATE_VERSION)
+        """The identity of the model that answers (the engine's fingerprint), hashed once
+        per engine: an engine's settings do not change once it is loaded."""
+        engine = self.engine
+        known = self._model_id
+        if known is None or known[0] is not engine:
+            known = self._model_id = (engine, engine.fingerprint(TEMPLATE_VERSION))
+        return known[1]
 
     @property
     def states(self) -> TieredStateStore:
@@ -232,11 +238,11 @@ class ModelRuntime:
     def self_check(self) -> None:
         """Measure, once per engine, what decides how prompts run (a few seconds, in
         ``preload()`` or an idle round, never inside an answer): the cuts that leave a
-        prefill's logits unchanged (:func:`~percache_core.kv.pieces.exact_pieces`),
+        prefill's logits unchanged (:func:`~percache_core.kv.cuts.measure_cut_rule`),
         the batched-logit bound of draft verification and whether drafts pay on this machine
         (:mod:`percache_core.serving.drafting`)."""
         engine = self.engine
-        exact_pieces(engine)
+        measure_cut_rule(engine)
         with engine.lock:
             deviation_bound(engine)
             drafts_pay(engine)
@@ -248,10 +254,10 @@ class ModelRuntime:
         if not self.engine_loaded:
             return {"ran": False}
         engine = self.engine
-        ran, rule = known_pieces(engine)
+        ran, rule = known_cut_rule(engine)
         return {
             "ran": ran,
-            "exact_cuts": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
+            "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
             "draft_bound_logits": known_bound(engine),
             "drafts_pay": known_drafts_pay(engine),
             "repack_weights": self.config.repack_weights,

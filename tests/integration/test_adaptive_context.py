@@ -4,6 +4,7 @@ and later steps restore their prefix from the tree."""
 
 from percache_core.inspection import internals
 from percache_core.serving.context import confidence_signals
+from percache_core.serving.generation import RunOptions
 
 QUESTIONS = [
     "When is my dentist appointment?",
@@ -15,7 +16,8 @@ QUESTIONS = [
 
 def first_token_confidence(pc, question, count):
     chunks = [r.chunk for r in pc.retrieve(question)][:count]
-    result = internals(pc).runner.run(question, chunks, max_new_tokens=8, decode=False, keep_logits=True)
+    runner = internals(pc).runner
+    result = runner.run(runner.lay_out(question, chunks, max_new_tokens=8), RunOptions(8, decode=False, keep_logits=True))
     while True:
         try:
             next(result)

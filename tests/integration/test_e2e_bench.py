@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import neighbour_pairs
 from benchmarks.e2e_harness import SYSTEMS, evaluate, write_report
+from percache_core.types import ANSWERED_BEFORE
 
 DOCUMENTS = [
     {
@@ -109,7 +110,7 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path, engine, embedder
     # idle knowledge prefill stored [system, chunk] for every chunk: each prompt restores
     # at least its first chunk, and retrieval stayed inside meeting m1
     assert totals["percache"]["idle"]["chunks_prefilled"] >= 1  # the rest came with predictions
-    generated = [r for r in first["queries"]["qmsum/pat"]["percache"] if r["source"] != "qa_bank"]
+    generated = [r for r in first["queries"]["qmsum/pat"]["percache"] if r["source"] not in ANSWERED_BEFORE]
     assert generated and all(r["prefix_overlap"] > 0 for r in generated)
     assert all(c.startswith("m1#") for r in generated for c in r["chunk_ids"])
     assert [row["sweep"] for row in first["sensitivity"]] == ["tau"] and first["tau_sweep"][0]["tau"] == 0.9

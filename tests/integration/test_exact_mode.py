@@ -73,7 +73,7 @@ def test_default_mode_gives_the_cache_off_answer_for_paraphrases_and_near_misses
             assert got.text == expected.text, (question, got.source, got.matched_question)
             assert got.generated_tokens == expected.generated_tokens
             assert not got.approximate
-            served += got.source == "qa_bank"
+            served += got.answered_before
     assert served >= 3  # repeats and paraphrases whose answer is the stored one, verified
 
 
@@ -81,13 +81,13 @@ def test_exact_answers_follow_prompt_and_settings_changes(make_cache):
     question = FAMILIES[0][0]
     pc = make_cache("binding", max_new_tokens=32)
     pc.answer(question)
-    assert pc.answer(question).source == "qa_bank"
+    assert pc.answer(question).source == "prompt_answer"
     german = "Du bist ein persönlicher Assistent. Antworte kurz auf Deutsch, nur mit den Notizen unten."
     pc.configure(system_prompt=german)
     other_prompt = make_cache("german-off", **REFERENCE, max_new_tokens=32, system_prompt=german)
     answer = pc.answer(question)
     assert answer.text == other_prompt.answer(question).text
-    assert answer.source != "qa_bank"  # the stored answer belongs to another prompt
+    assert not answer.answered_before  # the stored answer belongs to another prompt
     pc.configure(system_prompt=DEFAULT_SYSTEM_PROMPT, max_new_tokens=6)
     short = make_cache("short-off", **REFERENCE, max_new_tokens=6)
     assert pc.answer(question).text == short.answer(question).text
@@ -97,7 +97,7 @@ def test_a_changed_document_changes_the_exact_answer(make_cache, corpus):
     question = "When is the presentation rehearsal for the launch talk?"
     pc = make_cache("changing", max_new_tokens=32)
     before = pc.answer(question)
-    assert pc.answer(question).source == "qa_bank"
+    assert pc.answer(question).source == "prompt_answer"
     moved = dict(next(d for d in corpus["documents"] if d["id"] == "mail-rehearsal"))
     moved["text"] = moved["text"].replace("Thursday at 4 pm", "Friday at 11 am").replace("Birch", "Oak")
     assert moved["text"] != next(d for d in corpus["documents"] if d["id"] == "mail-rehearsal")["text"]
@@ -115,12 +115,12 @@ def test_semantic_mode_never_serves_below_tau_or_across_bindings(make_cache, emb
     pc.answer(stored)
     similarity = float(embedder.embed([stored])[0] @ embedder.embed([paraphrase])[0])
     below = pc.answer(paraphrase, similarity_threshold=min(1.0, similarity + 0.01))
-    assert below.source != "qa_bank"
+    assert not below.answered_before
     at = pc.answer(paraphrase, similarity_threshold=similarity - 0.01)
     assert at.source == "qa_bank" and at.approximate and at.similarity >= similarity - 0.01
-    assert pc.answer(stored, max_new_tokens=8).source != "qa_bank"  # other settings: other binding
+    assert not pc.answer(stored, max_new_tokens=8).answered_before  # other settings: other binding
     pc.configure(system_prompt="Answer in one word, from the notes below.")
-    assert pc.answer(stored).source != "qa_bank"  # other prompt
+    assert not pc.answer(stored).answered_before  # other prompt
 
 
 def test_semantic_mode_never_serves_a_stale_entry(make_cache, corpus):
@@ -134,7 +134,7 @@ def test_semantic_mode_never_serves_a_stale_entry(make_cache, corpus):
     for entry in internals(pc).qa_bank.entries:  # as in a process that did not see the change
         internals(pc).qa_bank.correct(entry.id, entry.answer, stale=False)
     after = pc.answer(question)
-    assert after.source != "qa_bank"
+    assert not after.answered_before
     assert after.text != before.text
     assert pc.stats()["stale_dropped"] == 1
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from percache_core.kv.pieces import exact_pieces
+from percache_core.kv.cuts import measure_cut_rule
 from percache_core.serving.prompting import lay_out, rag_prompt
 
 QUESTIONS = [
@@ -69,7 +69,7 @@ def test_restoring_any_depth_gives_bit_identical_logits(make_cache, engine):
             assert np.array_equal(engine.last_logits(), live), f"depth {depth}"
         engine.reset()
     # the same tokens in one call, and cut where the engine's piece rule allows, agree too
-    rule = exact_pieces(engine)
+    rule = measure_cut_rule(engine)
     assert rule is not None
     tokens = [t for s in segments for t in s]
     cuts = [c for c in range(rule.multiple * 4, len(tokens), 97 * rule.multiple) if rule.allows(0, c, len(tokens))]

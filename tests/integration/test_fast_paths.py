@@ -7,8 +7,8 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from percache_core.inspection import internals
-from percache_core.kv.pieces import exact_pieces
-from percache_langchain import PerCacheChatLlamaCPP
+from percache_core.kv.cuts import measure_cut_rule
+from percache_langchain import PerCacheChatModel
 
 QUESTIONS = (
     "Which room is the launch talk rehearsal in?",
@@ -55,7 +55,7 @@ def _refuse(*args, **kwargs):
 def test_framework_prompts_answer_as_stock_llama_cpp_with_and_without_states(make_cache, corpus, stock):
     pc = make_cache("framework", documents=False)
     pc.preload()
-    assert exact_pieces(internals(pc).engine) is not None
+    assert measure_cut_rule(internals(pc).engine) is not None
     texts = [d["text"] for d in corpus["documents"]]
     prompts = [framework_prompt(texts[i : i + 2], q) for i, q in zip((0, 1, 0, 2), QUESTIONS)]
     expected = [stock_text(stock, p) for p in prompts]
@@ -79,18 +79,18 @@ def test_an_identical_prompt_is_answered_without_the_model(make_cache, engine, m
     repeat = pc.answer(question)
     streamed = pc.answer_stream(question)
     assert first.text == expected == repeat.text == "".join(streamed)
-    assert repeat.source == "qa_bank" and not repeat.approximate and repeat.generated_tokens == first.generated_tokens
+    assert repeat.source == "prompt_answer" and not repeat.approximate and repeat.generated_tokens == first.generated_tokens
     again = pc.caller.complete(prompt, max_new_tokens=24, stop=["\n"])
-    assert again.text == completed.text and again.source == "qa_bank"
+    assert again.text == completed.text and again.source == "prompt_answer"
     monkeypatch.undo()
     # another token limit is another prompt run: the model answers it
-    assert pc.answer(question, max_new_tokens=8).source != "qa_bank"
+    assert not pc.answer(question, max_new_tokens=8).answered_before
 
 
 def test_a_chat_restores_its_earlier_turns_and_a_new_session_its_system_message(make_cache):
     off = make_cache("chat-off", documents=False, qa_bank=False, chunk_states=False)
     on = make_cache("chat-on", documents=False)
-    chats = {name: PerCacheChatLlamaCPP(percache=pc, max_new_tokens=16, stop=["\n"]) for name, pc in (("off", off), ("on", on))}
+    chats = {name: PerCacheChatModel(percache=pc, max_new_tokens=16, stop=["\n"]) for name, pc in (("off", off), ("on", on))}
 
     def session(name, turns):
         messages, replies, reused = [SystemMessage(SYSTEM)], [], []

@@ -36,7 +36,7 @@ def test_warm_round_predicts_and_populates_both_tiers_below_the_cutoff(make_cach
     assert all(e.answer for e in predicted)
     assert len(internals(pc).tree) > 0 and report.prefill_tokens > 0 and report.decode_tokens > 0
     hit = pc.answer(report.predicted[0])
-    assert hit.source == "qa_bank" and hit.matched_question == report.predicted[0]
+    assert hit.source == "prompt_answer" and hit.matched_question == report.predicted[0]
     idle = pc.stats()["idle"]["prefill_decode"]
     assert idle["rounds"] == 1 and idle["prefill_tokens"] == report.prefill_tokens and idle["seconds"] > 0
 
@@ -49,7 +49,7 @@ def test_prefill_only_above_the_cutoff_stores_pending_entries_that_are_never_ser
     pending = [e for e in internals(pc).qa_bank.entries if e.answer is None]
     assert {e.question for e in pending} == set(report.predicted)
     answer = pc.answer(pending[0].question)
-    assert answer.source != "qa_bank"  # pending entries are never served
+    assert not answer.answered_before  # pending entries are never served
     assert answer.reused_chunks == len(answer.chunk_ids)  # but its chunk states were populated
 
     pc.configure(similarity_threshold=0.8)  # tau falls below the cutoff: convert
@@ -61,7 +61,7 @@ def test_prefill_only_above_the_cutoff_stores_pending_entries_that_are_never_ser
 def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
     pc = make_cache(**IDLE)
     first = pc.answer("When is the presentation rehearsal for the launch talk?")
-    assert pc.answer("When is the presentation rehearsal for the launch talk?").source == "qa_bank"
+    assert pc.answer("When is the presentation rehearsal for the launch talk?").source == "prompt_answer"
     pc.add_documents(
         [
             {
@@ -73,7 +73,7 @@ def test_new_documents_make_affected_answers_stale_until_refreshed(make_cache):
     entry = next(e for e in internals(pc).qa_bank.entries if e.question.startswith("When is the presentation"))
     assert entry.metadata.get("stale") is True
     again = pc.answer("When is the presentation rehearsal for the launch talk?")
-    assert again.source != "qa_bank"  # a stale answer is never served
+    assert not again.answered_before  # a stale answer is never served
     assert "mail-rehearsal-moved#c000" in again.chunk_ids
     assert first.chunk_ids != again.chunk_ids
 
@@ -95,7 +95,7 @@ def test_refresh_regenerates_stale_entries_in_idle_time(make_cache):
     assert report.refreshed == 1
     refreshed = internals(pc).qa_bank[stale[0].id]
     assert not refreshed.metadata.get("stale") and "budget-update#c000" in refreshed.chunk_ids
-    assert pc.answer("How much budget did finance approve for the Harbor design work?").source == "qa_bank"
+    assert pc.answer("How much budget did finance approve for the Harbor design work?").answered_before
 
 
 def test_a_similar_question_served_from_the_bank_gets_its_own_answer_later(make_cache):

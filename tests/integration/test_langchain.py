@@ -23,10 +23,10 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from percache_core import MissingDependencyError, PerCache, PerCacheConfig
 from percache_core.inspection import internals
 from percache_langchain import (
-    PerCacheChatLlamaCPP,
-    PerCacheLlamaCPP,
+    PerCacheChatModel,
+    PerCacheLLM,
+    PerCacheLLMCache,
     PerCacheRetriever,
-    PerCacheSemanticCache,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -38,8 +38,8 @@ NOTES = [
 ]
 
 
-def empty_cache(tmp_path, engine, embedder) -> PerCacheSemanticCache:
-    return PerCacheSemanticCache(PerCache.open(tmp_path / "lc", engine=engine, embedder=embedder))
+def empty_cache(tmp_path, engine, embedder) -> PerCacheLLMCache:
+    return PerCacheLLMCache(PerCache.open(tmp_path / "lc", engine=engine, embedder=embedder))
 
 
 class TestSyncCache(SyncCacheTestSuite):
@@ -63,7 +63,7 @@ class _ChatModelOnACache:
 
     @property
     def chat_model_class(self):
-        return PerCacheChatLlamaCPP
+        return PerCacheChatModel
 
     @property
     def chat_model_params(self):
@@ -105,7 +105,7 @@ def prompt_for(question: str) -> str:
 
 def test_exact_mode_serves_only_the_same_prompt_and_llm_string(make_cache):
     pc = make_cache(documents=False)
-    cache = PerCacheSemanticCache(pc)
+    cache = PerCacheLLMCache(pc)
     cache.update("prompt one", "model A", [Generation(text="one")])
     assert cache.lookup("prompt one", "model B") is None
     assert cache.lookup("prompt one", "model A") == [Generation(text="one")]
@@ -132,7 +132,7 @@ def test_exact_mode_serves_only_the_same_prompt_and_llm_string(make_cache):
 
 def test_semantic_mode_keys_on_the_question_and_binds_the_prompt_around_it(make_cache):
     pc = make_cache(documents=False, qa_mode="semantic", similarity_threshold=0.8)
-    cache = PerCacheSemanticCache(pc)
+    cache = PerCacheLLMCache(pc)
     retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
     retriever.invoke("When is the launch talk rehearsal?")
     cache.update(
@@ -159,7 +159,7 @@ def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
         retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
         retriever.invoke("When is the rehearsal?", config={"callbacks": [events]})
         assert events.starts == 2  # the wrapper and the inner retriever both report
-        llm = PerCacheLlamaCPP(percache=pc)
+        llm = PerCacheLLM(percache=pc)
         results[name] = [
             llm.invoke(prompt_for(q)) for q in ("When is the rehearsal?", "Where is the rehearsal?")
         ]
@@ -171,7 +171,7 @@ def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
 def test_streaming_gives_the_invoke_text(make_cache):
     pc = make_cache(documents=False, qa_bank=False)
     PerCacheRetriever(inner=FixedRetriever(), percache=pc).invoke("How much did finance approve?")
-    llm = PerCacheLlamaCPP(percache=pc)
+    llm = PerCacheLLM(percache=pc)
     text = llm.invoke(prompt_for("How much did finance approve?"))
     pieces = list(llm.stream(prompt_for("How much did finance approve?")))
     assert len(pieces) >= 1 and "".join(pieces) == text
@@ -188,11 +188,11 @@ def test_the_lcel_example_runs_and_shows_each_source(tmp_path):
 
 def test_bad_input_gets_clear_errors(monkeypatch):
     with pytest.raises(TypeError, match="PerCache"):
-        PerCacheSemanticCache("not a cache")
+        PerCacheLLMCache("not a cache")
     with pytest.raises((TypeError, ValueError), match="PerCache"):
         PerCacheRetriever(inner=FixedRetriever(), percache=object())
     with pytest.raises((TypeError, ValueError), match="PerCache"):
-        PerCacheLlamaCPP(percache=PerCacheConfig())
+        PerCacheLLM(percache=PerCacheConfig())
     from percache_langchain._imports import require_langchain
 
     monkeypatch.setitem(sys.modules, "langchain_core", None)
@@ -214,7 +214,7 @@ def test_chat_model_keeps_the_text_with_or_without_cache_for_two_chains(make_cac
     def outputs(pc, cache):
         retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
         context = RunnableLambda(lambda q: "\n\n".join(d.page_content for d in retriever.invoke(q)))
-        model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=16, cache=cache)
+        model = PerCacheChatModel(percache=pc, max_new_tokens=16, cache=cache)
         results = {}
         for name, prompt in chains.items():
             chain = {"context": context, "question": RunnableLambda(lambda q: q)} | prompt | model
@@ -224,18 +224,18 @@ def test_chat_model_keeps_the_text_with_or_without_cache_for_two_chains(make_cac
     off = make_cache("off", documents=False, qa_bank=False, chunk_states=False)
     expected = outputs(off, False)
     shared = make_cache("shared", documents=False)
-    first = outputs(shared, PerCacheSemanticCache(shared))
+    first = outputs(shared, PerCacheLLMCache(shared))
     assert first == expected
     entries = len(internals(shared).qa_bank)
     assert entries == 4  # two chains x two questions; the repeats were served
-    assert outputs(shared, PerCacheSemanticCache(shared)) == expected  # all from the cache now
+    assert outputs(shared, PerCacheLLMCache(shared)) == expected  # all from the cache now
     assert len(internals(shared).qa_bank) == entries and shared.stats()["chunk_state_hits"] > 0
 
 
 def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
     pc = make_cache(documents=False)
-    cache = PerCacheSemanticCache(pc)
-    model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=12, cache=cache)
+    cache = PerCacheLLMCache(pc)
+    model = PerCacheChatModel(percache=pc, max_new_tokens=12, cache=cache)
     messages = [SystemMessage("Be brief."), HumanMessage("Name a fruit.")]
     streamed = list(model.stream(messages))
     text = "".join(c.content for c in streamed)
@@ -243,7 +243,7 @@ def test_chat_model_stream_goes_through_the_llm_cache(make_cache):
     assert len(internals(pc).qa_bank) == 1  # the streamed answer was stored under invoke's key
     assert model.invoke(messages).content == text
     assert len(internals(pc).qa_bank) == 1 and "".join(c.content for c in model.stream(messages)) == text
-    uncached = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=12, cache=False)
+    uncached = PerCacheChatModel(percache=pc, max_new_tokens=12, cache=False)
     assert uncached.invoke(messages).content == text
     set_llm_cache(None)
 
@@ -256,14 +256,14 @@ def chain_on(pc, cache, max_new_tokens=16):
     )
     retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
     context = RunnableLambda(lambda q: "\n\n".join(d.page_content for d in retriever.invoke(q)))
-    model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=max_new_tokens, cache=cache)
+    model = PerCacheChatModel(percache=pc, max_new_tokens=max_new_tokens, cache=cache)
     return {"context": context, "question": RunnableLambda(lambda q: q)} | prompt | model
 
 
 def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
     plain = chain_on(make_cache("off", documents=False, qa_bank=False, chunk_states=False), False)
     pc = make_cache("warm", documents=False)
-    chain = chain_on(pc, PerCacheSemanticCache(pc))
+    chain = chain_on(pc, PerCacheLLMCache(pc))
     question = "When is the rehearsal?"
     chain.invoke(question)
     entries, counted = len(internals(pc).qa_bank), pc.stats()["queries"]
@@ -285,6 +285,21 @@ def test_a_batch_of_sixteen_at_four_at_once_answers_as_each_asked_alone(make_cac
     plain = chain_on(make_cache("off", documents=False, qa_bank=False, chunk_states=False), False, 8)
     alone = [plain.invoke(q).content for q in questions]
     pc = make_cache("batched", documents=False)
-    batched = chain_on(pc, PerCacheSemanticCache(pc), 8).batch(questions, config={"max_concurrency": 4})
+    batched = chain_on(pc, PerCacheLLMCache(pc), 8).batch(questions, config={"max_concurrency": 4})
     assert [m.content for m in batched] == alone
     assert len(internals(pc).qa_bank) == 16
+
+
+def test_the_names_of_0_2_import_with_a_deprecation_warning():
+    import percache_langchain
+
+    renamed = {
+        "PerCacheLlamaCPP": PerCacheLLM,
+        "PerCacheChatLlamaCPP": PerCacheChatModel,
+        "PerCacheSemanticCache": PerCacheLLMCache,
+    }
+    for old, new in renamed.items():
+        with pytest.warns(DeprecationWarning, match=f"{old} is now {new.__name__}"):
+            assert getattr(percache_langchain, old) is new
+    with pytest.raises(AttributeError):
+        percache_langchain.PerCacheNothing  # noqa: B018

@@ -92,7 +92,7 @@ def test_bad_questions_get_clear_errors_and_lose_nothing(make_cache):
     with pytest.raises(ValueError, match="similarity_threshold"):
         pc.answer("When is dinner?", similarity_threshold=1.2)
     again = pc.answer("When is my dentist appointment?")
-    assert again.source == "qa_bank" and again.text == stored.text
+    assert again.source == "prompt_answer" and again.text == stored.text
     assert pc.stats()["qa_bank"]["entries"] == 1
 
 

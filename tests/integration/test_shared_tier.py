@@ -81,7 +81,7 @@ def test_process_b_reuses_what_process_a_populated(kind, request, make_cache, tm
     qa_client = make_cache("b-qa", **shared(url))
     wait_until(lambda: len(internals(qa_client).qa_bank) >= 1)
     repeat = qa_client.answer(QUESTION)  # exact mode: A's answer is a draft the model confirms
-    assert repeat.source == "qa_bank" and repeat.matched_question == QUESTION
+    assert repeat.answered_before and repeat.matched_question == QUESTION
     assert repeat.text == reference and not repeat.approximate
 
     semantic_client = make_cache("b-semantic", qa_mode="semantic", **shared(url))
@@ -230,7 +230,7 @@ def test_prompt_answers_are_shared_and_any_signed_one_is_the_models(standalone, 
         monkeypatch.setattr(engine, name, _refuse)
     answer = reader.answer(QUESTION)  # the same prompt on another client: no model
     monkeypatch.undo()
-    assert (answer.text, answer.source, answer.prefilled_tokens) == (reference.text, "qa_bank", 0)
+    assert (answer.text, answer.source, answer.prefilled_tokens) == (reference.text, "prompt_answer", 0)
     assert reader.stats()["shared"]["prompt_answer_hits"] == 1
     value = client.get(keys[0])
     client.set(keys[0], value.replace(reference.text.encode(), b"Never, it was cancelled."))

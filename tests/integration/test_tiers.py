@@ -57,9 +57,9 @@ def test_everything_persists_across_reopen(make_cache, tmp_path, engine, embedde
     with PerCache.open(tmp_path / "persist", config=config, engine=engine, embedder=embedder) as again:
         assert [c.id for c in internals(again).knowledge.chunks] == chunk_ids
         assert again.add_documents(corpus["documents"]) == []  # same texts: nothing new
-        hit = again.answer(QUESTIONS[0])  # the stored answer, verified as a draft
-        assert hit.source == "qa_bank" and hit.text == first.text
-        assert again.answer(QUESTIONS[0], similarity_threshold=1.0).source in {"qa_bank", "chunk_states"}
+        hit = again.answer(QUESTIONS[0])  # the prompt's stored answer, or the QA entry verified as a draft
+        assert hit.answered_before and hit.text == first.text
+        assert again.answer(QUESTIONS[0], similarity_threshold=1.0).source in {"qa_bank", "prompt_answer", "chunk_states"}
     with PerCache.open(
         tmp_path / "persist", config=config.replace(qa_bank=False), engine=engine, embedder=embedder
     ) as states_only:

@@ -68,9 +68,9 @@ def test_semantic_mode_serves_nothing_below_tau_and_rejects_near_misses(make_cac
     pc = make_cache(qa_mode="semantic", chunk_states=False, max_new_tokens=16)
     pc.answer("When will the presentation rehearsal take place?")
     paraphrase = pc.answer("Is time of presentation rehearsal given?")
-    assert paraphrase.source != "qa_bank" and paraphrase.similarity < 0.85  # below tau: never served
+    assert not paraphrase.answered_before and paraphrase.similarity < 0.85  # below tau: never served
     near_miss = pc.answer("When is the presentation rehearsal not taking place?")
-    assert near_miss.source != "qa_bank"
+    assert not near_miss.answered_before
     assert pc.stats()["verifier_rejections"] >= 1
     plain = make_cache("plain", qa_mode="semantic", chunk_states=False, verifier="none", max_new_tokens=16)
     plain.answer("When will the presentation rehearsal take place?")
@@ -84,8 +84,8 @@ def test_scoped_entries_never_answer_another_scope(make_cache):
     review = pc.answer("Summarize the whole meeting.", scope={"meeting": "harbor-design-review"})
     assert review.source == "full" and review.chunk_ids == ("notes-review#c000",)
     again = pc.answer("Summarize the whole meeting.", scope={"meeting": "harbor-kickoff"})
-    assert again.source == "qa_bank" and again.text == kickoff.text
-    assert pc.answer("Summarize the whole meeting.", max_new_tokens=4).source != "qa_bank"  # no scope
+    assert again.source == "prompt_answer" and again.text == kickoff.text
+    assert not pc.answer("Summarize the whole meeting.", max_new_tokens=4).answered_before  # no scope
     assert len(internals(pc).qa_bank) == 3
     with pytest.raises(TypeError, match="scope"):
         pc.answer("Summarize the whole meeting.", scope="harbor-kickoff")

@@ -18,7 +18,7 @@ from percache_core import PerCache, PerCacheConfig
 def open_cache(folder: str, fake: bool, **config: object) -> PerCache:
     config.setdefault("max_new_tokens", 16)
     if fake:
-        from percache_core.kv.fake_engine import FakeEngine
+        from tests.fake_engine import FakeEngine
         from tests.fakes import HashingEmbedder
 
         return PerCache.open(folder, config=PerCacheConfig(**config), engine=FakeEngine(), embedder=HashingEmbedder())

@@ -11,7 +11,7 @@ import pytest
 from percache_core import PerCache, PerCacheConfig
 from percache_core.errors import CacheFolderError, InvalidDocumentError
 from percache_core.inspection import internals
-from percache_core.kv.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine
 from percache_core.storage import Store
 from tests.fakes import HashingEmbedder
 

@@ -16,7 +16,7 @@ import pytest
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.kv.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine
 from percache_core.storage import Store
 from tests.fakes import HashingEmbedder
 
@@ -56,7 +56,7 @@ def test_an_answer_one_process_stores_is_served_by_another_already_open(tmp_path
     assert first["source"] in ("full", "chunk_states")
     signal_file.touch()
     second = lines(waiting)[0]
-    assert second == {"text": first["text"], "source": "qa_bank"}
+    assert second == {"text": first["text"], "source": "prompt_answer"}  # A's prompt, answered
 
 
 def test_closing_an_older_process_never_writes_back_its_old_records(tmp_path):

@@ -8,7 +8,7 @@ import sqlite3
 import stat
 
 from percache_core import PerCache
-from percache_core.kv.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine
 from tests.fakes import HashingEmbedder
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"

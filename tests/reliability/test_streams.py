@@ -29,7 +29,7 @@ def test_a_stream_left_after_one_piece_does_not_block_its_own_thread(make_cache)
     answer = pc.answer(OTHER)  # same thread: must not hang
     assert answer.text == expected
     repeat = pc.answer(QUESTION)  # the abandoned stream's answer was finished and stored
-    assert repeat.source == "qa_bank" and repeat.text == reference.answer(QUESTION).text
+    assert repeat.source == "prompt_answer" and repeat.text == reference.answer(QUESTION).text
     assert stream is not None
 
 

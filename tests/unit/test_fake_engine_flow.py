@@ -12,7 +12,7 @@ import pytest
 
 from percache_core.inspection import internals
 from percache_core.kv.engine import Engine
-from percache_core.kv.fake_engine import FakeEngine, FakeTextModel
+from tests.fake_engine import FakeEngine, FakeTextModel
 from percache_core.prediction.predictor import PredictedQuestion, PredictionTally
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"
@@ -51,22 +51,22 @@ def test_an_identical_prompt_is_answered_without_the_model(fake_cache):
     first = pc.answer(QUESTION)
     calls = dict(internals(pc).engine.calls)
     repeat = pc.answer(QUESTION)
-    assert first.source != "qa_bank"
-    assert repeat.source == "qa_bank" and repeat.text == first.text and not repeat.approximate
+    assert not first.answered_before
+    assert repeat.source == "prompt_answer" and repeat.text == first.text and not repeat.approximate
     assert internals(pc).engine.calls == calls  # no restore, prefill or decode
     assert pc.stats()["qa_bank"]["prompt_answers"] == 1
     # other decoding settings, another prompt (top_k) or another model: the model runs
-    assert pc.answer(QUESTION, max_new_tokens=5).source != "qa_bank"
-    assert pc.answer(QUESTION, top_k=1).source != "qa_bank"
+    assert not pc.answer(QUESTION, max_new_tokens=5).answered_before
+    assert not pc.answer(QUESTION, top_k=1).answered_before
     other = fake_cache("other", engine=FakeEngine(name="other-model"))
-    assert other.answer(QUESTION).source != "qa_bank"
+    assert not other.answer(QUESTION).answered_before
     # a streamed repeat too, and a caller's prompt (caller.complete) likewise
     assert "".join(pc.answer_stream(QUESTION)) == first.text
     prompt = "Context:\nThe boiler is repaired on Monday.\nQ: When?\nA:"
     text = pc.caller.complete(prompt).text
     calls = dict(internals(pc).engine.calls)
     again = pc.caller.complete(prompt)
-    assert again.text == text and again.source == "qa_bank" and internals(pc).engine.calls == calls
+    assert again.text == text and again.source == "prompt_answer" and internals(pc).engine.calls == calls
     # deleting documents empties them (a prompt's key does not say which texts it held)
     pc.delete_documents([internals(pc).knowledge.chunks[0].doc_id])
     assert pc.stats()["qa_bank"]["prompt_answers"] == 0
@@ -274,7 +274,7 @@ def test_approximate_reuse_composes_independent_states_and_never_stores_its_answ
     assert answer.prefilled_tokens < reference.prefilled_tokens
     assert len(internals(composed).qa_bank) == 0  # never stored as an exact entry
     assert max(n.depth for n in internals(composed).tree.nodes) == 2  # no state after a composed chunk
-    assert composed.answer(QUESTION).source != "qa_bank"
+    assert not composed.answer(QUESTION).answered_before
 
     whole_chunks = fake_cache("recompute-all", reuse="approximate", recompute_tokens=10_000)
     for chunk in chunks:
@@ -348,7 +348,7 @@ def test_a_callers_verbs_cover_its_pipeline_and_embed_a_question_once(fake_cache
     assert pc.caller.text_model.tokenize("hello") == internals(pc).engine.tokenize("hello")
     first = pc.caller.complete("Context: the boiler is old.\n\nQuestion: who? Answer:")
     repeat = pc.caller.complete("Context: the boiler is old.\n\nQuestion: who? Answer:")
-    assert repeat.text == first.text and repeat.source == "qa_bank"
+    assert repeat.text == first.text and repeat.source == "prompt_answer"
 
 
 def test_the_engine_protocol_has_a_text_side_and_a_sequence_side():
@@ -404,7 +404,7 @@ def test_stats_say_what_prediction_populated_and_what_it_later_served(fake_cache
     assert idle["chunks_prefilled"] == report.chunks_prefilled
     # the predicted question, asked: the prompt idle work ran is answered without the model
     asked = pc.answer("What is the booking reference?")
-    assert asked.source == "qa_bank" and asked.predicted
+    assert asked.source == "prompt_answer" and asked.predicted
     # another question restores a [system, chunk] state the knowledge prefill stored
     other = pc.answer(QUESTION)
     assert other.source == "chunk_states" and 1 <= other.idle_reused_chunks <= other.reused_chunks

@@ -59,14 +59,14 @@ def test_config_validates_and_copies():
 
 
 def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size():
-    from percache_core.kv.fake_engine import FakeEngine
-    from percache_core.kv.pieces import PieceRule
+    from percache_core.kv.cuts import CutRule
+    from tests.fake_engine import FakeEngine
     from percache_core.serving.prompting import TextPrompt, lay_out_text
 
     engine = FakeEngine()  # one token per byte
     prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
     documents = ("Lunch is at noon.", "Tickets cost 20 euros.", "not in the prompt")
-    layout = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=PieceRule(8))
+    layout = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=CutRule(8))
     assert [t for s in layout.segments for t in s.tokens] == engine.tokenize_chat(prompt)
     # cut after each document and the white space after it; the tail is long enough
     assert [s.text for s in layout.segments] == [
@@ -74,21 +74,21 @@ def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size
     ]
     assert [s.keep_state for s in layout.segments] == [True, True, False]
     # no piece shorter than min_piece: the cut before a short tail is left out
-    short = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=PieceRule(12))
+    short = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=CutRule(12))
     assert [s.text for s in short.segments] == ["<bos>Context:\nLunch is at noon.\n\n", "Tickets cost 20 euros.\nQ: When?\nA:"]
     assert min(len(s.tokens) for s in short.segments) >= 12
     # without documents (a framework LLM outside PerCache's engine) the prompt is one piece
-    alone = lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=1000, rule=PieceRule(8))
+    alone = lay_out_text(TextPrompt(prompt), engine, max_prompt_tokens=1000, rule=CutRule(8))
     assert len(alone.segments) == 1 and not alone.segments[0].keep_state
     # cuts on multiples of 4 tokens (repacked weights): moved back from the documents' ends
-    aligned = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=PieceRule(8, 4))
+    aligned = lay_out_text(TextPrompt(prompt, documents), engine, max_prompt_tokens=1000, rule=CutRule(8, 4))
     assert [len(s.tokens) for s in aligned.segments] == [28, 24, 11]  # 29 -> 28; 52 stays
     assert [t for s in aligned.segments for t in s.tokens] == engine.tokenize_chat(prompt)
 
 
 def test_text_prompts_stay_whole_without_a_safe_cut():
     from percache_core.errors import ContextOverflowError
-    from percache_core.kv.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngine
     from percache_core.serving.prompting import TextPrompt, lay_out_text
 
     engine = FakeEngine()

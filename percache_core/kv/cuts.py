@@ -10,7 +10,7 @@ Measured here: without repacking, any cuts that leave pieces of at least 8 token
 one-call logits bit for bit; with repacking, cuts must also fall on multiples of 4 tokens
 (60 of 60 random schedules identical; cuts elsewhere were not).
 
-:func:`exact_pieces` finds such a :class:`PieceRule` for a loaded engine among
+:func:`measure_cut_rule` finds such a :class:`CutRule` for a loaded engine among
 :data:`CANDIDATES`: a prompt (two lengths that are not multiples of 4) is prefilled in one
 call, then again cut in several ways that obey the rule, and the rule holds when every
 last-position logit row is bit-identical. A caller's prompt may then be cut wherever a
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PieceRule:
+class CutRule:
     """Cuts that leave a prefill's logits unchanged: pieces of at least *min_tokens*
     tokens, cut at positions that are multiples of *multiple* (counted from the start of
     the sequence)."""
@@ -43,13 +43,13 @@ class PieceRule:
     def allows(self, start: int, cut: int, end: int) -> bool:
         """Whether a cut at *cut* is allowed after a cut at *start* in a prompt of *end*.
 
-        >>> PieceRule(8, 4).allows(0, 12, 30), PieceRule(8, 4).allows(0, 10, 30), PieceRule(8).allows(0, 10, 15)
+        >>> CutRule(8, 4).allows(0, 12, 30), CutRule(8, 4).allows(0, 10, 30), CutRule(8).allows(0, 10, 15)
         (True, False, False)
         """
         return cut % self.multiple == 0 and cut - start >= self.min_tokens and end - cut >= self.min_tokens
 
 
-CANDIDATES = (PieceRule(8), PieceRule(8, 4), PieceRule(16, 4), PieceRule(16, 16))
+CANDIDATES = (CutRule(8), CutRule(8, 4), CutRule(16, 4), CutRule(16, 16))
 _LENGTHS = (97, 102)  # prompt lengths checked (not multiples of 4: the one call's last rows)
 _PROMPT = (
     "Minutes of the planning call, Tuesday. Present: Lena Okafor, Priya Natarajan, Tom Weiss.\n"
@@ -84,24 +84,24 @@ def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int
     return list(zip(bounds, bounds[1:]))
 
 
-_verdicts: EngineVerdicts[PieceRule | None] = EngineVerdicts()
+_verdicts: EngineVerdicts[CutRule | None] = EngineVerdicts()
 
 
-def exact_pieces(engine: Engine) -> PieceRule | None:
+def measure_cut_rule(engine: Engine) -> CutRule | None:
     """The first rule of :data:`CANDIDATES` under which *engine*'s prefill does not
     depend on where a prompt is cut (None: none holds), measured once per engine (one to
     three seconds with the bundled model) and remembered. Takes ``engine.lock``; the
     sequence is left empty.
 
-    >>> from percache_core.kv.fake_engine import FakeEngine
-    >>> exact_pieces(FakeEngine())
-    PieceRule(min_tokens=8, multiple=1)
+    >>> rule = measure_cut_rule(LlamaEngine(model_path))   # doctest: +SKIP
+    >>> rule.min_tokens, rule.multiple                     # doctest: +SKIP
+    (8, 4)
     """
-    known, rule = known_pieces(engine)
+    known, rule = known_cut_rule(engine)
     if known:
         return rule
     with engine.lock:
-        known, rule = known_pieces(engine)  # measured while this thread waited for the lock
+        known, rule = known_cut_rule(engine)  # measured while this thread waited for the lock
         if known:
             return rule
         try:
@@ -114,12 +114,12 @@ def exact_pieces(engine: Engine) -> PieceRule | None:
     return rule
 
 
-def known_pieces(engine: Engine) -> tuple[bool, PieceRule | None]:
-    """Whether :func:`exact_pieces` has run for *engine*, and its rule (no work)."""
+def known_cut_rule(engine: Engine) -> tuple[bool, CutRule | None]:
+    """Whether :func:`measure_cut_rule` has run for *engine*, and its rule (no work)."""
     return _verdicts.known(engine)
 
 
-def _first_exact_rule(engine: Engine) -> PieceRule | None:
+def _first_exact_rule(engine: Engine) -> CutRule | None:
     tokens = engine.tokenize(_PROMPT, True)
     prompts = [tokens[:n] for n in _LENGTHS if n <= len(tokens)]
     references = [_last_logits(engine, [prompt]) for prompt in prompts]
@@ -133,7 +133,7 @@ def _first_exact_rule(engine: Engine) -> PieceRule | None:
     return None
 
 
-def _schedules(tokens: list[int], rule: PieceRule) -> list[list[list[int]]]:
+def _schedules(tokens: list[int], rule: CutRule) -> list[list[list[int]]]:
     """Ways to cut *tokens* under *rule*: the shortest first piece, the shortest last
     piece, three pieces, and cuts near a third and two thirds."""
     n, size, multiple = len(tokens), rule.min_tokens, rule.multiple

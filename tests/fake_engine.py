@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import EngineError
-from .engine import ChatPrompt, Sampling
+from percache_core.errors import EngineError
+from percache_core.kv.engine import ChatPrompt, Sampling
 
 BOS, EOS, START_TURN, END_TURN = 0, 1, 2, 3
 _BYTE_OFFSET = 4  # token id of byte b is b + 4

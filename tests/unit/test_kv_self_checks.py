@@ -1,0 +1,19 @@
+"""The engine self-checks (state slices, prefill cuts, bytes per token) on the fake engine:
+they run, pass where the fake's arithmetic says they must, and are remembered."""
+
+from __future__ import annotations
+
+from percache_core.kv.cuts import CutRule, known_cut_rule, measure_cut_rule
+from percache_core.kv.slicing import slices_round_trip, slices_work, state_bytes_per_token
+from tests.fake_engine import FakeEngine
+
+
+def test_the_self_checks_pass_on_the_fake_engine_and_are_remembered():
+    engine = FakeEngine()
+    assert slices_round_trip(engine)
+    assert slices_work(engine) and slices_work(engine)
+    assert known_cut_rule(engine) == (False, None)
+    assert measure_cut_rule(engine) == CutRule(min_tokens=8, multiple=1)  # one call's logits at any cut
+    assert known_cut_rule(engine) == (True, CutRule(min_tokens=8, multiple=1))
+    assert 0 < state_bytes_per_token(FakeEngine()) < 100
+    assert engine.n_past == 0  # each check leaves the sequence empty
