@@ -17,9 +17,9 @@ import pytest  # noqa: E402
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
 from percache_core.cli import demo_corpus  # noqa: E402
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder  # noqa: E402
-from tests.fake_engine import FakeEngine  # noqa: E402
 from percache_core.kv.llama_cpp import LlamaEngine  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402
+from tests.fake_engine import FakeEngine  # noqa: E402
 from tests.fakes import HashingEmbedder  # noqa: E402
 
 # Tests that use these fixtures run the real model or embedder: marked ``model``, so that

@@ -11,8 +11,8 @@ import pytest
 from percache_core import PerCache, PerCacheConfig
 from percache_core.errors import CacheFolderError, InvalidDocumentError
 from percache_core.inspection import internals
-from tests.fake_engine import FakeEngine
 from percache_core.storage import Store
+from tests.fake_engine import FakeEngine
 from tests.fakes import HashingEmbedder
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"

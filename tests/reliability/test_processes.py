@@ -16,8 +16,8 @@ import pytest
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from tests.fake_engine import FakeEngine
 from percache_core.storage import Store
+from tests.fake_engine import FakeEngine
 from tests.fakes import HashingEmbedder
 
 ROOT = Path(__file__).resolve().parents[2]

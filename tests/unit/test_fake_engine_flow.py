@@ -12,8 +12,8 @@ import pytest
 
 from percache_core.inspection import internals
 from percache_core.kv.engine import Engine
-from tests.fake_engine import FakeEngine, FakeTextModel
 from percache_core.prediction.predictor import PredictedQuestion, PredictionTally
+from tests.fake_engine import FakeEngine, FakeTextModel
 
 QUESTION = "When is the presentation rehearsal for the launch talk?"
 

@@ -60,8 +60,8 @@ def test_config_validates_and_copies():
 
 def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size():
     from percache_core.kv.cuts import CutRule
-    from tests.fake_engine import FakeEngine
     from percache_core.serving.prompting import TextPrompt, lay_out_text
+    from tests.fake_engine import FakeEngine
 
     engine = FakeEngine()  # one token per byte
     prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
@@ -88,8 +88,8 @@ def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size
 
 def test_text_prompts_stay_whole_without_a_safe_cut():
     from percache_core.errors import ContextOverflowError
-    from tests.fake_engine import FakeEngine
     from percache_core.serving.prompting import TextPrompt, lay_out_text
+    from tests.fake_engine import FakeEngine
 
     engine = FakeEngine()
     prompt = "<bos>Context:\nLunch is at noon.\n\nTickets cost 20 euros.\nQ: When?\nA:"
