@@ -24,7 +24,9 @@ answers by accident.
 
 from __future__ import annotations
 
+import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +38,12 @@ from .serving.request_path import RequestPath, stored_answer
 from .serving.streaming import AnswerStream, delivered
 from .types import Answer, Chunk, QAEntry, QAHit
 
+OFFERS_KEPT = 64
+
+
+def _offer_key(question: str, binding: str, scope: dict[str, Any] | None) -> tuple[str, str, str]:
+    return question, binding, json.dumps(scope or {}, sort_keys=True, default=str)
+
 
 class CallerCache:
     """The verbs an app with its own pipeline uses (see the module docstring); reach it as
@@ -45,6 +53,9 @@ class CallerCache:
         self._parts = parts
         self._path = request_path
         self._ensure_open = ensure_open
+        # semantic lookups that served nothing: the stored answers they saw, until the
+        # caller remembers its own answer to the question (a calibration label each)
+        self._offered: OrderedDict[tuple[str, str, str], list[QAHit]] = OrderedDict()
 
     # -- serving stored answers -------------------------------------------------------------
 
@@ -78,7 +89,9 @@ class CallerCache:
             hit = self._hit(question, threshold, scope_dict, binding, asked)
         if hit is None:
             return None
-        answer = stored_answer(question, hit, started, {}, approximate=config.qa_mode != "exact")
+        approximate = config.qa_mode != "exact"
+        accuracy = self._path.estimated_accuracy(hit) if approximate else None
+        answer = stored_answer(question, hit, started, {}, approximate=approximate, estimated_accuracy=accuracy)
         self._path.count(answer)
         return answer
 
@@ -103,7 +116,11 @@ class CallerCache:
                 parts.qa_bank.record_hit(entry.id)
                 hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
         else:
-            hit, _ = self._path.semantic_hit(question, embedding, similarity_threshold, scope, binding)
+            hit, offered = self._path.semantic_hit(question, embedding, similarity_threshold, scope, binding)
+            if hit is None and offered:  # the caller's answer, when it remembers one, labels them
+                self._offered[_offer_key(question, binding, scope)] = offered
+                while len(self._offered) > OFFERS_KEPT:
+                    self._offered.popitem(last=False)
         parts.activity.record_question(asked or question, embedding, hit, scope)
         return hit
 
@@ -244,6 +261,12 @@ class CallerCache:
             extra["scope"] = scope_dict
         extra["binding"] = binding or self._parts.binding()
         embedding = self._parts.embed_question(question)
+        offered = self._offered.pop(_offer_key(question, extra["binding"], scope_dict), [])
+        self._parts.calibration.add_many(  # the stored answers a lookup offered, against the caller's own
+            self._path.label(question, hit, answer, "asked")
+            for hit in offered
+            if hit.entry.answer is not None and hit.entry.question != question
+        )
         return self._parts.qa_bank.put(question, embedding, answer, chunk_ids=chunk_ids, metadata=extra)
 
     def forget(self, *, entry_ids: Sequence[str] = (), origin: str | None = None) -> int:

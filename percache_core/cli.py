@@ -117,14 +117,15 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _summarise_sources(answers: list[Answer]) -> None:
-    """Mean TTFT and total time per source against full runs (a QA-bank answer is an
-    identical prompt's stored answer, or a stored answer the model verified as a draft)."""
+    """Mean TTFT and total time per source against full runs (a prompt answer is an
+    identical prompt's stored answer, a QA-bank answer a stored answer the model verified
+    as a draft)."""
     full = [a for a in answers if a.source == "full"]
     if not full:
         return
     base_ttft = sum(a.ttft_s for a in full) / len(full)
     base_total = sum(a.latency_s for a in full) / len(full)
-    for source in ("chunk_states", "qa_bank"):
+    for source in ("chunk_states", "qa_bank", "prompt_answer"):
         chosen = [a for a in answers if a.source == source]
         if chosen:
             ttft = sum(a.ttft_s for a in chosen) / len(chosen)

@@ -80,6 +80,22 @@ class PerCacheConfig:
             serves on cosine alone. It only ever rejects; nothing below tau is served.
         verifier_candidates: candidates considered per question, best first.
 
+    Approximate tiers within a bound (``qa_mode="semantic"``, ``reuse="approximate"``):
+        max_error_rate: the share of approximate answers that may be wrong (default 0.02).
+            An approximate answer is served only where the model's own labels (see
+            :mod:`percache_core.qa.calibration`) give an error rate whose 95% upper bound
+            is at most this: semantic hits above the calibrated similarity threshold and
+            their entry's own floor, composed chunk states with the fewest recompute tokens
+            that meet it. Elsewhere the model answers (exactly). Labels come free from the
+            questions the model answers, and from idle work (served answers checked,
+            variants of stored questions). 1.0: no bound (served at tau, unchecked).
+        answer_equivalence: when an approximate answer counts as right: "text" (default:
+            the same text the model gives to that question's own prompt) or "token_f1"
+            (token F1 against it at least ``equivalence_min_f1``).
+        equivalence_min_f1: the least token F1 of ``answer_equivalence="token_f1"``.
+        calibration_answers_per_round: model answers an idle round spends on labels
+            (variants of stored questions; composed runs of asked questions), at most.
+
     Shared tier (Redis; ``pip install "percache-core[redis]"``):
         shared_url: ``redis://host:port/db`` or ``redis+cluster://host:port``; None: local only.
         shared_namespace: tenant or user; other namespaces are invisible.
@@ -167,6 +183,10 @@ class PerCacheConfig:
     draft_decoding: str = "auto"
     verifier: str = "lexical"
     verifier_candidates: int = 3
+    max_error_rate: float = 0.02
+    answer_equivalence: str = "text"
+    equivalence_min_f1: float = 0.8
+    calibration_answers_per_round: int = 8
 
     shared_url: str | None = None
     shared_namespace: str = "default"
@@ -269,6 +289,22 @@ class PerCacheConfig:
             )
         if self.draft_decoding not in ("auto", "on", "off"):
             raise ValueError(f"draft_decoding must be 'auto', 'on' or 'off', got {self.draft_decoding!r}")
+        if isinstance(self.max_error_rate, bool) or not isinstance(self.max_error_rate, (int, float)) or not (
+            0.0 < self.max_error_rate <= 1.0
+        ):
+            raise ValueError(f"max_error_rate must be in (0, 1], got {self.max_error_rate!r}")
+        if self.answer_equivalence not in ("text", "token_f1"):
+            raise ValueError(f"answer_equivalence must be 'text' or 'token_f1', got {self.answer_equivalence!r}")
+        if not 0.0 < self.equivalence_min_f1 <= 1.0:
+            raise ValueError(f"equivalence_min_f1 must be in (0, 1], got {self.equivalence_min_f1}")
+        if (
+            not isinstance(self.calibration_answers_per_round, int)
+            or isinstance(self.calibration_answers_per_round, bool)
+            or self.calibration_answers_per_round < 0
+        ):
+            raise ValueError(
+                f"calibration_answers_per_round must be an integer >= 0, got {self.calibration_answers_per_round!r}"
+            )
         if self.qa_mode not in ("exact", "semantic"):
             raise ValueError(f"qa_mode must be 'exact' or 'semantic', got {self.qa_mode!r}")
         for name in ("dedup_similarity", "strategy_cutoff", "draft_similarity"):
@@ -283,6 +319,11 @@ class PerCacheConfig:
         if not self.system_prompt.strip():
             raise ValueError("system_prompt must not be empty")
         object.__setattr__(self, "stop", stop_strings(self.stop))
+
+    @property
+    def bounded(self) -> bool:
+        """Whether approximate answers are held to ``max_error_rate`` (below 1)."""
+        return self.max_error_rate < 1.0
 
     @property
     def sampling(self) -> Sampling:

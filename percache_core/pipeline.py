@@ -26,6 +26,7 @@ from .models import resolve_model_path
 from .prediction.scheduler import Scheduler, WarmReport
 from .prediction.worker import IdleWorker
 from .qa.bank import QABank
+from .qa.calibration import Calibration
 from .qa.prompt_answers import PromptAnswers
 from .serving.activity import UserActivity
 from .serving.parts import CacheParts
@@ -100,6 +101,7 @@ class PerCache:
             activity=UserActivity(history_size=config.history_size),
             usage=UsageCounters(),
             meta=meta,
+            calibration=Calibration(meta),
         )
         # the parts stay behind the verbs (tests and benchmarks read them through
         # percache_core.inspection.internals)
@@ -402,6 +404,7 @@ class PerCache:
         summary["knowledge"] = {"chunks": len(self._parts.knowledge)}
         summary["idle"] = self._scheduler.stats()
         summary["prediction"] = self._scheduler.demand_stats()
+        summary["approximate"] = self._scheduler.approximate_stats()
         if self._shared is not None:
             summary["shared"] = self._shared.stats()
         summary["chunk_states"] = self._parts.runtime.stats()

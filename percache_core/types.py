@@ -140,6 +140,9 @@ class Answer:
         idle_reused_chunks: of the ``reused_chunks``, those whose states idle work stored
             (the knowledge prefill, predicted questions).
         idle_reused_tokens: the prompt tokens of those chunks.
+        estimated_accuracy: for an approximate answer under ``max_error_rate``, the
+            estimated probability that it is right (equivalent to the model's own answer to
+            this question's prompt), from the calibration labels; None otherwise.
     """
 
     text: str
@@ -161,6 +164,7 @@ class Answer:
     predicted: bool = False
     idle_reused_chunks: int = 0
     idle_reused_tokens: int = 0
+    estimated_accuracy: float | None = None
 
     @property
     def answered_before(self) -> bool:

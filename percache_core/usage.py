@@ -24,6 +24,7 @@ class _Totals:
     draft_tokens_accepted: int = 0
     remembered: int = 0
     prompt_answers: int = 0
+    approximate: int = 0  # answers that may differ from the cache-off answer
     predicted: int = 0  # answers served from what idle work stored (QA entries, prompt answers)
     idle_state_answers: int = 0  # answers that restored at least one state idle work stored
     idle_reused_chunks: int = 0
@@ -55,6 +56,7 @@ class UsageCounters:
             source = "qa_bank" if answer.answered_before else answer.source  # a stored answer
             totals.remembered += answer.source == "remembered"
             totals.prompt_answers += answer.source == "prompt_answer"
+            totals.approximate += answer.approximate
             if source == "qa_bank":
                 totals.qa_bank_hits += 1
             elif answer.source == "chunk_states":
@@ -99,6 +101,8 @@ class UsageCounters:
                 "qa_bank_hits": c.qa_bank_hits,  # every answer stored before, the two below included
                 "remembered": c.remembered,
                 "prompt_answers": c.prompt_answers,
+                "approximate_answers": c.approximate,
+                "approximate_share": c.approximate / queries,
                 "chunk_state_hits": c.chunk_state_hits,
                 "full": c.full,
                 "qa_bank_hit_rate": c.qa_bank_hits / queries,

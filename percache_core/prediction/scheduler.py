@@ -9,7 +9,8 @@ One ``warm()`` round (PerCache, sections 4.1-4.3):
    saves the most per idle second, so it goes first;
 2. summarise new chunks into the knowledge abstract;
 3. regenerate stale answers (a new chunk now ranks in their top-k);
-4. answer follow-ups: questions that were served a similar question's answer get their own;
+4. answer follow-ups: questions that were served a similar question's answer get their own
+   (and the served answer is checked against it: a calibration label);
 5. predict questions from the abstract and from recent user questions (within the scope of
    the latest question), and populate them by the strategy: tau above ``strategy_cutoff``
    -> prefill only (chunk states and a pending QA entry), otherwise prefill and decode (a
@@ -21,7 +22,10 @@ One ``warm()`` round (PerCache, sections 4.1-4.3):
    ``knowledge_prefill_neighbours`` chunks that rank next when the chunk's own text is the
    question;
 7. conversions: with the decode strategy, decode pending entries; with room in the
-   chunk-state budget, re-prefill the paths of answered entries whose states were evicted.
+   chunk-state budget, re-prefill the paths of answered entries whose states were evicted;
+8. calibrate (an approximate tier under ``max_error_rate``): label approximate answers with
+   the model's own, within ``calibration_answers_per_round`` model answers
+   (:mod:`percache_core.prediction.calibrating`).
 
 Every step checks ``should_stop`` (a user question is waiting) between segments and tokens
 and stops the round at once; the time budget is checked between steps. All idle work is
@@ -40,6 +44,7 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..kv.budget import PREFILL_BUDGET_SHARE
+from ..qa.calibration import Label
 from ..serving.completion import complete_plain
 from ..serving.generation import Preempted, RunOptions, RunResult
 from ..serving.parts import CacheParts
@@ -47,6 +52,7 @@ from ..serving.request_path import RequestPath
 from ..serving.streaming import drain
 from ..types import QAEntry
 from .abstract import KnowledgeAbstract
+from .calibrating import CalibrationSpend, CalibrationWork
 from .demand import DemandEstimate, follow
 from .invalidation import Invalidation
 from .paths import knowledge_prefill_paths, make_room, predicted_paths
@@ -79,6 +85,9 @@ class IdleAccount:
     predicted_paths_prefilled: int = 0
     predicted_prefill_seconds: float = 0.0
     predicted_prefill_tokens: int = 0
+    calibration_answers: int = 0  # model answers spent on calibration labels
+    calibration_labels: int = 0
+    calibration_seconds: float = 0.0
 
 
 @dataclass
@@ -103,6 +112,11 @@ class WarmReport:
     pending_decoded: int = 0
     refreshed: int = 0
     followups_answered: int = 0
+    served_checked: int = 0  # approximate answers served to users, checked against the model's own
+    served_wrong: int = 0  # of those, not equivalent
+    calibration_answers: int = 0  # model answers spent on labels (variants, composed runs)
+    calibration_labels: int = 0  # labels they gave
+    calibration_seconds: float = 0.0
     paths_reprefilled: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -152,6 +166,7 @@ class Scheduler:
         self._report: WarmReport | None = None
         self._should_stop: Callable[[], bool] = parts.activity.waiting
         self.invalidation = Invalidation(parts, self.abstract, self._lock)
+        self.calibration = CalibrationWork(parts, request_path)
         self._served_before: dict[str, Any] = {}
         self.demand = DemandEstimate()
         self._demand_lock = threading.Lock()  # the estimate is read by stats() while a round runs
@@ -238,7 +253,7 @@ class Scheduler:
 
             self._should_stop = should_stop
             stride = max_predictions if max_predictions is not None else parts.config.prediction_stride
-            bar = _progress_bar(progress, steps=7 if own_pipeline else 2)
+            bar = _progress_bar(progress, steps=8 if own_pipeline else 2)
             try:
                 if (own_pipeline or parts.runtime.engine_loaded) and not should_stop():
                     parts.runtime.self_check()  # once per engine (seconds), here rather than in an answer
@@ -261,6 +276,7 @@ class Scheduler:
                 if own_pipeline:
                     self._step("prefill chunks", bar, deadline, should_stop, self._prefill_chunks)
                     self._step("convert", bar, deadline, should_stop, self._convert)
+                    self._step("calibrate", bar, deadline, should_stop, self._calibrate)
             except Preempted:
                 if deadline is not None and time.perf_counter() > deadline and not waiting():
                     report.out_of_time = True
@@ -287,6 +303,9 @@ class Scheduler:
                 account.predicted_paths_prefilled += report.predicted_paths_prefilled
                 account.predicted_prefill_seconds += report.predicted_prefill_seconds
                 account.predicted_prefill_tokens += report.predicted_prefill_tokens
+                account.calibration_answers += report.calibration_answers
+                account.calibration_labels += report.calibration_labels
+                account.calibration_seconds += report.calibration_seconds
                 report.served_from_prediction = self._served_since_last_round()
                 self._report = None
             return report
@@ -392,6 +411,20 @@ class Scheduler:
         )
         return bool(result.text)
 
+    def _calibrate(self, should_stop: Callable[[], bool]) -> None:
+        """Buy calibration labels with idle model answers (``prediction/calibrating.py``)."""
+        if not self.calibration.due():
+            return
+        assert self._report is not None
+        spend = CalibrationSpend()
+        started = time.perf_counter()
+        try:
+            self.calibration.run(should_stop, spend)
+        finally:
+            self._report.calibration_answers += spend.answers
+            self._report.calibration_labels += spend.labels
+            self._report.calibration_seconds += time.perf_counter() - started
+
     def _refresh_stale(self, should_stop: Callable[[], bool]) -> None:
         for entry in [e for e in self.parts.qa_bank.entries if e.stale]:  # a caller's remembered answer never is
             if self._answer_again(entry, "refresh", should_stop):
@@ -403,14 +436,27 @@ class Scheduler:
             self.activity.followups.clear()
             return
         while self.activity.followups:
-            question, embedding, scope = self.activity.followups[0]
+            followup = self.activity.followups[0]
             result = self._populate(
-                question, embedding, decode=True, origin="follow-up", should_stop=should_stop, scope=scope
+                followup.question,
+                followup.embedding,
+                decode=True,
+                origin="follow-up",
+                should_stop=should_stop,
+                scope=followup.scope,
             )
             self.activity.followups.popleft()
             if result.text:
                 assert self._report is not None
                 self._report.followups_answered += 1
+                served = followup.served
+                if served.entry.answer is not None and not served.entry.remembered:  # the served answer, checked
+                    right = self.parts.answers_agree(served.entry.answer, result.text)
+                    same = tuple(result.layout.chunk_ids) == tuple(served.entry.chunk_ids)
+                    label = Label(served.entry.id, served.similarity, right, "served", True, "same" if same else "other")
+                    self.parts.calibration.add(label)
+                    self._report.served_checked += 1
+                    self._report.served_wrong += not right
 
     def _predict_and_populate(
         self,
@@ -567,6 +613,32 @@ class Scheduler:
             **{name: asdict(account) for name, account in self.accounts.items()},
         }
 
+
+    def approximate_stats(self) -> dict[str, Any]:
+        """The approximate tiers under their bound: the share of answers that were
+        approximate, the error rate measured on the served answers idle work checked, the
+        calibrated threshold and recompute setting in force, the labels, and what they cost."""
+        parts, config = self.parts, self.parts.config
+        calibration = parts.calibration
+        summary = calibration.summary(config.max_error_rate)
+        served = summary["by_kind"].get("served", {"labels": 0, "wrong": 0})  # type: ignore[union-attr]
+        usage = parts.usage.summary()
+        accounts = self.accounts.values()
+        return {
+            "max_error_rate": config.max_error_rate,
+            "equivalence": config.answer_equivalence,
+            "answers": usage["approximate_answers"],
+            "share": usage["approximate_share"],
+            "checked": served["labels"],
+            "wrong": served["wrong"],
+            "measured_error_rate": served["wrong"] / served["labels"] if served["labels"] else None,
+            "semantic_thresholds": summary["thresholds"] if config.bounded else None,
+            "recompute_tokens": self.request_path.recompute_tokens() if config.reuse == "approximate" else None,
+            "labels": summary["labels"],
+            "labels_by_kind": summary["by_kind"],
+            "calibration_answers": sum(a.calibration_answers for a in accounts),
+            "calibration_seconds": sum(a.calibration_seconds for a in accounts),
+        }
 
     def demand_stats(self) -> dict[str, Any]:
         """How well prediction served the chunk states: the demand estimate's hit rate on

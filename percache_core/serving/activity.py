@@ -41,6 +41,17 @@ class AskedQuestion:
     chunk_ids: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class FollowUp:
+    """A user's question that was served another question's stored answer: idle work
+    answers it on its own prompt (so it gets its own entry) and checks what was served."""
+
+    question: str
+    embedding: np.ndarray
+    scope: dict[str, Any] | None
+    served: QAHit  # the entry served and its similarity
+
+
 class UserActivity:
     """Waiting users, the time of the last activity, and recent questions.
 
@@ -62,7 +73,7 @@ class UserActivity:
         self.asked: deque[AskedQuestion] = deque(maxlen=ASKED_KEPT)
         self.asked_total = 0  # questions ever put in ``asked`` (to tell which are new)
         # questions that were served another question's answer: (question, embedding, scope)
-        self.followups: deque[tuple[str, np.ndarray, dict[str, Any] | None]] = deque(maxlen=FOLLOWUPS_KEPT)
+        self.followups: deque[FollowUp] = deque(maxlen=FOLLOWUPS_KEPT)
         # the idle round's stop check while it runs a caller's pipeline (see background())
         self._background: ContextVar[Callable[[], bool] | None] = ContextVar(
             f"percache_background_{id(self)}", default=None
@@ -146,7 +157,7 @@ class UserActivity:
             self.new_history += 1
             self.history_scope = scope
         if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
-            self.followups.append((question, embedding, scope))
+            self.followups.append(FollowUp(question, embedding, scope, hit))
 
     def record_retrieval(
         self, question: str, embedding: np.ndarray, scope: dict[str, Any] | None, chunk_ids: Sequence[str]

@@ -117,6 +117,8 @@ class RunOptions:
     trim: bool = True  # drop white space around the answer (else llama.cpp's text as decoded)
     keep_logits: bool = False  # keep a copy of the logits after the prompt in the result
     approximate: bool = False  # compose chunks from independent states (reuse="approximate")
+    recompute_tokens: int | None = None  # of each composed chunk, prefilled live (None: configured)
+    restore_depth: int | None = None  # restore at most this many segments, keep nothing of the context
     idle: bool = False  # the states kept are idle work's (StateNode.idle)
 
     @property
@@ -170,12 +172,15 @@ class PromptRunner:
             sampling=options.sampling or config.sampling,
             prompt_lookup=config.prompt_lookup if options.prompt_lookup is None else options.prompt_lookup,
             approximate=options.approximate and states is not None,
+            recompute_tokens=config.recompute_tokens if options.recompute_tokens is None else options.recompute_tokens,
             decode=options.decode and not options.prefix_only,
         )
         with engine.lock:
             layout, kept = self._reuse_point(layout, states)
             segments = [list(s.tokens) for s in layout.segments]
             keys = self._keys(layout, segments, states)
+            if options.restore_depth is not None:  # (calibrating composed states: as if the path were new)
+                keys, kept = keys[: options.restore_depth], 0
             if options.prefix_only:
                 segments = segments[:-1]
             result = RunResult(layout)
@@ -340,7 +345,8 @@ class PromptRunner:
             expected = engine.n_past + len(segments[index])
             independent = self._independent_state(result.layout, segments, index) if options.approximate else None
             if independent is not None:
-                moved = self._prefill_approximately(independent, segments[index], self.config.recompute_tokens)
+                assert options.recompute_tokens is not None  # resolved by run()
+                moved = self._prefill_approximately(independent, segments[index], options.recompute_tokens)
                 result.moved_tokens += moved
                 result.approximate = result.approximate or moved > 0
             else:

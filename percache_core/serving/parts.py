@@ -19,6 +19,7 @@ from ..config import PerCacheConfig
 from ..knowledge.bank import KnowledgeBank
 from ..knowledge.embedding import Embedder
 from ..qa.bank import QABank
+from ..qa.calibration import Calibration, equivalent
 from ..qa.prompt_answers import PromptAnswers
 from ..storage import Store
 from ..usage import UsageCounters
@@ -41,7 +42,8 @@ class CacheParts:
     runtime: ModelRuntime
     activity: UserActivity
     usage: UsageCounters
-    meta: Store  # small records: the embedder's name, the knowledge abstract
+    meta: Store  # small records: the embedder's name, the knowledge abstract, calibration labels
+    calibration: Calibration  # how often approximate answers are wrong (qa/calibration.py)
     _question_embeddings: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict, repr=False)
     _embedding_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -61,6 +63,12 @@ class CacheParts:
             while len(self._question_embeddings) > QUESTION_EMBEDDINGS_KEPT:
                 self._question_embeddings.popitem(last=False)
         return vector
+
+    def answers_agree(self, answer: str, own: str) -> bool:
+        """Whether an approximate *answer* counts as right against the model's *own*
+        answer to the question's prompt (``config.answer_equivalence``)."""
+        config = self.config
+        return equivalent(answer, own, equivalence=config.answer_equivalence, min_f1=config.equivalence_min_f1)
 
     def binding(self, *, top_k: int | None = None, max_new_tokens: int | None = None) -> str:
         """The binding of answers the cache's own pipeline gives with these settings (see

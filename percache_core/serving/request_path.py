@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +45,10 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import StorageWriteError
 from ..kv.engine import Sampling
+from ..qa.calibration import Label
 from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
-from ..types import Answer, AnswerSource, Chunk, QAEntry, QAHit
+from ..types import Answer, AnswerSource, Chunk, QAEntry, QAHit, RetrievedChunk
 from .binding import answer_metadata, chunk_sources
 from .context import context_chunks
 from .generation import RunOptions, RunResult, StopCheck
@@ -72,6 +73,7 @@ class Request:
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
     best_similarity: float | None = None  # the best QA-bank similarity seen, when consulted
+    offered: list[QAHit] = field(default_factory=list)  # QA entries seen (same binding and scope), best first
 
     def timed(self, name: str, since: float) -> float:
         """Add the seconds since *since* to timing *name*; returns now."""
@@ -126,23 +128,38 @@ class RequestPath:
                 question, remembered, started, request.timings, source="remembered", approximate=False
             )
             return self._finish(answer)
+        retrieval: list[RetrievedChunk] = []
+
+        def retrieved_ids() -> tuple[str, ...]:  # retrieval runs once, when first needed
+            if not retrieval:
+                retrieval.append(parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope))
+            return tuple(r.chunk.id for r in retrieval[0])
+
+        def context_of(entry: QAEntry) -> str:  # whose prompt would hold the same chunks
+            return "same" if retrieved_ids() == tuple(entry.chunk_ids) else "other"
+
         if config.qa_bank and config.qa_mode == "semantic":
-            hit, request.best_similarity = self.semantic_hit(
-                question, embedding, similarity_threshold, scope, binding, top_k
+            hit, request.offered = self.semantic_hit(
+                question, embedding, similarity_threshold, scope, binding, top_k, context_of=context_of
             )
+            request.best_similarity = request.offered[0].similarity if request.offered else None
             clock = request.timed("qa_check", clock)
             if hit is not None:
                 parts.activity.record_question(question, embedding, hit, scope)
                 yield hit.entry.answer or ""
-                return self._finish(stored_answer(question, hit, started, request.timings))
+                accuracy = self.estimated_accuracy(hit, context_of(hit.entry))
+                return self._finish(
+                    stored_answer(question, hit, started, request.timings, estimated_accuracy=accuracy)
+                )
         candidates = self.candidates(embedding, binding=binding, scope=scope)
         if candidates:
             request.best_similarity = candidates[0].similarity
+            request.offered = candidates
         clock = request.timed("qa_check", clock)
         parts.activity.record_question(question, embedding, None, scope)
 
-        retrieved = parts.knowledge.retrieve(question, top_k, question_embedding=embedding, where=scope)
-        chunks = [r.chunk for r in retrieved]
+        retrieved_ids()
+        chunks = [r.chunk for r in retrieval[0]]
         parts.activity.record_retrieval(question, embedding, scope, [c.id for c in chunks])
         request.timed("retrieve", clock)
         return (yield from self.run(request, chunks, candidates))
@@ -275,8 +292,13 @@ class RequestPath:
             yield stored.text
             return self._finish(prompt_answered(question, stored, request.started, request.timings))
         background = parts.activity.background_stop()  # idle work yields to users
+        recompute = self.recompute_tokens()
         options = RunOptions(
-            tokens, answer_drafts=drafts, approximate=config.reuse == "approximate", idle=background is not None
+            tokens,
+            answer_drafts=drafts,
+            approximate=recompute is not None,
+            recompute_tokens=recompute,
+            idle=background is not None,
         )
         result = yield from runner.run(layout, options, should_stop=background, started=request.started)
         request.timings.update(result.timings)
@@ -294,7 +316,63 @@ class RequestPath:
                 parts.usage.count_storage_failure()
                 logger.warning("answer not stored in the QA bank (%s); it is returned all the same", error)
             request.timed("store_qa", clock)
-        return self._finish(generated_answer(question, result, request.started, request.timings, request, served))
+        accuracy = None
+        if result.approximate and config.bounded and recompute is not None:
+            accuracy = parts.calibration.composed_accuracy(recompute)
+        answer = generated_answer(question, result, request.started, request.timings, request, served, accuracy)
+        self.label_offered(question, request.offered or candidates, result)
+        return self._finish(answer)
+
+    # -- approximate answers within the bound ---------------------------------------------
+
+    def recompute_tokens(self) -> int | None:
+        """With ``reuse="approximate"``: the recompute tokens of composed chunks (the fewest
+        of :func:`recompute_ladder` that meet ``max_error_rate``, or the configured ones
+        without a bound); None: compose nothing (the run is exact)."""
+        config = self.config
+        if config.reuse != "approximate":
+            return None
+        if not config.bounded:
+            return config.recompute_tokens
+        return self.parts.calibration.recompute_choice(recompute_ladder(config), config.max_error_rate)
+
+    def estimated_accuracy(self, hit: QAHit, context: str = "unknown") -> float | None:
+        """The estimated probability that a served semantic hit is right (None: no bound):
+        the right share of the labels of its *context* at or above the calibrated threshold
+        it was served under (or its own similarity, if lower)."""
+        config = self.config
+        if not config.bounded:
+            return None
+        calibration = self.parts.calibration
+        threshold = calibration.threshold(config.max_error_rate, context=context)
+        at = hit.similarity if threshold is None else min(hit.similarity, threshold)
+        return calibration.accuracy(at, context=context)
+
+    def label_offered(self, question: str, offered: Sequence[QAHit], result: RunResult, kind: str = "asked") -> int:
+        """Compare the stored answers *offered* for *question* with the model's own answer
+        to its prompt (*result*, exact): one calibration label each, at no model cost; the
+        number of labels."""
+        if result.approximate or not result.text or not self.config.qa_bank:
+            return 0
+        chunk_ids = tuple(result.layout.chunk_ids)
+        labels = [
+            self.label(question, hit, result.text, kind, "same" if chunk_ids == tuple(hit.entry.chunk_ids) else "other")
+            for hit in offered
+            if hit.entry.answer is not None and not hit.entry.remembered and not hit.entry.stale
+        ]
+        try:
+            self.parts.calibration.add_many(labels)
+        except StorageWriteError as error:
+            logger.warning("calibration labels not stored (%s)", error)
+        return len(labels)
+
+    def label(self, question: str, hit: QAHit, own: str, kind: str, context: str = "unknown") -> Label:
+        """The calibration label of stored answer *hit* offered for *question*, whose own
+        answer is *own*: right or not, whether the verifier would let it through, and the
+        *context* (see :mod:`percache_core.qa.calibration`)."""
+        accepted = self.verifier.verify(question, hit.entry, hit.similarity).accepted
+        right = self.parts.answers_agree(hit.entry.answer or "", own)
+        return Label(hit.entry.id, hit.similarity, right, kind, accepted, context)
 
     def populate(
         self,
@@ -306,12 +384,14 @@ class RequestPath:
         origin: str,
         should_stop: StopCheck,
         replacing: QAEntry | None = None,
+        store: bool = True,
     ) -> RunResult:
         """Idle work's run of this cache's own prompt for *question* (a predicted, stale,
         pending or follow-up question): retrieve as :meth:`answer` does, prefill through the
         chunk states and, with *decode*, decode; keep the prompt's answer for an identical
-        prompt later, and store the question in the QA bank (pending without *decode*),
-        *replacing* the entry it refreshes. Pre-empted by *should_stop* (a user waits)."""
+        prompt later, and (with *store*) store the question in the QA bank (pending without
+        *decode*), *replacing* the entry it refreshes. Pre-empted by *should_stop* (a user
+        waits)."""
         parts, config = self.parts, self.config
         runner = parts.runtime.runner
         retrieved = parts.knowledge.retrieve(question, config.top_k, question_embedding=embedding, where=scope)
@@ -324,7 +404,7 @@ class RequestPath:
         if decode:  # the same prompt asked later is answered without the model
             key = prompt_answer_key(parts, result.layout, config.max_new_tokens, config.sampling, None)
             self.remember_prompt_answer(key, result, idle=True)
-        if config.qa_bank and (result.text or not decode):
+        if store and config.qa_bank and (result.text or not decode):
             self.remember_answer(
                 question,
                 embedding,
@@ -379,18 +459,31 @@ class RequestPath:
         scope: dict[str, Any] | None,
         binding: str | None,
         top_k: int | None = None,
-    ) -> tuple[QAHit | None, float | None]:
-        """The best entry at or above *similarity_threshold* that the verifier accepts and whose
-        sources are unchanged, and the best similarity seen (None: no candidate)."""
+        *,
+        context_of: Callable[[QAEntry], str] | None = None,
+    ) -> tuple[QAHit | None, list[QAHit]]:
+        """The best entry that may be served without the model, and the entries seen (best
+        first). Served: at or above *similarity_threshold* and, under ``max_error_rate``,
+        at or above the calibrated threshold of its context (*context_of*: whether the
+        question retrieves the entry's chunks; "unknown" without it) and above the entry's
+        own floor (see :mod:`percache_core.qa.calibration`); accepted by the verifier;
+        sources unchanged."""
+        config, calibration = self.config, self.parts.calibration
         ranked = self.parts.qa_bank.search(
             embedding,
-            top_n=self.config.verifier_candidates,
+            top_n=config.verifier_candidates,
             similarity_threshold=-1.0,
             scope=scope,
             binding=binding,
         )
-        best = ranked[0].similarity if ranked else None
         for candidate in (c for c in ranked if c.similarity >= similarity_threshold):
+            if config.bounded:
+                context = context_of(candidate.entry) if context_of is not None else "unknown"
+                calibrated = calibration.threshold(config.max_error_rate, context=context)
+                if calibrated is None or candidate.similarity < calibrated:
+                    continue  # its labels do not support the bound at this similarity
+                if candidate.similarity <= calibration.floor(candidate.entry.id):
+                    continue
             verdict = self.verifier.verify(question, candidate.entry, candidate.similarity)
             if not verdict.accepted:
                 self.parts.usage.count_rejection()
@@ -403,8 +496,8 @@ class RequestPath:
                 self.parts.usage.count_stale_drop()
                 continue
             self.parts.qa_bank.record_hit(candidate.entry.id)
-            return candidate, best
-        return None, best
+            return candidate, ranked
+        return None, ranked
 
     def sources_unchanged(self, entry: QAEntry, scope: dict[str, Any] | None, top_k: int) -> bool:
         """Whether the chunks the entry's question retrieves now (hybrid, as the request
@@ -437,6 +530,7 @@ def stored_answer(
     *,
     source: AnswerSource = "qa_bank",
     approximate: bool = True,
+    estimated_accuracy: float | None = None,
 ) -> Answer:
     """An answer served from a QA entry without the model: semantic mode's hit
     (*approximate*), an exact-mode lookup of the same question, or a remembered answer."""
@@ -454,6 +548,7 @@ def stored_answer(
         timings=timings,
         approximate=approximate,
         predicted=is_predicted(hit.entry),
+        estimated_accuracy=estimated_accuracy if approximate else None,
     )
 
 
@@ -505,6 +600,7 @@ def generated_answer(
     timings: dict[str, float],
     request: Request | None = None,
     served: QAHit | None = None,
+    estimated_accuracy: float | None = None,
 ) -> Answer:
     """An answer the model produced (through the chunk-state tree), built when the run is
     over: labelled ``qa_bank`` when it is the *served* candidate's answer token for token,
@@ -532,6 +628,7 @@ def generated_answer(
         approximate=result.approximate,
         idle_reused_chunks=result.idle_reused_chunks,
         idle_reused_tokens=result.idle_reused_tokens,
+        estimated_accuracy=estimated_accuracy,
     )
 
 
@@ -540,3 +637,14 @@ def is_predicted(entry: QAEntry) -> bool:
     question, or a follow-up of a served one)."""
     origin = entry.origin or ""
     return origin.startswith("predicted") or origin == "follow-up"
+
+
+def recompute_ladder(config: PerCacheConfig) -> tuple[int, ...]:
+    """The recompute settings composed chunk states are calibrated at: the configured
+    ``recompute_tokens`` and the larger of 16, 32, 64 and 128 tokens.
+
+    >>> recompute_ladder(PerCacheConfig(recompute_tokens=16))
+    (16, 32, 64, 128)
+    """
+    base = config.recompute_tokens
+    return tuple(sorted({base, *(t for t in (16, 32, 64, 128) if t > base)}))

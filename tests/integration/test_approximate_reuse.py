@@ -40,7 +40,7 @@ def test_a_moved_chunk_state_continues_the_sequence(make_cache, engine):
 def test_approximate_answers_are_marked_and_never_stored(make_cache):
     reference = make_cache("naive", qa_bank=False, chunk_states=False).answer(QUESTION).text
     exact = make_cache("exact", qa_bank=False)
-    composed = make_cache("composed", reuse="approximate", recompute_tokens=8)
+    composed = make_cache("composed", reuse="approximate", recompute_tokens=8, max_error_rate=1.0)
     prefill_each_chunk(exact, QUESTION)
     prefill_each_chunk(composed, QUESTION)
 
@@ -53,7 +53,7 @@ def test_approximate_answers_are_marked_and_never_stored(make_cache):
     assert len(internals(composed).qa_bank) == 0
     assert not composed.answer(QUESTION).answered_before
 
-    recomputed = make_cache("recomputed", qa_bank=False, reuse="approximate", recompute_tokens=100_000)
+    recomputed = make_cache("recomputed", qa_bank=False, reuse="approximate", recompute_tokens=100_000, max_error_rate=1.0)
     prefill_each_chunk(recomputed, QUESTION)
     again = recomputed.answer(QUESTION)
     assert not again.approximate and again.text == reference

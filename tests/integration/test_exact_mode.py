@@ -111,7 +111,7 @@ def test_a_changed_document_changes_the_exact_answer(make_cache, corpus):
 
 def test_semantic_mode_never_serves_below_tau_or_across_bindings(make_cache, embedder):
     stored, (paraphrase, *_), _ = FAMILIES[0]
-    pc = make_cache("semantic", qa_mode="semantic", chunk_states=False, max_new_tokens=24)
+    pc = make_cache("semantic", qa_mode="semantic", max_error_rate=1.0, chunk_states=False, max_new_tokens=24)
     pc.answer(stored)
     similarity = float(embedder.embed([stored])[0] @ embedder.embed([paraphrase])[0])
     below = pc.answer(paraphrase, similarity_threshold=min(1.0, similarity + 0.01))
@@ -125,7 +125,7 @@ def test_semantic_mode_never_serves_below_tau_or_across_bindings(make_cache, emb
 
 def test_semantic_mode_never_serves_a_stale_entry(make_cache, corpus):
     question = "When is the presentation rehearsal for the launch talk?"
-    pc = make_cache("stale", qa_mode="semantic", chunk_states=False, max_new_tokens=24)
+    pc = make_cache("stale", qa_mode="semantic", max_error_rate=1.0, chunk_states=False, max_new_tokens=24)
     before = pc.answer(question)
     assert pc.answer(question).source == "qa_bank"
     moved = dict(next(d for d in corpus["documents"] if d["id"] == "mail-rehearsal"))

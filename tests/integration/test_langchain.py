@@ -131,7 +131,7 @@ def test_exact_mode_serves_only_the_same_prompt_and_llm_string(make_cache):
 
 
 def test_semantic_mode_keys_on_the_question_and_binds_the_prompt_around_it(make_cache):
-    pc = make_cache(documents=False, qa_mode="semantic", similarity_threshold=0.8)
+    pc = make_cache(documents=False, qa_mode="semantic", max_error_rate=1.0, similarity_threshold=0.8)
     cache = PerCacheLLMCache(pc)
     retriever = PerCacheRetriever(inner=FixedRetriever(), percache=pc)
     retriever.invoke("When is the launch talk rehearsal?")

@@ -208,7 +208,7 @@ def test_other_llms_get_the_qa_bank_only(index, tmp_path):
         index,
         cache_dir=tmp_path / "mock-semantic",
         llm=MockLLM(max_tokens=8),
-        config=PerCacheConfig(qa_mode="semantic", similarity_threshold=0.8),
+        config=PerCacheConfig(qa_mode="semantic", max_error_rate=1.0, similarity_threshold=0.8),
         similarity_top_k=2,
     )
     semantic.query(QUESTION)

@@ -84,7 +84,7 @@ def test_process_b_reuses_what_process_a_populated(kind, request, make_cache, tm
     assert repeat.answered_before and repeat.matched_question == QUESTION
     assert repeat.text == reference and not repeat.approximate
 
-    semantic_client = make_cache("b-semantic", qa_mode="semantic", **shared(url))
+    semantic_client = make_cache("b-semantic", qa_mode="semantic", max_error_rate=1.0, **shared(url))
     wait_until(lambda: len(internals(semantic_client).qa_bank) >= 1)
     hit = semantic_client.answer(PARAPHRASE)
     assert hit.source == "qa_bank" and hit.matched_question == QUESTION and hit.approximate

@@ -65,14 +65,14 @@ def test_decisions_on_labelled_pairs(embedder, stored, asked, accepted):
 
 
 def test_semantic_mode_serves_nothing_below_tau_and_rejects_near_misses(make_cache):
-    pc = make_cache(qa_mode="semantic", chunk_states=False, max_new_tokens=16)
+    pc = make_cache(qa_mode="semantic", max_error_rate=1.0, chunk_states=False, max_new_tokens=16)
     pc.answer("When will the presentation rehearsal take place?")
     paraphrase = pc.answer("Is time of presentation rehearsal given?")
     assert not paraphrase.answered_before and paraphrase.similarity < 0.85  # below tau: never served
     near_miss = pc.answer("When is the presentation rehearsal not taking place?")
     assert not near_miss.answered_before
     assert pc.stats()["verifier_rejections"] >= 1
-    plain = make_cache("plain", qa_mode="semantic", chunk_states=False, verifier="none", max_new_tokens=16)
+    plain = make_cache("plain", qa_mode="semantic", max_error_rate=1.0, chunk_states=False, verifier="none", max_new_tokens=16)
     plain.answer("When will the presentation rehearsal take place?")
     assert plain.answer("When is the presentation rehearsal not taking place?").source == "qa_bank"
 

@@ -260,7 +260,7 @@ def test_adaptive_context_settings_are_checked():
 
 def test_approximate_reuse_composes_independent_states_and_never_stores_its_answers(fake_cache):
     exact = fake_cache("exact", qa_bank=False)
-    composed = fake_cache("composed", reuse="approximate", recompute_tokens=4)
+    composed = fake_cache("composed", reuse="approximate", recompute_tokens=4, max_error_rate=1.0)
     chunks = [r.chunk for r in composed.retrieve(QUESTION)]
     for cache in (exact, composed):
         for chunk in chunks:  # what the knowledge prefill does: [system, chunk] of each chunk
@@ -276,7 +276,7 @@ def test_approximate_reuse_composes_independent_states_and_never_stores_its_answ
     assert max(n.depth for n in internals(composed).tree.nodes) == 2  # no state after a composed chunk
     assert not composed.answer(QUESTION).answered_before
 
-    whole_chunks = fake_cache("recompute-all", reuse="approximate", recompute_tokens=10_000)
+    whole_chunks = fake_cache("recompute-all", reuse="approximate", recompute_tokens=10_000, max_error_rate=1.0)
     for chunk in chunks:
         internals(whole_chunks).runner.prefill_prefix([chunk])
     same = whole_chunks.answer(QUESTION)  # every token recomputed: nothing moved, exact
