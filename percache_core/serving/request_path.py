@@ -351,8 +351,12 @@ class RequestPath:
     def label_offered(self, question: str, offered: Sequence[QAHit], result: RunResult, kind: str = "asked") -> int:
         """Compare the stored answers *offered* for *question* with the model's own answer
         to its prompt (*result*, exact): one calibration label each, at no model cost; the
-        number of labels."""
-        if result.approximate or not result.text or not self.config.qa_bank:
+        number of labels. Only where semantic mode is held to a bound (they serve nothing
+        else)."""
+        config = self.config
+        if result.approximate or not result.text or not config.qa_bank:
+            return 0
+        if config.qa_mode != "semantic" or not config.bounded:
             return 0
         chunk_ids = tuple(result.layout.chunk_ids)
         labels = [
