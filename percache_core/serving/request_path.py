@@ -128,7 +128,7 @@ class RequestPath:
                 question, remembered, started, request.timings, source="remembered", approximate=False
             )
             return self._finish(answer)
-        retrieval: list[RetrievedChunk] = []
+        retrieval: list[list[RetrievedChunk]] = []  # one retrieval, once it has run
 
         def retrieved_ids() -> tuple[str, ...]:  # retrieval runs once, when first needed
             if not retrieval:
