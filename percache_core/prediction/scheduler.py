@@ -44,7 +44,7 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..kv.budget import PREFILL_BUDGET_SHARE
-from ..qa.calibration import Label
+from ..qa.calibration import Label, retrieval_context
 from ..serving.completion import complete_plain
 from ..serving.generation import Preempted, RunOptions, RunResult
 from ..serving.parts import CacheParts
@@ -452,8 +452,8 @@ class Scheduler:
                 served = followup.served
                 if served.entry.answer is not None and not served.entry.remembered:  # the served answer, checked
                     right = self.parts.answers_agree(served.entry.answer, result.text)
-                    same = tuple(result.layout.chunk_ids) == tuple(served.entry.chunk_ids)
-                    label = Label(served.entry.id, served.similarity, right, "served", True, "same" if same else "other")
+                    context = retrieval_context(result.layout.chunk_ids, served.entry.chunk_ids)
+                    label = Label(served.entry.id, served.similarity, right, "served", True, context)
                     self.parts.calibration.add(label)
                     self._report.served_checked += 1
                     self._report.served_wrong += not right

@@ -71,6 +71,16 @@ class Label:
     context: str = "unknown"  # "same": the question retrieved the entry's chunks; "other"; "unknown"
 
 
+def retrieval_context(chunk_ids: Sequence[str], entry_chunk_ids: Sequence[str]) -> str:
+    """A label's context: "same" when a question's prompt holds the chunks the entry's
+    answer came from (in order), else "other".
+
+    >>> retrieval_context(["a#c000", "b#c000"], ("a#c000", "b#c000")), retrieval_context(["b#c000"], ["a#c000"])
+    ('same', 'other')
+    """
+    return "same" if tuple(chunk_ids) == tuple(entry_chunk_ids) else "other"
+
+
 def token_f1(answer: str, reference: str) -> float:
     """SQuAD-style token F1 of two answers (lower-cased words).
 

@@ -45,7 +45,7 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import StorageWriteError
 from ..kv.engine import Sampling
-from ..qa.calibration import Label
+from ..qa.calibration import Label, retrieval_context
 from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
 from ..types import Answer, AnswerSource, Chunk, QAEntry, QAHit, RetrievedChunk
@@ -136,7 +136,7 @@ class RequestPath:
             return tuple(r.chunk.id for r in retrieval[0])
 
         def context_of(entry: QAEntry) -> str:  # whose prompt would hold the same chunks
-            return "same" if retrieved_ids() == tuple(entry.chunk_ids) else "other"
+            return retrieval_context(retrieved_ids(), entry.chunk_ids)
 
         if config.qa_bank and config.qa_mode == "semantic":
             hit, request.offered = self.semantic_hit(
@@ -358,9 +358,9 @@ class RequestPath:
             return 0
         if config.qa_mode != "semantic" or not config.bounded:
             return 0
-        chunk_ids = tuple(result.layout.chunk_ids)
+        chunk_ids = result.layout.chunk_ids
         labels = [
-            self.label(question, hit, result.text, kind, "same" if chunk_ids == tuple(hit.entry.chunk_ids) else "other")
+            self.label(question, hit, result.text, kind, retrieval_context(chunk_ids, hit.entry.chunk_ids))
             for hit in offered
             if hit.entry.answer is not None and not hit.entry.remembered and not hit.entry.stale
         ]
