@@ -28,7 +28,7 @@ import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.serving.context import SIGNALS, confidence_signals, is_confident
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     users = users_from_arguments(args)
     engine = LlamaEngine(resolve_model_path(None))
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     config = PerCacheConfig(qa_bank=False, prediction=False, max_new_tokens=args.max_new_tokens)
     rows: list[dict[str, Any]] = []
     by_dataset: dict[str, list[dict[str, Any]]] = {}

@@ -24,7 +24,7 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [int(v) for v in args.recompute.split(",")]
     engine = LlamaEngine(resolve_model_path(None))
     engine.warm_up()
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     by_dataset: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for index, user in enumerate(users_from_arguments(args)):

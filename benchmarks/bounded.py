@@ -36,7 +36,7 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.qa.calibration import COMPOSED, CONTEXTS, error_upper_bound
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args.data = args.data or default_data_folder()
     args.bounds = sorted(args.bounds)
     engine = LlamaEngine(resolve_model_path(None))
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     started = time.perf_counter()
     result: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="percache-bounded-") as temporary:

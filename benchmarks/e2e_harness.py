@@ -42,7 +42,7 @@ import numpy as np
 
 from percache_core.config import PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache
@@ -439,7 +439,7 @@ def evaluate(
             verbose=False,
         )
     if embedder is None:
-        embedder = SentenceTransformerEmbedder()
+        embedder = BertEmbedder()
         embedder.embed(["warm-up"])
     embedder = MemoEmbedder(embedder)
     per_user: dict[str, dict[str, Any]] = {}

@@ -31,7 +31,7 @@ import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.qa.verifier import make_verifier
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.data} has no squad11-dev/documents.jsonl: pass --data")
     pairs = load_jsonl(args.pairs)
     engine = LlamaEngine(resolve_model_path(None))
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     started = time.time()
     report: dict = {
         "machine": {"python": sys.version.split()[0], "platform": platform.platform()},

@@ -38,7 +38,7 @@ import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.cuts import measure_cut_rule
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -366,7 +366,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     model_path = resolve_model_path(None)
     engine = LlamaEngine(model_path)
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     embedder.embed(["warm-up"])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:  # the engine's self-checks, as preload() runs them

@@ -25,7 +25,7 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 
 from .data_sets import SCOPE_FIELDS, add_user_arguments, query_scope, users_from_arguments
 from .output import write_json
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/neighbour_pairs.json")
     args = parser.parse_args(argv)
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     config = PerCacheConfig(chunk_states=False, qa_bank=False, prediction=False, top_k=args.top_k)
     rows = []
     for user in users_from_arguments(args):

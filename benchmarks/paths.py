@@ -64,7 +64,7 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LlamaEngine(resolve_model_path(None))
     bytes_per_token, prefill_speed = measure_model(engine)
     print(f"{bytes_per_token:,.0f} bytes per token, prefill {prefill_speed:,.0f} tokens/s", flush=True)
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     config = PerCacheConfig(chunk_states=False, qa_bank=False, prediction=False, top_k=args.top_k)
     if args.merged:
         data = FolderPath(args.data) if args.data else default_data_folder()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from percache_core import PerCache, PerCacheConfig
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 
@@ -81,7 +81,7 @@ def main() -> None:
     users = users_from_arguments(args)
     engine = LlamaEngine(resolve_model_path(None))
     engine.warm_up()
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     embedder.embed(["warm-up"])
     systems = {
         "reactive@0.85": (0.85, 0.875, False),

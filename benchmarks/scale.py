@@ -62,9 +62,9 @@ class HashingEmbedder:
 
 def make_embedder(kind: str) -> Any:
     if kind == "minilm":
-        from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+        from percache_core.knowledge.bert import BertEmbedder
 
-        return SentenceTransformerEmbedder()
+        return BertEmbedder()
     return HashingEmbedder()
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from percache_core import PerCache, PerCacheConfig
 from percache_core.config import MB
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.budget import BUDGET_FLOOR_BYTES, PREFILL_BUDGET_SHARE
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     users = users_from_arguments(args)
     engine = LlamaEngine(resolve_model_path(None))
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for index, user in enumerate(users):

@@ -49,7 +49,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_langchain import PerCacheChatModel, PerCacheLLM
@@ -357,7 +357,7 @@ def main() -> None:
     parser.add_argument("--models", default="bundled,smollm2", help="bundled, smollm2 or GGUF paths, comma-separated")
     parser.add_argument("--without-compute-thread", action="store_true", help="also run with it off")
     args = parser.parse_args()
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     paths = []
     for name in args.models.split(","):
         path = resolve_model_path(None) if name == "bundled" else smollm2_path() if name == "smollm2" else Path(name)

@@ -31,7 +31,7 @@ import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.inspection import internals
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.qa.bank import QABank
@@ -194,7 +194,7 @@ def main() -> None:
     model_path = resolve_model_path(None)
     engine = LlamaEngine(model_path)
     engine.warm_up()
-    embedder = SentenceTransformerEmbedder()
+    embedder = BertEmbedder()
     embedder.embed(["warm-up"])
     with tempfile.TemporaryDirectory(prefix="percache-bench-") as temporary:
         folder = Path(temporary)

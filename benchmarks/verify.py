@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder
+from percache_core.knowledge.bert import BertEmbedder
 
 from .output import write_json
 from .verify_harness import evaluate, print_table, read_pairs
@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.pairs.is_file():
         raise SystemExit(f"no pair file at {args.pairs}: pass --pairs")
-    result = evaluate(read_pairs(args.pairs), SentenceTransformerEmbedder())
+    result = evaluate(read_pairs(args.pairs), BertEmbedder())
     result["pairs_file"] = str(args.pairs)
     print_table(result)
     write_json(result, args.out)

@@ -22,6 +22,7 @@ from .errors import (
     StorageWriteError,
     missing_dependency,
 )
+from .knowledge.bert import BertEmbedder
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
 from .kv.engine import ChatPrompt, Engine, Sampling
 from .pipeline import AnswerStream, PerCache
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Answer",
+    "BertEmbedder",
     "AnswerStream",
     "CallerCache",
     "ChatPrompt",

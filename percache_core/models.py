@@ -8,19 +8,14 @@ assembled once into PerCache's home folder (``$PERCACHE_HOME``, default
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 from .errors import ModelNotFoundError, missing_dependency
+from .memo import Memo, percache_home
 
 BUNDLED_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
 _GGUF_MAGIC = b"GGUF"
-
-
-def percache_home() -> Path:
-    """PerCache's own folder for assembled models and digests (``$PERCACHE_HOME``)."""
-    return Path(os.environ.get("PERCACHE_HOME") or Path.home() / ".cache" / "percache")
 
 
 def bundled_model_path() -> Path:
@@ -54,26 +49,19 @@ def resolve_model_path(model_path: str | os.PathLike[str] | None) -> Path:
 
 def file_sha256(path: Path) -> str:
     """sha256 of a file, remembered by (path, size, mtime) so large models hash once."""
-    stat = path.stat()
-    memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    memo_file = percache_home() / "digests.json"
-    memo: dict[str, str] = {}
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if memo_key in memo:
-        return memo[memo_key]
+    memo, key = Memo("digests"), file_identity(path)
+    known = memo.get(key)
+    if isinstance(known, str):
+        return known
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    memo[memo_key] = digest.hexdigest()
-    try:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        temporary = memo_file.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(memo))
-        os.replace(temporary, memo_file)
-    except OSError:
-        pass  # the digest is only a memo; failing to keep it is harmless
-    return memo[memo_key]
+    memo.put(key, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def file_identity(path: Path) -> str:
+    """``path|size|mtime_ns`` of a file: it changes when the file is replaced."""
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"

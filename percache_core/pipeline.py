@@ -20,7 +20,7 @@ from .config import PerCacheConfig
 from .errors import CacheClosedError, CacheFolderError
 from .inputs import positive_override, similarity_override, validated_question, validated_scope
 from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
-from .knowledge.embedding import Embedder, SentenceTransformerEmbedder, check_embedder, embedding_dimension
+from .knowledge.embedding import Embedder, check_embedder, default_embedder, embedding_dimension
 from .kv.engine import Engine
 from .models import resolve_model_path
 from .prediction.scheduler import Scheduler, WarmReport
@@ -150,7 +150,7 @@ class PerCache:
         return cls(
             folder,
             config=config,
-            embedder=embedder or SentenceTransformerEmbedder(),
+            embedder=embedder or default_embedder(),
             engine=engine,
             model_path=model_path,
             verbose=verbose,

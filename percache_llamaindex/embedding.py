@@ -7,7 +7,7 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from pydantic import PrivateAttr
 
-from percache_core import Embedder, SentenceTransformerEmbedder
+from percache_core import BertEmbedder, Embedder
 
 
 class PerCacheEmbedding(BaseEmbedding):
@@ -20,7 +20,7 @@ class PerCacheEmbedding(BaseEmbedding):
     _embedder: Any = PrivateAttr()
 
     def __init__(self, embedder: Embedder | None = None, **kwargs: Any) -> None:
-        embedder = embedder or SentenceTransformerEmbedder()
+        embedder = embedder or BertEmbedder()
         kwargs.setdefault("model_name", embedder.name)
         super().__init__(**kwargs)
         self._embedder = embedder

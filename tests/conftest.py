@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
 from percache_core.cli import demo_corpus  # noqa: E402
-from percache_core.knowledge.embedding import SentenceTransformerEmbedder  # noqa: E402
+from percache_core.knowledge.bert import BertEmbedder  # noqa: E402
 from percache_core.kv.llama_cpp import LlamaEngine  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
@@ -46,8 +46,8 @@ def engine(model_path: Path) -> Iterator[LlamaEngine]:
 
 
 @pytest.fixture(scope="session")
-def embedder() -> SentenceTransformerEmbedder:
-    embedder = SentenceTransformerEmbedder()
+def embedder() -> BertEmbedder:
+    embedder = BertEmbedder()
     embedder.embed(["load"])
     return embedder
 
@@ -90,7 +90,7 @@ def _cache_opener(
 
 @pytest.fixture
 def make_cache(
-    tmp_path: Path, engine: LlamaEngine, embedder: SentenceTransformerEmbedder, corpus: dict[str, Any]
+    tmp_path: Path, engine: LlamaEngine, embedder: BertEmbedder, corpus: dict[str, Any]
 ) -> Iterator[Callable[..., PerCache]]:
     """Open caches on the shared engine and embedder, with the demo corpus loaded."""
     # two neighbour pairs per chunk (the default is 8): the same behaviour, a quarter of

@@ -173,6 +173,12 @@ class FakeEngine(FakeTextModel):
             raise ValueError(f"no positions from {start} in a sequence of {self.n_past}")
         return _SLICE_MAGIC + struct.pack("<q", start) + np.asarray(self._hashes[start:], dtype=np.uint64).tobytes()
 
+    def save_prefix(self, end: int, start: int = 0) -> bytes | None:
+        if not 0 <= start < end <= self.n_past:
+            raise ValueError(f"no positions {start}..{end} in a sequence of {self.n_past}")
+        hashes = np.asarray(self._hashes[start:end], dtype=np.uint64).tobytes()
+        return _STATE_MAGIC + hashes if start == 0 else _SLICE_MAGIC + struct.pack("<q", start) + hashes
+
     def append_slice(self, data: bytes, n_tokens: int) -> bool:
         self.calls["load_state"] += 1
         self.changes += 1

@@ -208,6 +208,13 @@ class KnowledgeBank:
         self._index.append(chunks, np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32))
         self._documents = {k: v for k, v in documents.items() if isinstance(v, dict)}
 
+    @property
+    def version(self) -> int:
+        """A number that changes with every change of the documents, by any process (read
+        from the store: nothing is loaded). Retrieval gives the same chunks for the same
+        question, settings and version."""
+        return self._store.version()
+
     def __len__(self) -> int:
         with self._lock:
             self.sync()

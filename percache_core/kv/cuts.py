@@ -84,7 +84,11 @@ def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int
     return list(zip(bounds, bounds[1:]))
 
 
-_verdicts: EngineVerdicts[CutRule | None] = EngineVerdicts()
+_verdicts: EngineVerdicts[CutRule | None] = EngineVerdicts(
+    "cut_rule",
+    encode=lambda rule: None if rule is None else [rule.min_tokens, rule.multiple],
+    decode=lambda value: None if value is None else CutRule(int(value[0]), int(value[1])),
+)
 
 
 def measure_cut_rule(engine: Engine) -> CutRule | None:

@@ -15,19 +15,29 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from ..memo import Memo
+
 T = TypeVar("T")
+SELF_CHECK_MEMO = "self_checks"  # engine fingerprint -> {self-check name: verdict}
+_memo_lock = threading.Lock()
 
 
 class EngineVerdicts(Generic[T]):
     """What a self-check measured, remembered per engine object and forgotten with it (so
-    a new engine, even one at a recycled address, is measured afresh).
+    a new engine, even one at a recycled address, is measured afresh). An engine loaded
+    from a model file names a ``verdict_key`` (its fingerprint: model file, llama.cpp
+    build, context settings): its verdicts are also kept on disk under that key (in the
+    ``self_checks`` memo of :mod:`percache_core.memo`), so a new process with the same
+    build and model measures nothing. *name* tells one self-check from another there;
+    *encode*/*decode* turn a verdict into JSON and back (a record that does not decode is
+    measured again).
 
     >>> class Probe: ...
-    >>> verdicts, engine = EngineVerdicts(), Probe()
+    >>> verdicts, engine = EngineVerdicts("probe"), Probe()
     >>> verdicts.known(engine)
     (False, None)
     >>> verdicts.keep(engine, 2.5)
@@ -35,21 +45,51 @@ class EngineVerdicts(Generic[T]):
     (True, 2.5)
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        encode: Callable[[T], Any] = lambda value: value,
+        decode: Callable[[Any], T] = lambda value: value,
+    ) -> None:
+        self.name = name
+        self._encode, self._decode = encode, decode
         self._lock = threading.Lock()
         self._values: weakref.WeakKeyDictionary[object, T] = weakref.WeakKeyDictionary()
 
     def known(self, engine: object) -> tuple[bool, T | None]:
-        """Whether *engine* was measured, and the verdict (no work)."""
+        """Whether *engine* was measured (in this process, or by an earlier one with the
+        same ``verdict_key``), and the verdict (no measuring)."""
         with self._lock:
             try:
                 return True, self._values[engine]
             except (KeyError, TypeError):  # TypeError: an engine without weak references
-                return False, None
+                pass
+        key = getattr(engine, "verdict_key", None)
+        record = Memo(SELF_CHECK_MEMO).get(key) if isinstance(key, str) else None
+        if not isinstance(record, dict) or self.name not in record:
+            return False, None
+        try:
+            value = self._decode(record[self.name])
+        except (TypeError, ValueError, KeyError):
+            return False, None
+        self._remember(engine, value)
+        return True, value
 
     def keep(self, engine: object, value: T) -> None:
-        """Remember *value* for *engine* (an engine without weak references is measured
-        each time instead)."""
+        """Remember *value* for *engine*, on disk too where it names a ``verdict_key`` (an
+        engine without weak references is measured each time instead)."""
+        self._remember(engine, value)
+        key = getattr(engine, "verdict_key", None)
+        if isinstance(key, str):
+            memo = Memo(SELF_CHECK_MEMO)
+            with _memo_lock:
+                record = memo.get(key)
+                record = dict(record) if isinstance(record, dict) else {}
+                record[self.name] = self._encode(value)
+                memo.put(key, record)
+
+    def _remember(self, engine: object, value: T) -> None:
         with self._lock:
             try:
                 self._values[engine] = value
@@ -137,6 +177,12 @@ class KVSequence(Protocol):
 
     def save_slice(self, start: int) -> bytes:
         """The state of positions *start* .. ``n_past`` only (a slice of the sequence)."""
+        ...
+
+    def save_prefix(self, end: int, start: int = 0) -> bytes | None:
+        """The state of positions *start* .. *end* (a whole prefix state with *start* 0,
+        else a slice), taken after the sequence went further: what a prefill stopped at
+        *end* would have saved. None when the sequence no longer holds all of it."""
         ...
 
     def append_slice(self, data: bytes, n_tokens: int) -> bool:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import json
 import logging
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EngineError, ModelNotFoundError, missing_dependency
-from ..models import file_sha256
+from ..models import file_identity, file_sha256
 from .compute_thread import ComputeThread, on_compute_thread
 from .cuts import batch_bounds
 from .engine import Sampling
@@ -48,6 +50,41 @@ def _import_llama_cpp():
     except ImportError as error:
         raise missing_dependency("llama_cpp", "percache-core[llama-cpp]") from error
     return llama_cpp
+
+
+def load_identity(
+    model_path: Path, *, n_ctx: int, n_batch: int, n_threads: int | None, repack_weights: bool, extra: str = ""
+) -> str:
+    """A digest of what a :class:`LlamaEngine` would be loaded from, read without loading
+    or importing anything heavy: the model file (path, size, modification time), the
+    llama.cpp libraries beside ``llama_cpp`` (the same), this processor, the context
+    settings and *extra*. Two loads with the same identity give the same
+    :meth:`LlamaEngine.fingerprint`, so a fingerprint recorded under it names the engine
+    before it loads (see ``ModelRuntime.model_id``)."""
+    libraries: list[str] = []
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.origin:
+        folder = Path(spec.origin).parent
+        libraries = sorted(file_identity(p) for p in folder.glob("lib/*") if p.is_file())
+        libraries.append(file_identity(Path(spec.origin)))
+    payload = {
+        "model": file_identity(Path(model_path)),
+        "libraries": libraries,
+        "processor": _processor_identity(),
+        "settings": [n_ctx, n_batch, n_threads or os.cpu_count() or 1, repack_weights],
+        "extra": extra,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _processor_identity() -> str:
+    """The processor's model name and feature flags (they pick llama.cpp's kernels)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            lines = [line for line in handle.read(65536).splitlines() if line.startswith(("model name", "flags"))]
+        return "|".join(lines[:2])
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
 
 
 def _readonly_pointer(data: bytes):
@@ -150,6 +187,7 @@ class LlamaEngine(LlamaTextModel):
             "batch_split": "even, cut at multiples of 16",  # batch_bounds: calls decide logits
         }
         self._model_sha256: str | None = None
+        self._verdict_key: str | None = None
         self._closed = False
 
     # -- identity -------------------------------------------------------------------------
@@ -164,6 +202,16 @@ class LlamaEngine(LlamaTextModel):
             {"model_sha256": self._model_sha256, "extra": extra, **self._settings}, sort_keys=True
         )
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    @property
+    def verdict_key(self) -> str:
+        """The key the self-checks' verdicts are kept on disk under
+        (:class:`~percache_core.kv.engine.EngineVerdicts`): this fingerprint, plus the
+        ``GGML_CPU_TILED_MM`` setting, which ggml reads from the environment and which
+        changes where a prefill may be cut."""
+        if self._verdict_key is None:
+            self._verdict_key = self.fingerprint(f"self-checks|tiled_mm={os.environ.get('GGML_CPU_TILED_MM', '')}")
+        return self._verdict_key
 
     def warm_up(self) -> None:
         """Run one small prefill so that the first real question is not slowed by set-up."""
@@ -209,18 +257,41 @@ class LlamaEngine(LlamaTextModel):
         untouched). :meth:`append_slice` puts it back after a prefix of *start* tokens."""
         if not 0 <= start < self.n_past:
             raise ValueError(f"no positions from {start} in a sequence of {self.n_past}")
-        memory = self._memory
-        self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
-        self._lc.llama_memory_seq_cp(memory, 0, _SCRATCH, start, -1)
-        try:
-            size = self._lc.llama_state_seq_get_size(self._ctx, _SCRATCH)
-            buffer = (ctypes.c_uint8 * size)()
-            written = self._lc.llama_state_seq_get_data(self._ctx, buffer, size, _SCRATCH)
-        finally:
-            self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
-        if written == 0:
+        data = self._scratch_state(start, self.n_past)
+        if data is None:
             raise EngineError("llama.cpp returned an empty state slice")
-        return ctypes.string_at(buffer, written)
+        return data
+
+    @on_compute_thread
+    def save_prefix(self, end: int, start: int = 0) -> bytes | None:
+        """The state of positions *start* .. *end* of the sequence, taken after the fact:
+        the state a prefill that stopped at *end* would have saved (whole with *start* 0,
+        else a slice), with sequence 0 untouched. None when the sequence no longer holds
+        every cell that prefix needs (sliding-window cells the window has left since)."""
+        if not 0 <= start < end <= self.n_past:
+            raise ValueError(f"no positions {start}..{end} in a sequence of {self.n_past}")
+        return self._scratch_state(start, end, complete=True)
+
+    def _scratch_state(self, start: int, end: int, *, complete: bool = False) -> bytes | None:
+        """Share positions *start* .. *end* of sequence 0 with scratch sequence 1 and save
+        that; with *complete*, None unless it holds what a sequence ending at *end* needs."""
+        memory, lc = self._memory, self._lc
+        lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
+        lc.llama_memory_seq_cp(memory, 0, _SCRATCH, start, end)
+        try:
+            if complete:
+                lowest = lc.llama_memory_seq_pos_min(memory, _SCRATCH)
+                window = self.n_swa
+                if lc.llama_memory_seq_pos_max(memory, _SCRATCH) != end - 1 or (
+                    window and lowest > max(start, end - window)
+                ):
+                    return None
+            size = lc.llama_state_seq_get_size(self._ctx, _SCRATCH)
+            buffer = (ctypes.c_uint8 * size)()
+            written = lc.llama_state_seq_get_data(self._ctx, buffer, size, _SCRATCH)
+        finally:
+            lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
+        return ctypes.string_at(buffer, written) if written else None
 
     @on_compute_thread
     def append_slice(self, data: bytes, n_tokens: int) -> bool:

@@ -6,23 +6,23 @@ rebuilt by restoring its first state and appending its descendants' slices
 sequence gives the same logits, bit for bit, as prefilling live. ``slices_round_trip``
 checks that on this engine before any slice is stored; where it fails (another llama.cpp
 build, another cache layout), PerCache keeps whole states instead. ``slices_work`` runs it
-once per engine (caches that share an engine do not repeat it).
+once per engine (caches that share an engine do not repeat it; a new process with the same
+build and model reads the verdict from disk: :class:`~percache_core.kv.engine.EngineVerdicts`).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import numpy as np
 
-from .engine import Engine
+from .engine import Engine, EngineVerdicts
 
 logger = logging.getLogger(__name__)
 
 _SEGMENTS = ("Answer from the notes below.\n\n", "Note one: the rehearsal moved to Friday.\n\n", "Note two: bring the keys.\n\n")
 _QUESTION = "Question: when is the rehearsal?\nAnswer:"
-_verdicts: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
+_verdicts: EngineVerdicts[bool] = EngineVerdicts("state_slices", decode=bool)
 
 
 def slices_work(engine: Engine) -> bool:
@@ -31,15 +31,11 @@ def slices_work(engine: Engine) -> bool:
     >>> slices_work(LlamaEngine(model_path))   # doctest: +SKIP
     True
     """
-    try:
-        return _verdicts[engine]
-    except (KeyError, TypeError):  # not checked yet, or an engine that takes no weak reference
-        pass
+    known, verdict = _verdicts.known(engine)
+    if known:
+        return bool(verdict)
     verdict = slices_round_trip(engine)
-    try:
-        _verdicts[engine] = verdict
-    except TypeError:
-        pass
+    _verdicts.keep(engine, verdict)
     return verdict
 
 
@@ -84,7 +80,7 @@ def _round_trip(engine: Engine) -> bool:
     return identical
 
 
-_bytes_per_token: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
+_bytes_per_token: EngineVerdicts[float] = EngineVerdicts("state_bytes_per_token", decode=float)
 
 
 def state_bytes_per_token(engine: Engine) -> float:
@@ -95,10 +91,9 @@ def state_bytes_per_token(engine: Engine) -> float:
     >>> state_bytes_per_token(LlamaEngine(model_path)) > 10_000   # doctest: +SKIP
     True
     """
-    try:
-        return _bytes_per_token[engine]
-    except (KeyError, TypeError):
-        pass
+    known, measured = _bytes_per_token.known(engine)
+    if known and measured is not None:
+        return measured
     with engine.lock:
         try:
             engine.reset()
@@ -108,8 +103,5 @@ def state_bytes_per_token(engine: Engine) -> float:
             measured = len(engine.save_slice(start)) / (engine.n_past - start)
         finally:
             engine.reset()
-    try:
-        _bytes_per_token[engine] = measured
-    except TypeError:
-        pass
+    _bytes_per_token.keep(engine, measured)
     return measured

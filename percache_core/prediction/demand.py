@@ -33,8 +33,8 @@ takes paths in its order, and eviction gives up the least likely first.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -236,11 +236,14 @@ class DemandEstimate:
 
 
 def follow(estimate: DemandEstimate, asked: Sequence[AskedQuestion], seen: int, total: int,
-           knowledge: Knowledge) -> int:
+           knowledge: Knowledge, embed: Callable[[str], np.ndarray]) -> int:
     """Feed *estimate* the questions of *asked* (the newest *total* - *seen* of them, as
-    many as it still holds) that it has not seen; the new count seen."""
+    many as it still holds) that it has not seen, embedding those a repeat left without
+    one (*embed*); the new count seen."""
     new = min(total - seen, len(asked))
     for question in list(asked)[len(asked) - new:]:
+        if question.embedding is None:
+            question = replace(question, embedding=embed(question.text))
         estimate.observe(question, knowledge)
     return total
 

@@ -552,7 +552,9 @@ class Scheduler:
         activity = self.parts.activity
         with self._demand_lock:
             asked_total = activity.asked_total
-            self._asked_seen = follow(self.demand, activity.asked, self._asked_seen, asked_total, self.parts.knowledge)
+            self._asked_seen = follow(
+                self.demand, activity.asked, self._asked_seen, asked_total, self.parts.knowledge, self.parts.embed_question
+            )
         return asked_total
 
     def _prefill_predicted(self, should_stop: Callable[[], bool]) -> None:

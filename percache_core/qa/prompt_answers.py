@@ -10,6 +10,12 @@ settings, template version), the prompt's pieces as token ids, and the decoding 
 question, other retrieved chunks, an edited document, another template) changes the key,
 so an old answer can never be served for a new prompt.
 
+A question asked of the cache's own pipeline is also kept as an *asked* record (prefix
+``asked:``): a digest of the question and everything that decides its prompt (the knowledge's
+version, the retrieval and answer settings, the model; :func:`~percache_core.serving.request_path.asked_key`)
+-> the key of its prompt's answer. The same question asked again finds its answer through it
+before anything is embedded or loaded (:meth:`PromptAnswers.find_asked`).
+
 The answers live in the QA bank's store (prefix ``prompt:``, shared by every process on the
 folder) within the QA bank's byte budget, least frequently used first. Deleting documents
 empties them (a key does not say which texts its prompt held). With a shared tier, they are
@@ -42,6 +48,8 @@ from ..storage import Store
 logger = logging.getLogger(__name__)
 
 PREFIX = "prompt:"
+ASKED_PREFIX = "asked:"
+ASKED_SHARE = 8  # asked records keep within 1/8 of the prompt answers' budget
 
 
 @dataclass(frozen=True)
@@ -125,9 +133,27 @@ class PromptAnswers:
         self.evictions += len(evicted or ())
         return value
 
+    def remember_asked(self, asked_key: str, key: str) -> None:
+        """Record that the question with *asked_key* is answered by the prompt with *key*.
+        Raises :class:`~percache_core.errors.StorageWriteError` when the write fails."""
+        record = ASKED_PREFIX + asked_key
+        if self._store.get(record) == {"prompt": key}:
+            return
+        self._store.put(record, {"prompt": key}, budget=(ASKED_PREFIX, max(self.budget_bytes // ASKED_SHARE, 1)))
+
+    def find_asked(self, asked_key: str) -> tuple[str, PromptAnswer] | None:
+        """The prompt key and stored answer of the question with *asked_key*, or None (this
+        folder only: asked records are not shared)."""
+        record = self._store.get(ASKED_PREFIX + asked_key)
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            return None
+        answer = self.find(record["prompt"])
+        return None if answer is None else (record["prompt"], answer)
+
     def clear(self) -> None:
-        """Remove every stored prompt answer."""
+        """Remove every stored prompt answer and asked record."""
         self._store.clear(PREFIX)
+        self._store.clear(ASKED_PREFIX)
 
     def __len__(self) -> int:
         return len(self._store.keys(PREFIX))

@@ -36,7 +36,7 @@ class AskedQuestion:
     chunk ids retrieved for its prompt, in prompt order."""
 
     text: str
-    embedding: np.ndarray
+    embedding: np.ndarray | None  # None: a repeat answered before embedding (idle work embeds it)
     scope: dict[str, Any] | None
     chunk_ids: tuple[str, ...]
 
@@ -141,7 +141,7 @@ class UserActivity:
     def record_question(
         self,
         question: str,
-        embedding: np.ndarray,
+        embedding: np.ndarray | None,
         hit: QAHit | None,
         scope: dict[str, Any] | None = None,
     ) -> None:
@@ -156,11 +156,15 @@ class UserActivity:
             self.history.append(question)
             self.new_history += 1
             self.history_scope = scope
-        if hit is not None and normalized_question(hit.entry.question) != normalized_question(question):
+        if (
+            hit is not None
+            and embedding is not None
+            and normalized_question(hit.entry.question) != normalized_question(question)
+        ):
             self.followups.append(FollowUp(question, embedding, scope, hit))
 
     def record_retrieval(
-        self, question: str, embedding: np.ndarray, scope: dict[str, Any] | None, chunk_ids: Sequence[str]
+        self, question: str, embedding: np.ndarray | None, scope: dict[str, Any] | None, chunk_ids: Sequence[str]
     ) -> None:
         """Remember the chunks retrieved for a user's question (the demand estimate of
         :mod:`percache_core.prediction.demand` learns from them); nothing inside

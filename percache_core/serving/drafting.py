@@ -56,10 +56,10 @@ _SELF_CHECK_PROMPT = (
     "and the list of open hiring requests; Lena will present the travel numbers.\n\n"
     "Question: What should I bring to the quarterly review, and who presents?\nAnswer:"
 )
-_bounds: EngineVerdicts[float] = EngineVerdicts()
+_bounds: EngineVerdicts[float] = EngineVerdicts("draft_bound", decode=float)
 PAYING_BATCH = 16  # draft tokens verified per batch at most (what a wrong draft can cost)
 PAYING_SHARE = 0.7  # drafts pay when a perfect draft decodes in at most this share of the time
-_gains: EngineVerdicts[bool] = EngineVerdicts()
+_gains: EngineVerdicts[bool] = EngineVerdicts("drafts_pay", decode=bool)
 
 
 class DraftSource(Protocol):

@@ -22,7 +22,7 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.budget import BUDGET_FLOOR_BYTES
-from ..kv.cuts import CutRule, known_cut_rule, measure_cut_rule
+from ..kv.cuts import CutRule, batch_bounds, known_cut_rule, measure_cut_rule
 from ..kv.engine import Engine, Sampling
 from ..kv.stopping import StopStringFilter
 from ..kv.tiers import TieredStateStore
@@ -201,13 +201,15 @@ class PromptRunner:
         engine = self.engine
         live = self._live if self._live is not None and self._live.changes == engine.changes else None
         tokens = layout.tokens
-        rule = known_cut_rule(engine)[1] if layout.caller_prompt else None
-        if rule is None:  # PerCache's own prompt, or no self-check yet: same calls only
+        rule = known_cut_rule(engine)[1] if layout.caller_prompt else layout.rule
+        if rule is None:  # PerCache's own prompt on a build without a rule: same calls only
             if live is None:
                 return layout, 0
             starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
             return layout, segment_cut(live, tokens, starts, layout.ends[:-1])
         kept = text_cut(live, tokens, rule) if live is not None else 0
+        if layout.stock_calls:  # PerCache's own prompt: its states are at its state points
+            return layout, kept
         stored = self._stored_text_prefix(tokens, rule) if states is not None else 0
         point = max(kept, stored)
         if point and point not in layout.ends:
@@ -257,7 +259,10 @@ class PromptRunner:
             cut = bool(spec.documents) and self.config.chunk_states
             rule = measure_cut_rule(engine) if cut else None
             return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
-        return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens)
+        # PerCache's own prompt runs in stock's calls where the engine has a cut rule (the
+        # self-check runs once per build and model; its verdict is kept on disk)
+        rule = measure_cut_rule(engine)
+        return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
 
     def _draft_bound(self, options: RunOptions) -> float | None:
         """The lead a batched logit needs for drafts to be verified (None: decode one token
@@ -288,7 +293,8 @@ class PromptRunner:
         timings = result.timings
         bound = self._draft_bound(options) if options.decode else None
         clock = time.perf_counter()
-        depth, reused, from_context = self._keep_or_restore(result.layout, keys, kept, previous)
+        end = sum(len(segment) for segment in segments)
+        depth, reused, from_context = self._keep_or_restore(result.layout, keys, kept, previous, end)
         result.depth, result.reused_tokens = depth, reused
         result.live_tokens = reused if from_context else 0
         if keys:
@@ -302,10 +308,25 @@ class PromptRunner:
 
         clock = time.perf_counter()
         new_states: list[_NewState] = []
-        self._prefill(result, segments, keys, depth, options, should_stop, new_states)
-        result.prefilled_tokens = sum(len(s) for s in segments) - reused - result.moved_tokens
         prompt = [t for segment in segments for t in segment]
-        starts = call_starts([len(segment) for segment in segments], engine.n_batch)
+        layout = result.layout
+        composing = options.approximate and any(
+            node is not None and (options.recompute_tokens or 0) < node.n_tokens - len(segments[0])
+            for node in (self._independent_state(layout, segments, i) for i in range(depth, len(segments)))
+        )  # some chunk would be moved in, not all of it recomputed
+        pending: list[int] = []
+        if layout.stock_calls and not composing:
+            pending = self._prefill_in_stock_calls(result, prompt, keys, options, should_stop, new_states)
+            starts = [0] + [reused + start for start, _ in batch_bounds(len(prompt) - reused, engine.n_batch)]
+        elif layout.stock_calls:  # composed chunks: one call per segment, an approximate run
+            self._eval_to(prompt, layout.ends[depth - 1] if depth else 0, should_stop)  # the restored segment's rest
+            self._prefill(result, segments, keys, depth, options, should_stop, None)
+            result.approximate = True  # not stock's calls, whatever was composed
+            starts = call_starts([len(segment) for segment in segments], engine.n_batch)
+        else:
+            self._prefill(result, segments, keys, depth, options, should_stop, new_states)
+            starts = call_starts([len(segment) for segment in segments], engine.n_batch)
+        result.prefilled_tokens = sum(len(s) for s in segments) - reused - result.moved_tokens
         if result.live_tokens and previous is not None:  # the kept part was computed by the previous calls
             starts = [s for s in previous.starts if s < reused] + [s for s in starts if s >= reused]
         if options.keep_logits:
@@ -321,6 +342,8 @@ class PromptRunner:
             if not result.approximate:  # the next prompt may keep what this one prefilled
                 self._live = LiveContext(tuple(prompt), tuple(starts), engine.changes)
             clock = time.perf_counter()
+            if pending and not result.approximate:
+                new_states = self._taken_states(result.layout, keys, new_states, pending)
             self._keep_states(result.layout, keys, new_states, idle=options.idle)
             timings["store_states"] = time.perf_counter() - clock
 
@@ -346,7 +369,9 @@ class PromptRunner:
             independent = self._independent_state(result.layout, segments, index) if options.approximate else None
             if independent is not None:
                 assert options.recompute_tokens is not None  # resolved by run()
-                moved = self._prefill_approximately(independent, segments[index], options.recompute_tokens)
+                moved = self._prefill_approximately(
+                    independent, segments[index], options.recompute_tokens, len(segments[0])
+                )
                 result.moved_tokens += moved
                 result.approximate = result.approximate or moved > 0
             else:
@@ -361,6 +386,84 @@ class PromptRunner:
                 data = engine.save_slice(start) if self.states.slices and start else engine.save_state()
                 new_states.append(_NewState(index, parent_key or self.states.root_key, data, engine.n_past))
             parent = (keys[index], engine.n_past)
+
+    def _prefill_in_stock_calls(
+        self,
+        result: RunResult,
+        prompt: list[int],
+        keys: list[str],
+        options: RunOptions,
+        should_stop: StopCheck | None,
+        new_states: list[_NewState],
+    ) -> list[int]:
+        """Prefill PerCache's own prompt from where the sequence is (a restored or kept
+        state point) to its end in stock's calls: one call of at most ``n_batch`` tokens
+        after another, cut only where the engine's rule allows, so the output is stock
+        llama.cpp's. The states of new prefixes are taken at their state points after the
+        answer (:meth:`_taken_states`); only a state whose sliding-window cells the rest of
+        the prompt would push out is saved on the way (a cut there changes nothing under
+        the rule). Returns the segment indices whose states are to be taken afterwards."""
+        engine, states, layout = self.engine, self.states, result.layout
+        wanted = [
+            index for index in range(len(keys))
+            if layout.segments[index].keep_state and keys[index] not in states
+            and layout.state_point(index) > engine.n_past
+        ] if states is not None else []
+        window = getattr(engine, "n_swa", 0)
+        end_of_answer = len(prompt) + (options.max_new_tokens if options.decode else 0)
+        early: list[int] = []
+        last_cut = engine.n_past
+        assert layout.rule is not None  # stock_calls
+        least = layout.rule.min_tokens
+        for index in wanted:
+            point = layout.state_point(index)
+            if window and point < end_of_answer - window and point - last_cut >= least and len(prompt) - point >= least:
+                early.append(index)  # a cut there leaves pieces the rule allows
+                last_cut = point
+        parent = self._stored_parent(keys, result.depth)
+        for index in early:  # a cut at each (allowed by the rule), its state saved now
+            self._eval_to(prompt, layout.state_point(index), should_stop)
+            parent_key, start = parent
+            data = engine.save_slice(start) if states.slices and start else engine.save_state()
+            new_states.append(_NewState(index, parent_key or states.root_key, data, engine.n_past))
+            parent = (keys[index], engine.n_past)
+        self._eval_to(prompt, len(prompt), should_stop)
+        return [i for i in wanted if i not in early]
+
+    def _eval_to(self, prompt: list[int], end: int, should_stop: StopCheck | None) -> None:
+        """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`)."""
+        engine = self.engine
+        if should_stop is not None and should_stop():
+            raise Preempted("prefill pre-empted by a user question")
+        engine.eval(prompt[engine.n_past : end], should_stop)
+        if engine.n_past != end:
+            raise Preempted("prefill pre-empted by a user question")
+
+    def _taken_states(
+        self, layout: PromptLayout, keys: list[str], saved: list[_NewState], pending: list[int]
+    ) -> list[_NewState]:
+        """*saved* and the states of the *pending* segments, taken from the sequence at their
+        state points (it still holds the prompt's KV; the answer's tokens come after it),
+        parents first; the deeper ones are left out after one that the sequence no longer
+        holds whole."""
+        engine, states = self.engine, self.states
+        found = {new.index: new for new in saved}
+        parent: tuple[str, int] = ("", 0)
+        for index in range(len(keys)):
+            node = states.tree.get(keys[index])
+            if node is not None:
+                parent = (keys[index], node.n_tokens)
+            elif index in found:
+                parent = (keys[index], found[index].n_tokens)
+            elif index in pending:
+                point = layout.state_point(index)
+                start = parent[1] if states.slices else 0
+                data = engine.save_prefix(point, start)
+                if data is None:
+                    break
+                found[index] = _NewState(index, parent[0] or states.root_key, data, point)
+                parent = (keys[index], point)
+        return [found[index] for index in sorted(found)]
 
     def _stored_parent(self, keys: list[str], depth: int) -> tuple[str, int]:
         """The deepest stored prefix among the first *depth* (key, tokens) that a new slice
@@ -381,24 +484,27 @@ class PromptRunner:
         key = path_keys(self.states.root_key, [segments[0], segments[index]])[1]
         return self.states.tree.get(key)
 
-    def _prefill_approximately(self, node: StateNode, tokens: list[int], recompute: int) -> int:
+    def _prefill_approximately(self, node: StateNode, tokens: list[int], recompute: int, offset: int) -> int:
         """Prefill a chunk segment of *tokens* from its independent [system, chunk] state
-        *node*: its first *recompute* tokens live (they see the real context before them),
-        the rest moved in from the state. Falls back to a live prefill of the rest when the
-        state cannot be used. Returns the tokens moved in."""
+        *node* (where the chunk starts at *offset*): its first *recompute* tokens live (they
+        see the real context before them), the rest the state holds moved in, and what it
+        does not hold (a state taken at a state point before the chunk's end) live. Falls
+        back to a live prefill of the rest when the state cannot be used. Returns the tokens
+        moved in."""
         engine = self.engine
-        head = min(recompute, len(tokens))
+        held = min(len(tokens), node.n_tokens - offset)  # of the chunk's tokens, in the state
+        head = min(recompute, held)
         if head:
             engine.eval(tokens[:head])
-        if head == len(tokens):
-            return 0
-        data = self.states.get(node)
-        start = node.n_tokens - len(tokens) + head  # where the rest begins in the stored state
-        if data is None or not engine.append_moved(data, node.n_tokens, start):
-            engine.eval(tokens[head:])
+        data = self.states.get(node) if head < held else None
+        if data is None or not engine.append_moved(data, node.n_tokens, offset + head):
+            if head < len(tokens):
+                engine.eval(tokens[head:])
             return 0
         self.states.record_use(node)
-        return len(tokens) - head
+        if held < len(tokens):
+            engine.eval(tokens[held:])
+        return held - head
 
     def _rebuilder(
         self, result: RunResult, segments: list[list[int]], keys: list[str], options: RunOptions
@@ -408,8 +514,16 @@ class PromptRunner:
         cut back exactly."""
 
         def rebuild() -> None:
-            depth, _ = self._restore_or_reset(keys)  # what the context held is gone: stored states only
-            again = RunResult(result.layout)
+            layout = result.layout
+            candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes) if keys else []
+            if layout.stock_calls and not options.approximate:
+                # what the context held is gone: stored states only, then stock's calls
+                end = sum(map(len, segments))
+                self._restore_or_reset(keys, self._usable(layout, keys, candidates, end))
+                self._eval_to([t for segment in segments for t in segment], end, None)
+                return
+            depth, _ = self._restore_or_reset(keys, candidates)
+            again = RunResult(layout)
             self._prefill(again, segments, keys, depth, replace(options, keep_logits=False), None, None)
 
         return rebuild
@@ -511,20 +625,42 @@ class PromptRunner:
         return ordered + remaining
 
     def _keep_or_restore(
-        self, layout: PromptLayout, keys: list[str], kept: int, live: LiveContext | None
+        self, layout: PromptLayout, keys: list[str], kept: int, live: LiveContext | None, end: int
     ) -> tuple[int, int, bool]:
-        """Bring the sequence to the deepest prefix of *layout* that a stored state restores
-        or the context holds (its first *kept* tokens, cut back to; used where no stored
-        state is as deep), else empty it: (segments, tokens) in place, and whether they
-        are the context's."""
+        """Bring the sequence to the deepest prefix of *layout* (prefilled up to *end*) that
+        a stored state restores or the context holds (its first *kept* tokens, cut back to;
+        used where no stored state is as deep), else empty it: (segments, tokens) in place,
+        and whether they are the context's."""
         ends = layout.ends
         candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes) if keys else []
-        if kept and kept in ends and live is not None and live.changes == self.engine.changes:
+        live_ok = live is not None and live.changes == self.engine.changes
+        if layout.stock_calls:  # the context is kept where it holds more state points
+            assert layout.rule is not None
+            candidates = self._usable(layout, keys, candidates, end)
+            depth = sum(1 for index in range(len(layout.segments) - 1) if 0 < layout.state_point(index) <= kept)
+            stored = keys.index(candidates[0].key) + 1 if candidates else 0
+            keep = kept and end - kept >= layout.rule.min_tokens and (stored < depth or not candidates)
+            if keep and live_ok and self.engine.truncate(kept):
+                return depth, kept, True
+        elif kept and kept in ends and live_ok:
             depth = ends.index(kept) + 1
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
             if stored < depth and self.engine.truncate(kept):
                 return depth, kept, True
         return (*self._restore_or_reset(keys, candidates), False)
+
+    @staticmethod
+    def _usable(layout: PromptLayout, keys: list[str], candidates: list[StateNode], end: int) -> list[StateNode]:
+        """Of the stored prefixes *candidates* of PerCache's own prompt in stock's calls,
+        those that end at their state point in *layout* and leave at least
+        ``rule.min_tokens`` to prefill before *end* (the cut a restore makes is then one the
+        rule allows)."""
+        assert layout.rule is not None
+        least = layout.rule.min_tokens
+        return [
+            node for node in candidates
+            if layout.state_point(keys.index(node.key)) == node.n_tokens and end - node.n_tokens >= least
+        ]
 
     def _restore_or_reset(self, keys: list[str], candidates: list[StateNode] | None = None) -> tuple[int, int]:
         """Restore the deepest usable stored prefix of *keys* (of *candidates*, the stored

@@ -78,10 +78,39 @@ def question_text(question: str) -> str:
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """A prompt as segments, with the chunks that were kept in it."""
+    """A prompt as segments, with the chunks that were kept in it.
+
+    *rule*: PerCache's own prompt runs in stock's calls under the engine's cut rule (one
+    prefill from the restore point on; the state after segment *k* is taken at
+    :meth:`state_point` ``k``). Without it (no rule on this build), one call per segment.
+    """
 
     segments: tuple[Segment, ...]
     dropped_chunk_ids: tuple[str, ...] = ()
+    rule: CutRule | None = None
+
+    @property
+    def stock_calls(self) -> bool:
+        """Whether this is PerCache's own prompt prefilled in stock's calls (under *rule*)."""
+        return self.rule is not None and not self.caller_prompt
+
+    def state_point(self, index: int) -> int:
+        """Where the state of the prefix through segment *index* is taken: that segment's
+        end, or under *rule* the last multiple of ``rule.multiple`` at or before it (the
+        few tokens after it are prefilled with the rest; 0: no state there, for a point
+        before ``rule.min_tokens``). A run that restores it must still prefill at least
+        ``rule.min_tokens`` after it.
+
+        >>> segments = tuple(Segment("chunk", "", tuple(range(n))) for n in (10, 11, 12))
+        >>> [PromptLayout(segments, rule=CutRule(8, 4)).state_point(i) for i in range(3)]
+        [8, 20, 32]
+        """
+        end = self.ends[index]
+        if not self.stock_calls:
+            return end
+        assert self.rule is not None
+        point = end // self.rule.multiple * self.rule.multiple
+        return point if point >= self.rule.min_tokens else 0
 
     @property
     def chunk_ids(self) -> tuple[str, ...]:
@@ -303,8 +332,10 @@ def lay_out(
     *,
     tokenize: Tokenizer,
     max_prompt_tokens: int,
+    rule: CutRule | None = None,
 ) -> PromptLayout:
-    """Tokenize the segments of *spec*, dropping chunks so that it fits *max_prompt_tokens*.
+    """Tokenize the segments of *spec*, dropping chunks so that it fits *max_prompt_tokens*;
+    with the engine's cut *rule*, the prompt runs in stock's calls (:class:`PromptLayout`).
 
     Chunks are kept in the given (rank) order; when the prompt is too long the
     lowest-ranked chunks are dropped with a warning. If the prefix and the suffix alone do
@@ -335,4 +366,4 @@ def lay_out(
             f"prompt too long for the context: dropped the {len(dropped)} lowest-ranked chunk(s) {dropped}",
             stacklevel=3,
         )
-    return PromptLayout((first, *kept, last), tuple(dropped))
+    return PromptLayout((first, *kept, last), tuple(dropped), rule)

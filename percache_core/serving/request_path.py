@@ -34,6 +34,8 @@ entries with the same binding and scope.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -74,6 +76,7 @@ class Request:
     timings: dict[str, float] = field(default_factory=dict)
     best_similarity: float | None = None  # the best QA-bank similarity seen, when consulted
     offered: list[QAHit] = field(default_factory=list)  # QA entries seen (same binding and scope), best first
+    asked: AskedKey | None = None  # this cache's own retrieval makes the prompt: its asked record
 
     def timed(self, name: str, since: float) -> float:
         """Add the seconds since *since* to timing *name*; returns now."""
@@ -113,21 +116,32 @@ class RequestPath:
         max_new_tokens: int,
         scope: dict[str, Any] | None,
     ) -> Generator[str, None, Answer]:
-        """Yield the answer's text as it is produced; return the :class:`Answer`."""
+        """Yield the answer's text as it is produced; return the :class:`Answer`.
+
+        The same question asked before under the same knowledge, settings and model is
+        answered from its asked record before anything is embedded or loaded."""
         parts, config = self.parts, self.config
         started = time.perf_counter()
-        embedding = parts.embed_question(question)
         binding = parts.binding(top_k=top_k, max_new_tokens=max_new_tokens)
-        request = Request(question, embedding, binding, scope, max_new_tokens, top_k, started)
-        clock = request.timed("embed", started)
         remembered = self.remembered(question, scope, binding)
         if remembered is not None:  # the caller's own answer to this very question
-            parts.activity.record_question(question, embedding, remembered, scope)
+            parts.activity.record_question(question, remembered.entry.embedding, remembered, scope)
             yield remembered.entry.answer or ""
-            answer = stored_answer(
-                question, remembered, started, request.timings, source="remembered", approximate=False
-            )
+            answer = stored_answer(question, remembered, started, {}, source="remembered", approximate=False)
             return self._finish(answer)
+        # exact mode: semantic mode serves stored answers by similarity first, as before
+        asked = asked_key(parts, question, scope, binding) if config.qa_mode == "exact" else None
+        found = None if asked is None else parts.prompt_answers.find_asked(asked.key)
+        if found is not None:  # this very question, answered before over the same knowledge
+            stored = found[1]
+            parts.activity.record_question(question, None, None, scope)
+            parts.activity.record_retrieval(question, None, scope, stored.chunk_ids)
+            yield stored.text
+            timings = {"asked": time.perf_counter() - started}
+            return self._finish(prompt_answered(question, stored, started, timings))
+        embedding = parts.embed_question(question)
+        request = Request(question, embedding, binding, scope, max_new_tokens, top_k, started, asked=asked)
+        clock = request.timed("embed", started)
         retrieval: list[list[RetrievedChunk]] = []  # one retrieval, once it has run
 
         def retrieved_ids() -> tuple[str, ...]:  # retrieval runs once, when first needed
@@ -218,16 +232,16 @@ class RequestPath:
         """The stored answer of the prompt with *key*, if any."""
         return None if key is None else self.parts.prompt_answers.find(key)
 
-    def remember_prompt_answer(self, key: str | None, result: RunResult, *, idle: bool | None = None) -> None:
+    def remember_prompt_answer(self, key: str | None, result: RunResult, *, idle: bool | None = None) -> bool:
         """Store what an exact run of a prompt produced under *key*, for the next identical
         prompt: a user's run with ``store_answers``, idle work's always (*idle*: idle work
         ran it; None: whether the run was in the background). A failed write is logged and
-        counted (the answer stands)."""
+        counted (the answer stands). Returns whether it was stored."""
         parts = self.parts
         if idle is None:
             idle = parts.activity.background_stop() is not None
         if key is None or result.approximate or not (self.config.store_answers or idle):
-            return
+            return False
         answer = PromptAnswer(
             result.text,
             tuple(result.tokens),
@@ -241,6 +255,19 @@ class RequestPath:
         except StorageWriteError as error:
             parts.usage.count_storage_failure()
             logger.warning("prompt answer not stored (%s); the answer is returned all the same", error)
+            return False
+        return True
+
+    def remember_asked(self, asked: AskedKey | None, key: str | None) -> None:
+        """Record that the question of *asked* is answered by the prompt with *key* (whose
+        answer is stored), unless the knowledge changed since *asked* was taken (then the
+        retrieval that made the prompt may have seen the change)."""
+        if asked is None or key is None or self.parts.knowledge.version != asked.knowledge_version:
+            return
+        try:
+            self.parts.prompt_answers.remember_asked(asked.key, key)
+        except StorageWriteError as error:
+            logger.warning("asked record not stored (%s)", error)
 
     def candidates(self, embedding: np.ndarray, *, binding: str, scope: dict[str, Any] | None) -> list[QAHit]:
         """Exact mode: the stored answers offered as drafts (same binding and scope)."""
@@ -289,6 +316,7 @@ class RequestPath:
         stored = self.stored_prompt_answer(key)
         request.timed("prompt_answer", clock)
         if stored is not None:
+            self.remember_asked(request.asked, key)
             yield stored.text
             return self._finish(prompt_answered(question, stored, request.started, request.timings))
         background = parts.activity.background_stop()  # idle work yields to users
@@ -302,7 +330,8 @@ class RequestPath:
         )
         result = yield from runner.run(layout, options, should_stop=background, started=request.started)
         request.timings.update(result.timings)
-        self.remember_prompt_answer(key, result)
+        if self.remember_prompt_answer(key, result):
+            self.remember_asked(request.asked, key)
         served = next((c for c, d in zip(candidates, drafts) if d and result.tokens == d), None)
         if served is not None:
             parts.qa_bank.record_hit(served.entry.id)
@@ -575,7 +604,41 @@ def prompt_answer_key(
         "stop": list(config.stop if stop is None else stop),
         "trim": trim,
     }
-    return prompt_key(parts.runtime.model_id(), [s.tokens for s in layout.segments], decoding)
+    # PerCache's own prompt in stock's calls gives the same output however it is cut (under
+    # the engine's rule): one piece; other prompts are keyed by the calls they run in
+    pieces = [layout.tokens] if layout.stock_calls else [s.tokens for s in layout.segments]
+    return prompt_key(parts.runtime.model_id(), pieces, decoding)
+
+
+@dataclass(frozen=True)
+class AskedKey:
+    """The key of a question's asked record (see :func:`asked_key`) and the knowledge
+    version it was taken at."""
+
+    key: str
+    knowledge_version: int
+
+
+def asked_key(parts: CacheParts, question: str, scope: dict[str, Any] | None, binding: str) -> AskedKey | None:
+    """The key of *question*'s asked record: a digest of the question text, its scope and
+    everything else that decides the prompt this cache's own pipeline builds for it (the
+    knowledge's version, the embedder, the fusion constant and the *binding*: model,
+    template, retrieval depth, context policy, generation settings). The same key means the
+    same retrieval, so the same prompt and the same answer. None when ``qa_bank=False``."""
+    config = parts.config
+    if not config.qa_bank:
+        return None
+    version = parts.knowledge.version
+    payload = {
+        "question": question,
+        "scope": scope or None,
+        "binding": binding,
+        "knowledge": version,
+        "embedder": parts.embedder.name,
+        "rrf_k": config.rrf_k,
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=repr).encode("utf-8")).hexdigest()
+    return AskedKey(digest, version)
 
 
 def prompt_answered(question: str, stored: PromptAnswer, started: float, timings: dict[str, float]) -> Answer:

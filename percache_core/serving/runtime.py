@@ -32,10 +32,13 @@ from ..kv.slicing import slices_work, state_bytes_per_token
 from ..kv.state_store import StateStore, delete_document_states
 from ..kv.tiers import SharedStates, TieredStateStore
 from ..kv.tree import ChunkStateTree
+from ..memo import Memo
 from ..types import Chunk
 from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .generation import PromptRunner
 from .prompting import TEMPLATE_VERSION, chunk_text
+
+ENGINE_MEMO = "engines"  # load identity -> engine fingerprint (see ModelRuntime.model_id)
 
 
 def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> Engine:
@@ -87,6 +90,7 @@ class ModelRuntime:
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
         self._model_id: tuple[Engine, str] | None = None  # (engine, its fingerprint)
+        self._recorded_id: str | None = None  # the fingerprint recorded for the engine it would load
 
     @property
     def engine(self) -> Engine:
@@ -107,12 +111,39 @@ class ModelRuntime:
 
     def model_id(self) -> str:
         """The identity of the model that answers (the engine's fingerprint), hashed once
-        per engine: an engine's settings do not change once it is loaded."""
+        per engine: an engine's settings do not change once it is loaded. Before the model
+        file is loaded, the fingerprint an earlier load of the same file, llama.cpp build,
+        processor and settings recorded (the ``engines`` memo): a stored answer is found
+        without loading the model. With no such record, the engine loads."""
+        if self._engine is None:
+            if self._recorded_id is None:
+                recorded = Memo(ENGINE_MEMO).get(self._load_identity())
+                self._recorded_id = recorded if isinstance(recorded, str) else None
+            if self._recorded_id is not None:
+                return self._recorded_id
         engine = self.engine
         known = self._model_id
         if known is None or known[0] is not engine:
             known = self._model_id = (engine, engine.fingerprint(TEMPLATE_VERSION))
+            if self.owns_engine:
+                Memo(ENGINE_MEMO).put(self._load_identity(), known[1])
         return known[1]
+
+    def _load_identity(self) -> str:
+        """What the engine this runtime loads is loaded from (see
+        :func:`~percache_core.kv.llama_cpp.load_identity`)."""
+        from ..kv.llama_cpp import load_identity  # no llama_cpp import: only finds its files
+
+        assert self._model_path is not None
+        config = self.config
+        return load_identity(
+            self._model_path,
+            n_ctx=config.n_ctx,
+            n_batch=config.n_batch,
+            n_threads=config.n_threads,
+            repack_weights=config.repack_weights,
+            extra=TEMPLATE_VERSION,
+        )
 
     @property
     def states(self) -> TieredStateStore:
@@ -200,10 +231,14 @@ class ModelRuntime:
         if self._states is not None:
             return
         engine = self.engine
+        # PerCache's own prompt takes its states at the cut rule's state points (in stock's
+        # calls), or at segment ends without a rule: the two are never mixed
+        rule = measure_cut_rule(engine)
         with self._lock:
             if self._states is None:
                 slices = self.config.chunk_state_slices and slices_work(engine)
-                fingerprint = engine.fingerprint(TEMPLATE_VERSION + ("|slices" if slices else "|whole"))
+                calls = "segment-calls" if rule is None else f"stock-calls-{rule.min_tokens}-{rule.multiple}"
+                fingerprint = engine.fingerprint(f"{TEMPLATE_VERSION}|{'slices' if slices else 'whole'}|{calls}")
                 local = StateStore(
                     self._folder / "states", fingerprint, min_free_bytes=self.config.min_free_disk_bytes
                 )
@@ -215,6 +250,7 @@ class ModelRuntime:
     def configure(self, config: PerCacheConfig) -> None:
         """Use new settings from the next prompt on."""
         self.config = config
+        self._recorded_id = None  # the model's settings may have changed before it loaded
         if self._runner is not None:
             self._runner.config = config
             self._runner.budget_bytes = self.state_budget_bytes

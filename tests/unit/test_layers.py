@@ -25,7 +25,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "percache_core"
 
 LAYERS: list[set[str]] = [
-    {"errors", "types", "eviction"},
+    {"errors", "types", "eviction", "memo"},
     {"storage", "inputs", "usage", "models"},
     {"kv"},
     {"config"},
