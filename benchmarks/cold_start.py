@@ -10,7 +10,9 @@ memory), side by side per question with the order alternating:
 - ``percache ask (first)``: ``percache ask`` on a cache with the knowledge ingested and the
   question never asked (a full answer);
 - ``percache ask (again)``: the same question again in a new process (a stored answer);
-- ``PerCache.open + answer``: the Python API, the first answer of a new process.
+- ``PerCache.open + answer``: the Python API, the first answer of a new process;
+- ``LangChain PerCacheLLM.invoke`` and ``LlamaIndex PerCacheLlamaCPP.complete``: the two
+  quick starts' LLMs completing the same prompt string in a new process.
 
 Each process of PerCache runs with the self-checks' verdicts already on disk (as after a
 first ``preload()`` or idle round on this machine); ``--fresh-verdicts`` runs them in a
@@ -55,6 +57,21 @@ with PerCache.open(sys.argv[1], config=PerCacheConfig(max_new_tokens=int(sys.arg
     answer = pc.answer(sys.argv[2])
 print(answer.text)
 print(answer.source, file=sys.stderr)
+"""
+
+LANGCHAIN = """
+import sys
+from percache_core import PerCache, PerCacheConfig
+from percache_langchain import PerCacheLLM
+with PerCache.open(sys.argv[1], config=PerCacheConfig(max_new_tokens=int(sys.argv[3]))) as pc:
+    print(PerCacheLLM(percache=pc, stop=sys.argv[4:]).invoke(sys.argv[2]).strip())
+"""
+
+LLAMAINDEX = """
+import sys
+from percache_llamaindex import PerCacheLlamaCPP
+llm = PerCacheLlamaCPP(max_new_tokens=int(sys.argv[3]), stop=sys.argv[4:])
+print(llm.complete(sys.argv[2]).text.strip())
 """
 
 PREPARE = """
@@ -131,22 +148,32 @@ def main() -> None:
         }
         api_folder = work / f"api{number}"
         shutil.copytree(base, api_folder)
-        api = [python, "-c", API, str(api_folder), question, str(MAX_NEW_TOKENS)]
-        order = ["stock", "percache ask (first)", "percache ask (again)", "api"]
+        runs["PerCache.open + answer"] = [python, "-c", API, str(api_folder), question, str(MAX_NEW_TOKENS)]
+        chain_folder = work / f"langchain{number}"
+        shutil.copytree(base, chain_folder)
+        runs["LangChain PerCacheLLM.invoke"] = [
+            python, "-c", LANGCHAIN, str(chain_folder), prompt, str(MAX_NEW_TOKENS), *layout["stop"]
+        ]
+        runs["LlamaIndex PerCacheLlamaCPP.complete"] = [
+            python, "-c", LLAMAINDEX, str(work / "unused"), prompt, str(MAX_NEW_TOKENS), *layout["stop"]
+        ]
+        order = list(runs)
         if number % 2:  # alternate: stock last on odd questions (the two asks keep their order)
-            order = ["percache ask (first)", "percache ask (again)", "api", "stock"]
+            order = order[1:] + order[:1]
         row: dict[str, Any] = {"question": question}
         for name in order:
-            result = run_process(api if name == "api" else runs[name], env)
+            result = run_process(runs[name], env)
             if result["rc"] != 0:
                 raise SystemExit(f"{name} failed: {result['stderr'][-2000:]}")
-            key = "PerCache.open + answer" if name == "api" else name
+            key = name
             row[key] = {"wall_s": round(result["wall_s"], 3), "text": result["stdout"].splitlines()[0] if result["stdout"] else "",
                         "source": result["stderr"].splitlines()[-1] if result["stderr"] else ""}
         rows.append(row)
         print(json.dumps({k: (v["wall_s"], v["source"]) if isinstance(v, dict) else v for k, v in row.items()}))
 
-    systems = ["stock", "percache ask (first)", "percache ask (again)", "PerCache.open + answer"]
+    systems = list(rows[0])[1:]
+    systems.remove("stock")
+    systems.insert(0, "stock")
     summary: dict[str, Any] = {}
     for name in systems:
         walls = [row[name]["wall_s"] for row in rows]
@@ -156,8 +183,9 @@ def main() -> None:
         ratios = [row[name]["wall_s"] / row["stock"]["wall_s"] for row in rows]
         summary[name]["ratio_to_stock_mean"] = round(sum(ratios) / len(ratios), 3)
         summary[name]["ratio_to_stock_of_means"] = round(summary[name]["mean_wall_s"] / stock_mean, 3)
-    same = sum(row["stock"]["text"] == row["percache ask (first)"]["text"] for row in rows)
-    summary["first answers identical to stock"] = f"{same}/{len(rows)}"
+    for name in ("PerCache.open + answer", "LangChain PerCacheLLM.invoke", "LlamaIndex PerCacheLlamaCPP.complete"):
+        same = sum(row["stock"]["text"] == row[name]["text"] for row in rows)
+        summary[name]["identical to stock"] = f"{same}/{len(rows)}"
     folder = work / "memory"
     shutil.copytree(base, folder)
     summary["peak_memory_mib"] = {

@@ -5,7 +5,7 @@ greedy decoding) and starts from an empty cache per user:
 
     stock                 stock llama_cpp.Llama answering naive's prompt (what users run today;
                           its own prefix reuse on), after the same retrieval
-    naive                 no cache
+    naive                 no cache (on an engine of its own when stock runs too: each keeps its context)
     ragcache              chunk states only, reactive
     meancache             QA bank only (plain cosine), reactive
     sleeptime             QA bank filled only by predicted questions with answers
@@ -291,17 +291,19 @@ def run_user(
     folder: Path,
     stock: Any = None,
     idle_seconds: float | None = None,
+    own_engines: dict[str, LlamaEngine] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Answer the user's questions with every (label, system, config) variant, interleaved:
     question i is asked of every variant before question i + 1, so that slow drifts of the
     machine's speed fall on all systems alike. Predictive variants run two knowledge rounds
     before the first question and a history round after each question, never while a
     measured question runs; with *idle_seconds*, one round of at most that long before
-    each question instead."""
+    each question instead. *own_engines*: systems that run on an engine of their own (by
+    name), as a user runs one pipeline on one model."""
     runs: dict[str, SystemRun] = {}
     try:
         for label, system, config in variants:
-            run = SystemRun(system, config, engine, embedder, folder / label, stock)
+            run = SystemRun(system, config, (own_engines or {}).get(system.name, engine), embedder, folder / label, stock)
             runs[label] = run
             run.pc.add_documents(user.documents, split=False, progress=len(user.documents) > 1000)
         if idle_seconds is None:
@@ -438,6 +440,13 @@ def evaluate(
             n_threads_batch=os.cpu_count(),
             verbose=False,
         )
+    # naive against stock: each keeps its own context between questions (stock's Llama
+    # does), so naive gets an engine of its own rather than one that other systems' runs
+    # and idle rounds change in between
+    own_engines: dict[str, LlamaEngine] = {}
+    if stock is not None and any(system.name == "naive" for system in systems):
+        own_engines["naive"] = LlamaEngine(model_path, n_ctx=engine.n_ctx, n_batch=engine.n_batch)
+        own_engines["naive"].warm_up()
     if embedder is None:
         embedder = BertEmbedder()
         embedder.embed(["warm-up"])
@@ -466,7 +475,7 @@ def evaluate(
                 started = time.perf_counter()
                 variants = [(system.name, system, system_config(user, system)) for system in systems]
                 runs[key] = run_user(
-                    user, variants, engine, embedder, Path(temporary) / f"user-{index}", stock, idle_seconds
+                    user, variants, engine, embedder, Path(temporary) / f"user-{index}", stock, idle_seconds, own_engines
                 )
                 per_user[key] = {
                     name: _totals(run, runs[key].get("naive")) for name, run in runs[key].items()
@@ -491,6 +500,8 @@ def evaluate(
                     sweeps.append({"sweep": sweep, "value": value, "user": key, **totals})
                     progress(f"{label}: {_line(totals, started)}")
     finally:
+        for own in own_engines.values():
+            own.close()
         if owns_engine:
             engine.close()
     return {

@@ -319,8 +319,11 @@ class PromptRunner:
             pending = self._prefill_in_stock_calls(result, prompt, keys, options, should_stop, new_states)
             starts = [0] + [reused + start for start, _ in batch_bounds(len(prompt) - reused, engine.n_batch)]
         elif layout.stock_calls:  # composed chunks: one call per segment, an approximate run
-            self._eval_to(prompt, layout.ends[depth - 1] if depth else 0, should_stop)  # the restored segment's rest
-            self._prefill(result, segments, keys, depth, options, should_stop, None)
+            held = sum(1 for end in layout.ends[: len(segments)] if end <= engine.n_past)  # whole segments in place
+            if held < len(segments) and engine.n_past > (layout.ends[held - 1] if held else 0):
+                self._eval_to(prompt, layout.ends[held], should_stop)  # the rest of a segment begun
+                held += 1
+            self._prefill(result, segments, keys, held, options, should_stop, None)
             result.approximate = True  # not stock's calls, whatever was composed
             starts = call_starts([len(segment) for segment in segments], engine.n_batch)
         else:

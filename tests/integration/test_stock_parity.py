@@ -20,6 +20,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from benchmarks.stock import smollm2_path
 from percache_core import PerCacheConfig
+from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.serving.generation import PromptRunner, RunOptions
@@ -127,3 +128,26 @@ def test_every_llama_cpp_call_runs_on_the_engines_compute_thread(engine):
     assert len(set(seen)) == 1 and len(seen) == 4
     assert seen[0] not in callers
     assert engine.compute.call(threading.get_ident) == seen[0]
+
+
+def test_pc_answer_gives_stock_text_on_misses_hits_and_kept_contexts(model_path, make_cache, corpus):
+    """PerCache's own prompt runs in stock's calls: whatever it restored or kept, its answer is
+    stock ``create_completion``'s on the prompt as one string (the demo's third question
+    differed when the prompt ran one call per segment)."""
+    from llama_cpp import Llama
+
+    stock = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    pc = make_cache("stock-calls", qa_bank=False, max_new_tokens=24, stop=())
+    runner = internals(pc).runner
+    questions = [item["question"] for item in corpus["demo_questions"]][:5]
+    answers = [pc.answer(q) for q in questions + questions[:3]]  # later asks restore stored states
+    for answer in answers:
+        layout = runner.lay_out(answer.question, [r.chunk for r in pc.retrieve(answer.question)], max_new_tokens=24)
+        out = stock.create_completion(layout.text, max_tokens=24, temperature=0.0)
+        assert answer.text == out["choices"][0]["text"].strip(), answer.question
+    assert {a.source for a in answers} >= {"full", "chunk_states"}
+    # some prompt kept the previous one's start from the context, as stock does
+    assert any(a.source == "full" and a.reused_tokens > 0 for a in answers)
+    rule = measure_cut_rule(internals(pc).engine)
+    nodes = internals(pc).tree.nodes
+    assert rule is not None and nodes and all(n.n_tokens % rule.multiple == 0 for n in nodes)  # at state points
