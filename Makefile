@@ -14,7 +14,8 @@ DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchai
 $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# the CPU build of torch, before anything that depends on torch
+	# the CPU build of torch, before anything that depends on torch (only the tests need it:
+	# sentence-transformers is the reference the numpy embedder is checked against)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	# the three distributions of this repository (percache-core and the two adapters),
 	# editable; an earlier checkout's single "percache" distribution is removed first
