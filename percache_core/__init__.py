@@ -33,7 +33,7 @@ from .serving.prompting import TextPrompt, chat_prompt
 from .serving.runtime import open_engine
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the distributions' version (pyproject.toml)
 
 __all__ = [
     "Answer",

@@ -8,13 +8,14 @@ verdicts (by engine fingerprint). Every value can be measured again, so a memo t
 be read or written is only slower, never wrong: failures are ignored.
 
 >>> import tempfile, os
+>>> before = os.environ.get("PERCACHE_HOME")
 >>> os.environ["PERCACHE_HOME"] = tempfile.mkdtemp()
 >>> Memo("example").get("k") is None
 True
 >>> Memo("example").put("k", {"rule": [8, 4]})
 >>> Memo("example").get("k")
 {'rule': [8, 4]}
->>> del os.environ["PERCACHE_HOME"]
+>>> _ = os.environ.pop("PERCACHE_HOME") if before is None else os.environ.update(PERCACHE_HOME=before)
 """
 
 from __future__ import annotations
