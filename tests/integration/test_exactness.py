@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
 from percache_core.serving.prompting import lay_out, rag_prompt
 
@@ -83,3 +84,29 @@ def test_restoring_any_depth_gives_bit_identical_logits(make_cache, engine):
             engine.eval(tokens[start:end])
         assert np.array_equal(engine.last_logits(), one_call)
         engine.reset()
+
+
+def test_long_prompts_keep_every_state_and_stay_exact(make_cache, engine):
+    """A prompt longer than the sliding window (Gemma: 512): the states the window would
+    lose by the end of the answer are saved on the way (a cut the rule allows), the others
+    taken after it; a second ask restores the deepest and gives the cache-off text."""
+    notes = [
+        {"id": f"long-{name}", "text": " ".join(f"{name} note {i}: the {name} review moved to room {i} at {i} pm." for i in range(16))}
+        for name in ("budget", "hiring", "travel")
+    ]
+    question = "Where did the budget review move to at 7 pm?"
+    off = make_cache("long-off", documents=False, qa_bank=False, chunk_states=False, stop=(), top_k=3)
+    on = make_cache("long-on", documents=False, qa_bank=False, stop=(), top_k=3)
+    for pc in (off, on):
+        pc.add_documents(notes, split=False)
+    reference = off.answer(question)
+    first = on.answer(question)
+    assert first.prefilled_tokens + first.reused_tokens > engine.n_swa + 100  # past the window
+    assert len(first.chunk_ids) == 3
+    with engine.lock:
+        engine.reset()  # only stored states can serve the second ask
+    again = on.answer(question)
+    assert first.text == again.text == reference.text
+    assert again.source == "chunk_states" and again.reused_chunks == 3
+    depths = sorted(n.depth for n in internals(on).tree.nodes)
+    assert depths == [1, 2, 3, 4]  # system, and each chunk prefix: none lost to the window
