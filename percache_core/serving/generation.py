@@ -316,8 +316,8 @@ class PromptRunner:
         )  # some chunk would be moved in, not all of it recomputed
         pending: list[int] = []
         if layout.stock_calls and not composing:
-            pending = self._prefill_in_stock_calls(result, prompt, keys, options, should_stop, new_states)
-            starts = [0] + [reused + start for start, _ in batch_bounds(len(prompt) - reused, engine.n_batch)]
+            pending, starts = self._prefill_in_stock_calls(result, prompt, keys, options, should_stop, new_states)
+            starts = [0, *starts]
         elif layout.stock_calls:  # composed chunks: one call per segment, an approximate run
             held = sum(1 for end in layout.ends[: len(segments)] if end <= engine.n_past)  # whole segments in place
             if held < len(segments) and engine.n_past > (layout.ends[held - 1] if held else 0):
@@ -385,9 +385,7 @@ class PromptRunner:
             if new_states is None or result.approximate or not keep:
                 continue
             if keys[index] not in self.states:
-                parent_key, start = parent
-                data = engine.save_slice(start) if self.states.slices and start else engine.save_state()
-                new_states.append(_NewState(index, parent_key or self.states.root_key, data, engine.n_past))
+                parent = self._save_now(index, keys[index], parent, new_states)
             parent = (keys[index], engine.n_past)
 
     def _prefill_in_stock_calls(
@@ -398,14 +396,15 @@ class PromptRunner:
         options: RunOptions,
         should_stop: StopCheck | None,
         new_states: list[_NewState],
-    ) -> list[int]:
+    ) -> tuple[list[int], list[int]]:
         """Prefill PerCache's own prompt from where the sequence is (a restored or kept
         state point) to its end in stock's calls: one call of at most ``n_batch`` tokens
         after another, cut only where the engine's rule allows, so the output is stock
         llama.cpp's. The states of new prefixes are taken at their state points after the
         answer (:meth:`_taken_states`); only a state whose sliding-window cells the rest of
         the prompt would push out is saved on the way (a cut there changes nothing under
-        the rule). Returns the segment indices whose states are to be taken afterwards."""
+        the rule). Returns the segment indices whose states are to be taken afterwards, and
+        where each call started."""
         engine, states, layout = self.engine, self.states, result.layout
         wanted = [
             index for index in range(len(keys))
@@ -424,23 +423,36 @@ class PromptRunner:
                 early.append(index)  # a cut there leaves pieces the rule allows
                 last_cut = point
         parent = self._stored_parent(keys, result.depth)
+        starts: list[int] = []
         for index in early:  # a cut at each (allowed by the rule), its state saved now
-            self._eval_to(prompt, layout.state_point(index), should_stop)
-            parent_key, start = parent
-            data = engine.save_slice(start) if states.slices and start else engine.save_state()
-            new_states.append(_NewState(index, parent_key or states.root_key, data, engine.n_past))
-            parent = (keys[index], engine.n_past)
-        self._eval_to(prompt, len(prompt), should_stop)
-        return [i for i in wanted if i not in early]
+            starts += self._eval_to(prompt, layout.state_point(index), should_stop)
+            parent = self._save_now(index, keys[index], parent, new_states)
+        starts += self._eval_to(prompt, len(prompt), should_stop)
+        return [i for i in wanted if i not in early], starts
 
-    def _eval_to(self, prompt: list[int], end: int, should_stop: StopCheck | None) -> None:
-        """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`)."""
+    def _eval_to(self, prompt: list[int], end: int, should_stop: StopCheck | None) -> list[int]:
+        """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`);
+        where its calls started."""
         engine = self.engine
         if should_stop is not None and should_stop():
             raise Preempted("prefill pre-empted by a user question")
-        engine.eval(prompt[engine.n_past : end], should_stop)
+        start = engine.n_past
+        engine.eval(prompt[start:end], should_stop)
         if engine.n_past != end:
             raise Preempted("prefill pre-empted by a user question")
+        return [start + offset for offset, _ in batch_bounds(end - start, engine.n_batch)]
+
+    def _save_now(
+        self, index: int, key: str, parent: tuple[str, int], new_states: list[_NewState]
+    ) -> tuple[str, int]:
+        """Save the state the sequence ends with now as segment *index*'s (*key*): a slice
+        after *parent* (key, tokens) where slices are kept and there is one, else whole.
+        Returns it as the parent of the next."""
+        engine, states = self.engine, self.states
+        parent_key, start = parent
+        data = engine.save_slice(start) if states.slices and start else engine.save_state()
+        new_states.append(_NewState(index, parent_key or states.root_key, data, engine.n_past))
+        return key, engine.n_past
 
     def _taken_states(
         self, layout: PromptLayout, keys: list[str], saved: list[_NewState], pending: list[int]

@@ -110,3 +110,11 @@ def test_long_prompts_keep_every_state_and_stay_exact(make_cache, engine):
     assert again.source == "chunk_states" and again.reused_chunks == 3
     depths = sorted(n.depth for n in internals(on).tree.nodes)
     assert depths == [1, 2, 3, 4]  # system, and each chunk prefix: none lost to the window
+    # a question right after one that cut early: the context it keeps was computed by calls
+    # that include those cuts
+    fresh = make_cache("long-fresh", documents=False, qa_bank=False, stop=(), top_k=3)
+    fresh.add_documents(notes, split=False)
+    fresh.answer(question)  # new states: the first two saved on the way
+    follow = "Where did the budget review move to at 9 pm?"
+    kept = fresh.answer(follow)
+    assert kept.text == off.answer(follow).text
