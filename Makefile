@@ -7,7 +7,7 @@ STAMP := $(VENV)/.percache-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench wheels clean redis-server
+.PHONY: demo test lint bench wheels clean redis-server llama-server
 
 DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchain
 
@@ -30,13 +30,24 @@ $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/p
 demo: $(STAMP)
 	$(BIN)/percache demo
 
+# llama.cpp's llama-server, built once from the llama.cpp sources inside the llama-cpp-python
+# sdist the in-process engine uses (the same llama.cpp commit): cmake with the server on, the
+# prebuilt web UI and OpenSSL off, static libraries, Ninja where installed (about 5 minutes on
+# 2 cores); installed as .venv/bin/llama-server and kept. PerCache's server engine
+# (LlamaServer.start) and its tests start it on loopback ports.
+LLAMA_SERVER := $(BIN)/llama-server
+$(LLAMA_SERVER): scripts/build_llama_server.sh | $(STAMP)
+	scripts/build_llama_server.sh $(VENV)
+
+llama-server: $(LLAMA_SERVER)
+
 # the shared-tier tests start their own redis-server processes on loopback ports
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing Debian's redis-server for the shared-tier tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server $(LLAMA_SERVER)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

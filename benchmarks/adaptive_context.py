@@ -32,7 +32,7 @@ from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.serving.context import SIGNALS, confidence_signals, is_confident
-from percache_core.serving.generation import RunOptions
+from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments

@@ -24,7 +24,8 @@ from .errors import (
 )
 from .knowledge.bert import BertEmbedder
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
-from .kv.engine import ChatPrompt, Engine, Sampling
+from .kv.engine import ChatPrompt, Engine, EngineFeatures, Sampling
+from .kv.llama_server import LlamaServer, ServerError
 from .pipeline import AnswerStream, PerCache
 from .prediction.scheduler import WarmReport
 from .serving.binding import chunk_sources
@@ -48,8 +49,10 @@ __all__ = [
     "Embedder",
     "Engine",
     "EngineError",
+    "EngineFeatures",
     "InvalidDocumentError",
     "InvalidQuestionError",
+    "LlamaServer",
     "MissingDependencyError",
     "ModelNotFoundError",
     "PerCache",
@@ -60,6 +63,7 @@ __all__ = [
     "RetrievedChunk",
     "Sampling",
     "SentenceTransformerEmbedder",
+    "ServerError",
     "StorageWriteError",
     "TextPrompt",
     "UncachedCompletion",

@@ -9,8 +9,10 @@ them, run by the idle worker. None of these sees this class.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from .inputs import positive_override, similarity_override, validated_question, 
 from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
 from .knowledge.embedding import Embedder, check_embedder, default_embedder, embedding_dimension
 from .kv.engine import Engine
+from .kv.llama_server import LlamaServer
 from .models import resolve_model_path
 from .prediction.scheduler import Scheduler, WarmReport
 from .prediction.worker import IdleWorker
@@ -119,7 +122,7 @@ class PerCache:
         *,
         config: PerCacheConfig | None = None,
         embedder: Embedder | None = None,
-        engine: Engine | None = None,
+        engine: Engine | LlamaServer | None = None,
         verbose: bool = False,
     ) -> PerCache:
         """Open (or create) the cache in folder *path*.
@@ -130,15 +133,27 @@ class PerCache:
             embedder: any :class:`~percache_core.knowledge.embedding.Embedder`; the bundled
                 all-MiniLM-L6-v2 when omitted (loaded on first use).
             engine: a loaded :class:`~percache_core.kv.engine.Engine` to share (a
-                ``LlamaEngine``, or a ``FakeEngine`` in tests); otherwise
-                ``config.model_path`` (or the bundled Gemma 3 270M) is loaded on the first
-                question that needs the model.
+                ``LlamaEngine``, or a ``FakeEngine`` in tests), or a
+                :class:`~percache_core.kv.llama_server.LlamaServer` (started, or attached
+                to by its URL); otherwise ``config.model_path`` (or the bundled Gemma 3
+                270M) is loaded in this process on the first question that needs the model.
+
+        Raises:
+            TypeError: a *config*, *engine* or *path* of the wrong type.
+            CacheFolderError: *path* is empty or is a file.
+            ValueError: ``reuse="approximate"`` on a llama-server (composed chunk states
+                need the in-process engine).
+
+        >>> with PerCache.open("cache", engine=LlamaServer.start()) as pc:   # doctest: +SKIP
+        ...     pc.answer("When is the review?").text
         """
         config = config or PerCacheConfig()
         if not isinstance(config, PerCacheConfig):
             raise TypeError(f"config must be a PerCacheConfig, got {type(config).__name__}")
-        if engine is not None and not isinstance(engine, Engine):
-            raise TypeError(f"engine must be an Engine (e.g. LlamaEngine), got {type(engine).__name__}")
+        if engine is not None and not isinstance(engine, (Engine, LlamaServer)):
+            raise TypeError(f"engine must be an Engine (e.g. LlamaEngine) or a LlamaServer, got {type(engine).__name__}")
+        if isinstance(engine, LlamaServer):
+            config = _for_server(config, engine)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a folder path, got {type(path).__name__}")
         if not os.fspath(path).strip():
@@ -410,3 +425,18 @@ class PerCache:
         summary["chunk_states"] = self._parts.runtime.stats()
         summary["engine_self_check"] = self._parts.runtime.self_check_report()
         return summary
+
+
+def _for_server(config: PerCacheConfig, server: LlamaServer) -> PerCacheConfig:
+    """*config* as it runs on *server*: without chunk states where the server cannot hold
+    them exactly (with a warning that says why); composed chunk states refused."""
+    if config.reuse == "approximate":
+        raise ValueError(
+            'reuse="approximate" composes chunk states token by token: it needs the in-process '
+            "engine (a LlamaEngine), not a llama-server"
+        )
+    problem = server.chunk_state_problem if config.chunk_states else None
+    if problem is not None:
+        warnings.warn(f"no chunk states on the llama-server at {server.url}: {problem}; stored answers still work", stacklevel=3)
+        return dataclasses.replace(config, chunk_states=False)
+    return config

@@ -98,6 +98,31 @@ class EngineVerdicts(Generic[T]):
 
 
 @dataclass(frozen=True)
+class EngineFeatures:
+    """What an engine can do, read once when it is opened (never tested call by call).
+
+    *token_level*: evals, logits and states in the process (draft verification, state
+    slices, composed chunk states, the engine's own self-checks); *chunk_states*: stored
+    prefix states restored exactly (for a server, where it runs with a slot-save folder
+    PerCache can read and its start-up check held).
+
+    >>> EngineFeatures(token_level=False, chunk_states=True).describe()
+    'chunk states'
+    """
+
+    token_level: bool
+    chunk_states: bool
+
+    def describe(self) -> str:
+        names = [name for name, on in (("token level", self.token_level), ("chunk states", self.chunk_states)) if on]
+        return ", ".join(names) or "stored answers only"
+
+
+
+TOKEN_LEVEL = EngineFeatures(token_level=True, chunk_states=True)  # an in-process engine's
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen: greedy when ``temperature == 0``."""
 

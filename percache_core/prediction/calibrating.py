@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..qa.calibration import COMPOSED, Label
-from ..serving.generation import RunOptions
 from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath, recompute_ladder
+from ..serving.state_runner import RunOptions
 from ..serving.streaming import drain
 from ..types import QAEntry
 

@@ -45,10 +45,9 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..qa.calibration import Label, retrieval_context
-from ..serving.completion import complete_plain
-from ..serving.generation import Preempted, RunOptions, RunResult
 from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath
+from ..serving.state_runner import Preempted, RunOptions, RunResult
 from ..serving.streaming import drain
 from ..types import QAEntry
 from .abstract import KnowledgeAbstract
@@ -334,8 +333,7 @@ class Scheduler:
     def _llm(self, prompt: str, **options: Any) -> str:
         """Free-form completion for the predictor and the abstract, accounted and pre-emptible."""
         chat = self._chat_format() is not None
-        text, prompt_tokens, generated = complete_plain(
-            self.parts.runtime.engine,
+        text, prompt_tokens, generated = self.parts.runtime.runner.complete_plain(
             prompt, chat=chat, should_stop=self._should_stop, **options
         )
         if self._report is not None:

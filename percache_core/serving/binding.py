@@ -15,8 +15,8 @@ from typing import Any
 
 from ..config import PerCacheConfig
 from ..types import Chunk
-from .generation import RunResult
 from .prompting import TEMPLATE_VERSION
+from .state_runner import RunResult
 
 
 def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_tokens: int) -> str:

@@ -9,9 +9,12 @@ from collections.abc import Iterator, Sequence
 
 from ..config import PerCacheConfig
 from ..kv.engine import Engine, Sampling
+from ..kv.llama_server import LlamaServer
 from ..kv.stopping import StopStringFilter
-from .generation import Preempted, PromptRunner, RunOptions, StopCheck, decode_text
+from .generation import PromptRunner, decode_text
 from .prompting import TextPrompt
+from .server_runner import ServerRunner
+from .state_runner import Preempted, RunOptions, StateRunner, StopCheck
 from .streaming import BackgroundStream
 
 
@@ -26,9 +29,14 @@ class UncachedCompletion:
     ' 4'
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | LlamaServer) -> None:
         self.engine = engine
-        self._runner = PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
+        config = PerCacheConfig(chunk_states=False)
+        self._runner: StateRunner = (
+            ServerRunner(engine, None, config, rule=None)  # a fresh prefill each time
+            if isinstance(engine, LlamaServer)
+            else PromptRunner(engine, None, config)
+        )
 
     def stream(
         self,

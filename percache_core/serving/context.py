@@ -21,7 +21,8 @@ import numpy as np
 
 from ..config import CONTEXT_MODES, SIGNALS
 from ..types import Chunk
-from .generation import PromptRunner, RunOptions, StopCheck
+from .generation import PromptRunner
+from .state_runner import RunOptions, StopCheck
 from .streaming import drain
 
 __all__ = ["CONTEXT_MODES", "SIGNALS", "confidence_signals", "context_chunks", "is_confident"]

@@ -15,15 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from ..config import PerCacheConfig
-from ..errors import PerCacheError, StorageWriteError
-from ..kv.budget import BUDGET_FLOOR_BYTES
 from ..kv.cuts import CutRule, batch_bounds, known_cut_rule, measure_cut_rule
-from ..kv.engine import Engine, Sampling
+from ..kv.engine import Engine
 from ..kv.stopping import StopStringFilter
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
@@ -31,7 +30,6 @@ from ..types import Chunk
 from .drafting import (
     AnswerDraft,
     DraftSource,
-    DraftStats,
     PromptLookup,
     SequenceLost,
     deviation_bound,
@@ -44,103 +42,23 @@ from .prompting import (
     PromptLayout,
     PromptSpec,
     TextPrompt,
-    chunk_text,
     lay_out,
     lay_out_text,
     rag_prompt,
-    system_text,
     with_cut,
 )
-from .streaming import drain
+from .state_runner import NewState, Preempted, RunOptions, RunResult, StateRunner, StopCheck
 
 logger = logging.getLogger(__name__)
 
-StopCheck = Callable[[], bool]
+class PromptRunner(StateRunner):
+    """Runs prompts on an in-process *engine*, token by token, reusing and filling the
+    stored chunk *states*."""
 
-
-class Preempted(PerCacheError):
-    """Idle work stopped because a user's question is waiting."""
-
-
-@dataclass
-class RunResult:
-    """What one prompt run did."""
-
-    layout: PromptLayout
-    text: str = ""
-    depth: int = 0  # segments restored
-    reused_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    ttft_s: float | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    tokens: list[int] = field(default_factory=list)  # decoded ids, end of generation included
-    drafts: DraftStats = field(default_factory=DraftStats)
-    next_token_logits: np.ndarray | None = None  # after the prompt, when asked for (keep_logits)
-    moved_tokens: int = 0  # chunk tokens taken from independent states (approximate reuse)
-    approximate: bool = False  # some chunk was reused approximately: may differ from cache-off
-    idle_reused_chunks: int = 0  # of the restored chunks, those whose states idle work stored
-    idle_reused_tokens: int = 0  # their prompt tokens
-    live_tokens: int = 0  # of the reused tokens, those kept from the previous prompt in the context
-
-    @property
-    def reused_chunks(self) -> int:
-        return max(0, self.depth - 1)
-
-
-@dataclass(frozen=True)
-class _NewState:
-    """A prefix state saved during a prefill, stored after the answer."""
-
-    index: int  # its last segment
-    parent_key: str  # the nearest stored (or newly saved) shorter prefix, or the root key
-    data: bytes  # whole, or with slices only the positions after the parent's
-    n_tokens: int
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How one prompt runs (:meth:`PromptRunner.run`): what it decodes and how, and what
-    its prefill keeps. ``None`` settings take the configured ones when the run starts.
-
-    >>> RunOptions(max_new_tokens=8, decode=False, keep_logits=True).decode
-    False
-    """
-
-    max_new_tokens: int
-    decode: bool = True  # False: only the prefill runs (to populate chunk states)
-    prefix_only: bool = False  # without decoding, and without the question's segment either
-    stop: Sequence[str] | None = None  # None: the configured stop strings
-    sampling: Sampling | None = None  # None: the configured sampling
-    prompt_lookup: bool | None = None  # None: the configured prompt lookup
-    answer_drafts: Sequence[Sequence[int]] = ()  # stored answers' token ids, verified as drafts
-    trim: bool = True  # drop white space around the answer (else llama.cpp's text as decoded)
-    keep_logits: bool = False  # keep a copy of the logits after the prompt in the result
-    approximate: bool = False  # compose chunks from independent states (reuse="approximate")
-    recompute_tokens: int | None = None  # of each composed chunk, prefilled live (None: configured)
-    restore_depth: int | None = None  # restore at most this many segments, keep nothing of the context
-    idle: bool = False  # the states kept are idle work's (StateNode.idle)
-
-    @property
-    def drafting(self) -> bool:
-        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time).
-        Only for resolved options (sampling set)."""
-        greedy = self.sampling is not None and self.sampling.temperature == 0
-        return greedy and (bool(self.prompt_lookup) or bool(self.answer_drafts))
-
-
-class PromptRunner:
-    """Runs prompts on *engine*, reusing and filling the stored chunk *states*."""
+    engine: Engine
 
     def __init__(self, engine: Engine, states: TieredStateStore | None, config: PerCacheConfig) -> None:
-        self.engine = engine
-        self.states = states
-        self.config = config
-        # the chunk-state budget in force (the configured one, or the one ModelRuntime
-        # sized from the knowledge)
-        self.budget_bytes = config.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES
-        self.restore_failures = 0
-        self.storage_failures = 0
+        super().__init__(engine, states, config)
         self._live: LiveContext | None = None  # the prompt this runner left in the engine
 
     def run(
@@ -178,7 +96,7 @@ class PromptRunner:
         with engine.lock:
             layout, kept = self._reuse_point(layout, states)
             segments = [list(s.tokens) for s in layout.segments]
-            keys = self._keys(layout, segments, states)
+            keys = self._keys(layout, states)
             if options.restore_depth is not None:  # (calibrating composed states: as if the path were new)
                 keys, kept = keys[: options.restore_depth], 0
             if options.prefix_only:
@@ -227,16 +145,6 @@ class PromptRunner:
         keys = prefix_keys(self.states.root_key, tokens, lengths)
         return next((n for n, key in zip(reversed(lengths), reversed(keys)) if key in self.states), 0)
 
-    def _keys(self, layout: PromptLayout, segments: list[list[int]], states: TieredStateStore | None) -> list[str]:
-        """The stored-state keys of the layout's prefixes (all but the whole prompt): a
-        caller's prompt keyed by its leading tokens whatever the cuts before them,
-        PerCache's own by its segments."""
-        if states is None:
-            return []
-        if layout.caller_prompt:
-            return prefix_keys(states.root_key, layout.tokens, layout.ends[:-1])
-        return path_keys(states.root_key, segments[:-1])
-
     def lay_out(
         self,
         question: str,
@@ -263,6 +171,13 @@ class PromptRunner:
         # self-check runs once per build and model; its verdict is kept on disk)
         rule = measure_cut_rule(engine)
         return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
+
+    def complete_plain(self, prompt: str, **options: Any) -> tuple[str, int, int]:
+        """Idle work's free-form completion on the engine (see
+        :func:`~percache_core.serving.completion.complete_plain`)."""
+        from .completion import complete_plain  # completion builds on this module
+
+        return complete_plain(self.engine, prompt, **options)
 
     def _draft_bound(self, options: RunOptions) -> float | None:
         """The lead a batched logit needs for drafts to be verified (None: decode one token
@@ -307,7 +222,7 @@ class PromptRunner:
         timings["restore"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        new_states: list[_NewState] = []
+        new_states: list[NewState] = []
         prompt = [t for segment in segments for t in segment]
         layout = result.layout
         composing = options.approximate and any(
@@ -358,7 +273,7 @@ class PromptRunner:
         depth: int,
         options: RunOptions,
         should_stop: StopCheck | None,
-        new_states: list[_NewState] | None,
+        new_states: list[NewState] | None,
     ) -> None:
         """Prefill *segments* from *depth* on (after a restore of *depth* segments), one
         call per segment; collect the states of new prefixes into *new_states* (states
@@ -395,7 +310,7 @@ class PromptRunner:
         keys: list[str],
         options: RunOptions,
         should_stop: StopCheck | None,
-        new_states: list[_NewState],
+        new_states: list[NewState],
     ) -> tuple[list[int], list[int]]:
         """Prefill PerCache's own prompt from where the sequence is (a restored or kept
         state point) to its end in stock's calls: one call of at most ``n_batch`` tokens
@@ -443,7 +358,7 @@ class PromptRunner:
         return [start + offset for offset, _ in batch_bounds(end - start, engine.n_batch)]
 
     def _save_now(
-        self, index: int, key: str, parent: tuple[str, int], new_states: list[_NewState]
+        self, index: int, key: str, parent: tuple[str, int], new_states: list[NewState]
     ) -> tuple[str, int]:
         """Save the state the sequence ends with now as segment *index*'s (*key*): a slice
         after *parent* (key, tokens) where slices are kept and there is one, else whole.
@@ -451,12 +366,12 @@ class PromptRunner:
         engine, states = self.engine, self.states
         parent_key, start = parent
         data = engine.save_slice(start) if states.slices and start else engine.save_state()
-        new_states.append(_NewState(index, parent_key or states.root_key, data, engine.n_past))
+        new_states.append(NewState(index, parent_key or states.root_key, data, engine.n_past))
         return key, engine.n_past
 
     def _taken_states(
-        self, layout: PromptLayout, keys: list[str], saved: list[_NewState], pending: list[int]
-    ) -> list[_NewState]:
+        self, layout: PromptLayout, keys: list[str], saved: list[NewState], pending: list[int]
+    ) -> list[NewState]:
         """*saved* and the states of the *pending* segments, taken from the sequence at their
         state points (it still holds the prompt's KV; the answer's tokens come after it),
         parents first; the deeper ones are left out after one that the sequence no longer
@@ -476,7 +391,7 @@ class PromptRunner:
                 data = engine.save_prefix(point, start)
                 if data is None:
                     break
-                found[index] = _NewState(index, parent[0] or states.root_key, data, point)
+                found[index] = NewState(index, parent[0] or states.root_key, data, point)
                 parent = (keys[index], point)
         return [found[index] for index in sorted(found)]
 
@@ -607,38 +522,6 @@ class PromptRunner:
                 rebuild()
                 replay = list(produced)
 
-    def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
-        """Prefill [system, *chunks] and keep its states, with no question and no decode
-        (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
-        layout = self.lay_out("", chunks, max_new_tokens=1)
-        events = self.run(layout, RunOptions(max_new_tokens=1, prefix_only=True, idle=True), should_stop=should_stop)
-        return drain(events).prefilled_tokens
-
-    def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
-        """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
-        layout = self.lay_out(question, chunks, max_new_tokens=max_new_tokens)
-        keys = path_keys(self.states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
-        return keys[-1] in self.states
-
-    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
-        position, a chunk whose prefix state is stored comes first; the rest keep their order."""
-        tokenize = self.engine.tokenize
-        parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.system_prompt), True)])[0]
-        remaining = list(chunks)
-        ordered: list[Chunk] = []
-        while remaining and parent in self.states:
-            for chunk in remaining:
-                key = path_keys(parent, [tokenize(chunk_text(chunk), False)])[0]
-                if key in self.states:
-                    ordered.append(chunk)
-                    remaining.remove(chunk)
-                    parent = key
-                    break
-            else:
-                break
-        return ordered + remaining
-
     def _keep_or_restore(
         self, layout: PromptLayout, keys: list[str], kept: int, live: LiveContext | None, end: int
     ) -> tuple[int, int, bool]:
@@ -722,29 +605,6 @@ class PromptRunner:
             self.states.record_use(node)
             restored = node
         return restored
-
-    def _keep_states(
-        self, layout: PromptLayout, keys: list[str], new_states: list[_NewState], *, idle: bool = False
-    ) -> None:
-        """Store the states of new prefixes, parents first (as complete nodes: file, record,
-        tree). A failed write (disk full, read-only) is logged and counted, and the deeper
-        ones are not stored (their slices would lack a parent); the answer is kept."""
-        segments = layout.segments
-        for new in new_states:
-            index = new.index
-            label = segments[index].chunk_id or segments[index].kind
-            node = StateNode(keys[index], new.parent_key, index + 1, new.n_tokens, label, len(new.data), idle=idle)
-            try:
-                self.states.put(node, new.data, budget_bytes=self.budget_bytes)
-            except StorageWriteError as error:
-                self.storage_failures += 1
-                logger.warning("chunk state not stored (%s); the answer is unaffected", error)
-                return
-
-    def evict_to_budget(self) -> None:
-        """Evict least frequently used unpinned leaves down to the chunk-state budget."""
-        self.states.evict_to(self.budget_bytes)
-
 
 def decode_text(
     engine: Engine,

@@ -53,9 +53,9 @@ from ..qa.verifier import HitVerifier, make_verifier
 from ..types import Answer, AnswerSource, Chunk, QAEntry, QAHit, RetrievedChunk
 from .binding import answer_metadata, chunk_sources
 from .context import context_chunks
-from .generation import RunOptions, RunResult, StopCheck
 from .parts import CacheParts
 from .prompting import PromptLayout, TextPrompt
+from .state_runner import RunOptions, RunResult, StopCheck
 from .streaming import drain
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,12 @@
 first use (opening a cache loads no model).
 
 The engine is a loaded :class:`~percache_core.kv.engine.Engine` passed in (shared between
-caches, or the ``FakeEngine`` of the tests) or a GGUF file
-loaded at the first question that needs it. Its states live in a
+caches, or the ``FakeEngine`` of the tests), a
+:class:`~percache_core.kv.llama_server.LlamaServer`, or a GGUF file loaded at the first
+question that needs it. What the engine can do is read once (:attr:`ModelRuntime.features`):
+an in-process engine runs prompts token by token
+(:class:`~percache_core.serving.generation.PromptRunner`), a server with whole requests
+(:class:`~percache_core.serving.server_runner.ServerRunner`). Its states live in a
 :class:`~percache_core.kv.tiers.TieredStateStore` under ``folder/states``, one folder per
 engine fingerprint, with the shared tier (when configured) behind the local one. States are
 kept as slices (each node only its own segment's positions) when the engine passes a
@@ -12,6 +16,7 @@ round trip at opening (:mod:`percache_core.kv.slicing`), and whole otherwise.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from collections.abc import Sequence
@@ -26,8 +31,9 @@ from ..kv.budget import (
     prefill_state_bytes,
     sized_state_budget,
 )
-from ..kv.cuts import known_cut_rule, measure_cut_rule
-from ..kv.engine import Engine
+from ..kv.cuts import known_cut_rule, known_server_cut_rule, measure_cut_rule, measure_server_cut_rule
+from ..kv.engine import TOKEN_LEVEL, Engine, EngineFeatures
+from ..kv.llama_server import LlamaServer
 from ..kv.slicing import slices_work, state_bytes_per_token
 from ..kv.state_store import StateStore, delete_document_states
 from ..kv.tiers import SharedStates, TieredStateStore
@@ -37,6 +43,10 @@ from ..types import Chunk
 from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .generation import PromptRunner
 from .prompting import TEMPLATE_VERSION, chunk_text
+from .server_runner import ServerRunner
+from .state_runner import StateRunner
+
+logger = logging.getLogger(__name__)
 
 ENGINE_MEMO = "engines"  # load identity -> engine fingerprint (see ModelRuntime.model_id)
 
@@ -69,7 +79,7 @@ class ModelRuntime:
         folder: Path,
         config: PerCacheConfig,
         *,
-        engine: Engine | None,
+        engine: Engine | LlamaServer | None,
         model_path: Path | None,
         shared: SharedStates | None = None,
         verbose: bool = False,
@@ -85,7 +95,7 @@ class ModelRuntime:
         self.owns_engine = engine is None
         self._lock = threading.Lock()
         self._states: TieredStateStore | None = None
-        self._runner: PromptRunner | None = None
+        self._runner: StateRunner | None = None
         self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
@@ -93,15 +103,28 @@ class ModelRuntime:
         self._recorded_id: str | None = None  # the fingerprint recorded for the engine it would load
 
     @property
-    def engine(self) -> Engine:
-        """The engine, loaded on first use."""
+    def engine(self) -> Any:
+        """The engine (an :class:`~percache_core.kv.engine.Engine`, or a
+        :class:`~percache_core.kv.llama_server.LlamaServer`), loaded on first use."""
         with self._lock:
             if self._engine is None:
                 assert self._model_path is not None
                 self._engine = open_engine(self._model_path, self.config, verbose=self._verbose)
             return self._engine
 
-    def runs_on(self, engine: Engine) -> bool:
+    @property
+    def server(self) -> LlamaServer | None:
+        """The llama-server this runtime runs on (None: an in-process engine)."""
+        return self._engine if isinstance(self._engine, LlamaServer) else None
+
+    @property
+    def features(self) -> EngineFeatures:
+        """What the engine can do (an in-process engine everything; a server what its
+        settings allow), read once per engine."""
+        server = self.server
+        return TOKEN_LEVEL if server is None else server.features
+
+    def runs_on(self, engine: Any) -> bool:
         """Whether *engine* is this runtime's (loads nothing)."""
         return self._engine is engine
 
@@ -185,7 +208,10 @@ class ModelRuntime:
         """The bytes of every [system, chunk] state of *chunks* and *neighbours* pairs of
         each, at the loaded engine's bytes per token (measured once)."""
         if self._bytes_per_token is None:
-            self._bytes_per_token = state_bytes_per_token(self.engine)
+            runner = self.runner
+            self._bytes_per_token = (
+                runner.bytes_per_token() if isinstance(runner, ServerRunner) else state_bytes_per_token(self.engine)
+            )
         return prefill_state_bytes(
             self._knowledge_tokens(chunks),
             bytes_per_token=self._bytes_per_token,
@@ -221,7 +247,7 @@ class ModelRuntime:
         return self.states.tree
 
     @property
-    def runner(self) -> PromptRunner:
+    def runner(self) -> StateRunner:
         """Runs prompts on the engine through the stored chunk states."""
         self._open_states()
         assert self._runner is not None
@@ -229,6 +255,9 @@ class ModelRuntime:
 
     def _open_states(self) -> None:
         if self._states is not None:
+            return
+        if self.server is not None:
+            self._open_server_states(self.server)
             return
         engine = self.engine
         # PerCache's own prompt takes its states at the cut rule's state points (in stock's
@@ -246,6 +275,25 @@ class ModelRuntime:
                 self._runner = PromptRunner(engine, states, self.config)
                 self._runner.budget_bytes = self.state_budget_bytes
                 self._states = states
+
+    def _open_server_states(self, server: LlamaServer) -> None:
+        """The runner and stored states of a llama-server: whole slot files, at the state
+        points of the server's own cut rule (measured through it once); no chunk-state tier
+        where the server cannot hold exact states (the reason is logged)."""
+        problem = server.chunk_state_problem
+        rule = measure_server_cut_rule(server) if problem is None and self.config.chunk_states else None
+        if problem is not None:
+            logger.warning("no chunk states on the llama-server at %s: %s (stored answers still work)", server.url, problem)
+        with self._lock:
+            if self._states is not None:
+                return
+            calls = "no-cuts" if rule is None else f"server-calls-{rule.min_tokens}-{rule.multiple}"
+            fingerprint = server.fingerprint(f"{TEMPLATE_VERSION}|whole|{calls}")
+            local = StateStore(self._folder / "states", fingerprint, min_free_bytes=self.config.min_free_disk_bytes)
+            states = TieredStateStore(local, self._shared, slices=False)
+            self._runner = ServerRunner(server, states, self.config, rule=rule)
+            self._runner.budget_bytes = self.state_budget_bytes
+            self._states = states
 
     def configure(self, config: PerCacheConfig) -> None:
         """Use new settings from the next prompt on."""
@@ -278,6 +326,10 @@ class ModelRuntime:
         the batched-logit bound of draft verification and whether drafts pay on this machine
         (:mod:`percache_core.serving.drafting`)."""
         engine = self.engine
+        if self.server is not None:
+            if self.features.chunk_states and self.config.chunk_states:
+                measure_server_cut_rule(self.server)
+            return
         measure_cut_rule(engine)
         with engine.lock:
             deviation_bound(engine)
@@ -290,6 +342,14 @@ class ModelRuntime:
         if not self.engine_loaded:
             return {"ran": False}
         engine = self.engine
+        if self.server is not None:
+            ran, rule = known_server_cut_rule(self.server)
+            return {
+                "ran": ran,
+                "engine": f"llama-server at {self.server.url}",
+                "features": self.features.describe(),
+                "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
+            }
         ran, rule = known_cut_rule(engine)
         return {
             "ran": ran,

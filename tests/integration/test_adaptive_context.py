@@ -4,7 +4,7 @@ and later steps restore their prefix from the tree."""
 
 from percache_core.inspection import internals
 from percache_core.serving.context import confidence_signals
-from percache_core.serving.generation import RunOptions
+from percache_core.serving.state_runner import RunOptions
 
 QUESTIONS = [
     "When is my dentist appointment?",

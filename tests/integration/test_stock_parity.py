@@ -23,8 +23,9 @@ from percache_core import PerCacheConfig
 from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
 from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.serving.generation import PromptRunner, RunOptions
+from percache_core.serving.generation import PromptRunner
 from percache_core.serving.prompting import TextPrompt
+from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain
 from percache_langchain import PerCacheChatModel
 

@@ -1,0 +1,501 @@
+"""Running prompts on a llama-server through the chunk-state tree, with the server's own text.
+
+The promise is the in-process one: an answer's text is what the same server gives the same
+prompt with nothing reused (a fresh prefill, ``cache_prompt: false``). A server prefills
+from the point its slot's tokens stop matching, in batches of ``n_ubatch`` tokens from
+there, so where a prefill starts decides its batches. :class:`ServerRunner` therefore lets
+a prefill start only where a cut changes nothing:
+
+- at 0 (nothing reused);
+- at a stored state's end, a *state point* (restored from its slot file), or at the end of
+  what the slot holds from the previous prompt; either only where the server's cut rule
+  allows it (:func:`~percache_core.kv.cuts.measure_server_cut_rule`, measured through the
+  server: a multiple of ``rule.multiple``, at least ``rule.min_tokens`` from the start and
+  the end) and where the batches after it end as a fresh prefill's do (when a fresh
+  prefill's last batch is shorter than ``rule.min_tokens``, only a cut at a multiple of
+  ``n_ubatch`` keeps it whole);
+- a state is saved only where it was prefilled so (a prefill of the prefix alone, from
+  such a start), so that restoring it later is such a start too.
+
+The server reports how many tokens it reused before any text arrives; a request whose
+reuse is not the planned one is cancelled and run again from nothing: a miss, never a
+different answer. Generated tokens are never reused (they were decoded one at a time).
+Drafts, state slices and composed (approximate) states need the in-process engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Generator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..config import PerCacheConfig
+from ..errors import ContextOverflowError
+from ..kv.cuts import CutRule
+from ..kv.engine import Sampling
+from ..kv.llama_server import LlamaServer, ServerError, UnexpectedReuse
+from ..kv.stopping import StopStringFilter, stop_strings
+from ..kv.tiers import TieredStateStore
+from ..kv.tree import StateNode, prefix_keys
+from ..types import Chunk
+from .prompting import PromptLayout, PromptSpec, Segment, TextPrompt, lay_out, lay_out_text, rag_prompt
+from .state_runner import NewState, Preempted, RunOptions, RunResult, StateRunner, StopCheck
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotContent:
+    """What slot 0 holds as far as this runner knows: *prompt* tokens prefilled from the
+    allowed cuts *starts* (their cells are a fresh prefill's), then *generated* ones."""
+
+    prompt: tuple[int, ...]
+    starts: tuple[int, ...] = (0,)
+    generated: tuple[int, ...] = ()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists.
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ServerRunner(StateRunner):
+    """Runs prompts on a :class:`~percache_core.kv.llama_server.LlamaServer`, restoring and
+    keeping chunk states as slot files (see the module docstring). *rule*: the server's cut
+    rule (None: no cut is safe, so every prompt is prefilled whole and no state is kept);
+    *n_ubatch*: the server's micro-batch (``-ub``)."""
+
+    engine: LlamaServer
+
+    def __init__(
+        self,
+        server: LlamaServer,
+        states: TieredStateStore | None,
+        config: PerCacheConfig,
+        *,
+        rule: CutRule | None,
+        n_ubatch: int = 512,
+    ) -> None:
+        super().__init__(server, states, config)
+        self.rule = rule
+        self.n_ubatch = n_ubatch
+        self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
+        self._slot: SlotContent | None = None
+        self._bytes_per_token: float | None = None
+
+    # -- laying prompts out -------------------------------------------------------------------
+
+    def lay_out(
+        self,
+        question: str,
+        chunks: Sequence[Chunk],
+        *,
+        spec: PromptSpec | TextPrompt | None = None,
+        max_new_tokens: int,
+    ) -> PromptLayout:
+        """The prompt's pieces: PerCache's own [system, *chunks, question] with states at the
+        rule's state points, or a caller's *spec* cut after its documents."""
+        server = self.engine
+        spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
+        max_prompt_tokens = server.n_ctx - max_new_tokens
+        if max_prompt_tokens <= 0:
+            raise ContextOverflowError(f"max_new_tokens {max_new_tokens} leaves no room in the server's n_ctx {server.n_ctx}")
+        rule = self.rule if self.states is not None else None
+        if isinstance(spec, TextPrompt):
+            return lay_out_text(spec, server, max_prompt_tokens=max_prompt_tokens, rule=rule if spec.documents else None)
+        return lay_out(spec, tokenize=server.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
+
+    # -- where a prefill may start ---------------------------------------------------------
+
+    def _batches_allowed(self, start: int, stop: int) -> bool:
+        """Whether a prefill from *start* to *stop* makes batches the rule allows: at least
+        ``rule.min_tokens`` in all, and its last batch (``n_ubatch`` tokens at a time from
+        *start*) not shorter than that."""
+        assert self.rule is not None
+        rest = (stop - start) % self.n_ubatch
+        return stop - start >= self.rule.min_tokens and (rest == 0 or rest >= self.rule.min_tokens)
+
+    def state_allowed(self, start: int, point: int) -> bool:
+        """Whether a state may be saved at *point* after a prefill from *start* (an
+        allowed cut): a multiple of ``rule.multiple`` reached in allowed batches."""
+        return self.rule is not None and point % self.rule.multiple == 0 and self._batches_allowed(start, point)
+
+    def cut_allowed(self, cut: int, end: int, *, before: int | None = None) -> bool:
+        """Whether a prompt of *end* tokens may be prefilled from *cut* on and give a fresh
+        prefill's output: its cells before *cut* are an allowed state (a stored one, checked
+        when it was saved, or prefilled from *before*, an allowed cut itself), the prefill
+        after it makes allowed batches, and where a fresh prefill's own last batch is short,
+        the cut keeps that batch whole (a multiple of ``n_ubatch``)."""
+        if cut == 0:
+            return True
+        rule = self.rule
+        if rule is None or cut % rule.multiple or cut < rule.min_tokens or not self._batches_allowed(cut, end):
+            return False
+        if before is not None and not self.state_allowed(before, cut):
+            return False
+        last = end % self.n_ubatch
+        return not (0 < last < rule.min_tokens) or cut % self.n_ubatch == 0
+
+    def _live_reuse(self, tokens: Sequence[int]) -> int:
+        """The tokens the server would reuse of what its slot holds: that many where the
+        cut is allowed, 0 when nothing would be reused, -1 when the reuse would not be
+        allowed (the next request must then restore a state or reuse nothing)."""
+        slot = self._slot
+        if slot is None:
+            return -1
+        held = common_prefix((*slot.prompt, *slot.generated), tokens)
+        held = min(held, len(tokens) - 1)  # the server prefills at least one token
+        if held == 0:
+            return 0
+        if held > len(slot.prompt):
+            return -1
+        before = max(start for start in slot.starts if start < held) if held else 0
+        return held if self.cut_allowed(held, len(tokens), before=before) else -1
+
+    # -- running a prompt -------------------------------------------------------------------
+
+    def run(
+        self,
+        layout: PromptLayout,
+        options: RunOptions,
+        *,
+        should_stop: StopCheck | None = None,
+        started: float | None = None,
+    ) -> Generator[str, None, RunResult]:
+        """Run *layout*: restore the deepest usable stored state (or keep the slot's prefix,
+        where allowed), prefill to each new state point and save it, then complete the
+        prompt; yields answer text, returns a :class:`RunResult`. Drafts, logits and
+        composed states are in-process features: options asking for them run without."""
+        started = time.perf_counter() if started is None else started
+        config = self.config
+        options = replace(
+            options,
+            sampling=options.sampling or config.sampling,
+            decode=options.decode and not options.prefix_only,
+            approximate=False,
+        )
+        states = self.states if config.chunk_states and self.rule is not None else None
+        server = self.engine
+        with server.lock:
+            if states is not None and layout.caller_prompt and not options.prefix_only:
+                layout = self._with_tail_cut(layout)
+            result = RunResult(layout)
+            keys = self._keys(layout, states)
+            if options.restore_depth is not None:
+                keys = keys[: options.restore_depth]
+            end = len(layout.tokens)
+            if options.prefix_only:  # to the last state point before the question
+                end = layout.state_point(len(layout.segments) - 2) if len(layout.segments) > 1 else 0
+            with states.pinned(keys) if states is not None else nullcontext():
+                yield from self._run(result, layout, keys, options, should_stop, started, end)
+            if states is not None and states.bytes > self.budget_bytes:
+                self.evict_to_budget()
+        return result
+
+    def _run(
+        self,
+        result: RunResult,
+        layout: PromptLayout,
+        keys: list[str],
+        options: RunOptions,
+        should_stop: StopCheck | None,
+        started: float,
+        end: int,
+    ) -> Generator[str, None, None]:
+        tokens = layout.tokens
+        clock = time.perf_counter()
+        fresh = options.restore_depth is not None or not self.config.chunk_states  # caches off: nothing reused
+        point, depth = self._start(layout, keys, end, fresh=fresh)
+        result.depth, result.reused_tokens = depth, point
+        result.timings["restore"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        new_states: list[NewState] = []
+        try:
+            point = self._prefill_state_points(
+                layout, keys, point, end, new_states, should_stop, to_end=not options.prefix_only
+            )
+        except UnexpectedReuse as error:  # the slot held other than planned: states dropped
+            logger.warning("%s; the prompt is prefilled from the start", error)
+            self.unexpected_reuse += 1
+            new_states.clear()
+            point = result.reused_tokens = result.depth = 0
+        reached = point if options.prefix_only else end
+        result.prefilled_tokens = reached - result.reused_tokens
+        try:
+            if options.decode:
+                yield from self._complete(result, tokens, point, options, should_stop, started)
+            elif point < end and not options.prefix_only:
+                self._prefill(tokens[:end], point, should_stop)
+        finally:
+            result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
+            clock = time.perf_counter()
+            if new_states and self.states is not None:
+                self._keep_states(layout, keys, new_states, idle=options.idle)
+            result.timings["store_states"] = time.perf_counter() - clock
+
+    def _start(self, layout: PromptLayout, keys: list[str], end: int, *, fresh: bool) -> tuple[int, int]:
+        """Bring the slot to the deepest allowed start: a stored state restored, or the
+        slot's own prefix when it reaches further (kept as is), else nothing (the next
+        request prefills from 0). Returns (tokens in place, segments they end)."""
+        live = 0 if fresh else self._live_reuse(layout.tokens[:end])
+        stored: list[StateNode] = []
+        if keys and self.states is not None:
+            stored = [
+                node for node in self.states.candidates(keys, budget_bytes=self.budget_bytes)
+                if layout.state_point(keys.index(node.key)) == node.n_tokens
+            ]
+            if layout.caller_prompt:  # a caller's prompt: any stored state of its leading tokens
+                found = {node.key: node for node in (*stored, *self._stored_text_prefixes(layout.tokens, end))}
+                stored = sorted(found.values(), key=lambda node: -node.n_tokens)
+        for node in stored:
+            if live > 0 and live >= node.n_tokens:
+                break
+            if self.cut_allowed(node.n_tokens, end) and self._restore(node, layout.tokens):
+                return node.n_tokens, self._depth(layout, node.n_tokens)
+        if live > 0:
+            return live, self._depth(layout, live)
+        self._slot = None  # whatever it holds, the next request is fresh
+        return 0, 0
+
+    @staticmethod
+    def _depth(layout: PromptLayout, point: int) -> int:
+        """The segments whose state points lie within the first *point* tokens."""
+        return sum(1 for i in range(len(layout.segments) - 1) if 0 < layout.state_point(i) <= point)
+
+    def _stored_text_prefixes(self, tokens: Sequence[int], end: int) -> list[StateNode]:
+        """Stored states of a caller's prompts that *tokens* start with (keyed by leading
+        tokens), wherever the earlier prompt's cuts were."""
+        assert self.states is not None and self.rule is not None
+        lengths = sorted({
+            n.n_tokens for n in self.states.tree.nodes
+            if n.label == "text" and n.n_tokens <= end - self.rule.min_tokens
+        })
+        keys = prefix_keys(self.states.root_key, tokens, lengths) if lengths else []
+        return [node for key in keys if key in self.states and (node := self.states.tree.get(key)) is not None]
+
+    def _with_tail_cut(self, layout: PromptLayout) -> PromptLayout:
+        """A caller's prompt with one more state kept: at the last cut the rule allows
+        before its end, so that the next prompt that continues this one (a chat's next turn)
+        restores it and prefills only what follows. (In the process the context itself is
+        kept; a server's slot also holds the generated tokens, whose cells a fresh prefill
+        would not compute, and a server cannot be told to reuse less than it holds.)"""
+        rule, tokens = self.rule, layout.tokens
+        assert rule is not None
+        end = len(tokens)
+        tail = (end - rule.min_tokens) // rule.multiple * rule.multiple
+        ends = layout.ends
+        if tail <= (ends[-2] if len(ends) > 1 else 0) or not self.cut_allowed(tail, end):
+            return layout
+        last = layout.segments[-1]
+        offset = tail - (ends[-2] if len(ends) > 1 else 0)
+        head = Segment("text", "", last.tokens[:offset], keep_state=True)
+        rest = Segment("text", last.text, last.tokens[offset:], keep_state=False)
+        return PromptLayout((*layout.segments[:-1], head, rest), layout.dropped_chunk_ids, layout.rule)
+
+    def _restore(self, node: StateNode, tokens: Sequence[int]) -> bool:
+        """Load *node*'s slot file into the slot; False (counted, the state dropped) when
+        it cannot be read or the server refuses it."""
+        assert self.states is not None
+        data = self.states.get(node)
+        if data is not None:
+            name = f"percache-{uuid.uuid4().hex}.bin"
+            path = self._slot_folder() / name
+            try:
+                path.write_bytes(data)
+                restored = self.engine.restore_slot(name)
+            except (OSError, ServerError) as error:
+                logger.warning("chunk state %s could not be restored (%s): treated as a miss", node.key, error)
+                restored = -1
+            finally:
+                path.unlink(missing_ok=True)
+            if restored == node.n_tokens:
+                self.states.record_use(node)
+                self._slot = SlotContent(tuple(tokens[: node.n_tokens]))  # a stored state's are its key's
+                return True
+        self.states.delete(node.key)
+        self.restore_failures += 1
+        self._slot = None
+        return False
+
+    def _slot_folder(self) -> Path:
+        folder = self.engine.slot_save_path
+        assert folder is not None  # chunk states are on only with a slot-save folder
+        return folder
+
+    def _prefill_state_points(
+        self,
+        layout: PromptLayout,
+        keys: list[str],
+        point: int,
+        end: int,
+        new_states: list[NewState],
+        should_stop: StopCheck | None,
+        *,
+        to_end: bool,
+    ) -> int:
+        """Prefill to each state point after *point* whose state is wanted and not stored
+        (where a cut there is allowed, and with *to_end* where the prompt may go on from
+        it to *end*), saving the slot there; returns where the slot's prefill ends."""
+        states = self.states
+        if states is None or not keys:
+            return point
+        tokens = layout.tokens
+        parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= point), "")
+        for index in range(len(keys)):
+            state_point = layout.state_point(index)
+            if not layout.segments[index].keep_state or keys[index] in states or state_point <= point:
+                continue
+            if not self.state_allowed(point, state_point):
+                continue
+            if to_end and not self.cut_allowed(state_point, end):
+                continue
+            self._prefill(tokens[:state_point], point, should_stop)
+            new_states.append(NewState(index, parent or states.root_key, self._save(), state_point))
+            parent, point = keys[index], state_point
+        return point
+
+    def _prefill(self, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> None:
+        """Prefill *tokens* in the slot from *point* (the slot holds their first *point*),
+        generating nothing."""
+        if should_stop is not None and should_stop():
+            raise Preempted("prefill pre-empted by a user question")
+        starts = self._slot.starts if self._slot is not None and point else ()
+        self._slot = None
+        for _ in self.engine.complete(tokens, max_new_tokens=0, cache_prompt=point > 0, expected_cached=point):
+            pass
+        self._slot = SlotContent(tuple(tokens), (*[s for s in starts if s < point], point))
+
+    def _save(self) -> bytes:
+        """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
+        name = f"percache-{uuid.uuid4().hex}.bin"
+        path = self._slot_folder() / name
+        try:
+            self.engine.save_slot(name)
+            return path.read_bytes()
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _complete(
+        self,
+        result: RunResult,
+        tokens: Sequence[int],
+        point: int,
+        options: RunOptions,
+        should_stop: StopCheck | None,
+        started: float,
+    ) -> Generator[str, None, None]:
+        """Complete the prompt from *point*; on a reuse other than planned, from 0."""
+        assert options.sampling is not None
+        stops = stop_strings(self.config.stop if options.stop is None else options.stop)
+        stop = StopStringFilter(stops, strip=options.trim)
+        server = self.engine
+        clock = time.perf_counter()
+        starts = self._slot.starts if self._slot is not None and point else ()
+        for attempt in (0, 1):
+            self._slot = None
+            pieces = server.complete(
+                tokens,
+                max_new_tokens=options.max_new_tokens,
+                cache_prompt=point > 0,
+                sampling=options.sampling,
+                stop=list(stops),
+                expected_cached=point,
+            )
+            try:
+                for piece in pieces:
+                    if result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - started
+                        result.timings["prefill"] = time.perf_counter() - clock
+                        clock = time.perf_counter()
+                    shown = stop.feed(piece)
+                    if shown:
+                        yield shown
+                    if stop.stopped:
+                        break
+                    if should_stop is not None and should_stop():
+                        raise Preempted("decoding pre-empted by a user question")
+                break
+            except UnexpectedReuse as error:
+                if attempt:
+                    raise
+                logger.warning("%s; the prompt is prefilled from the start", error)
+                self.unexpected_reuse += 1
+                point = result.reused_tokens = result.depth = 0
+                result.prefilled_tokens = len(tokens)
+                starts = ()
+            finally:
+                pieces.close()
+        completion = server.last
+        tail = stop.finish()
+        if tail:
+            yield tail
+        result.text = stop.text.strip() if options.trim else stop.text
+        result.tokens = list(completion.tokens)
+        result.generated_tokens = len(completion.tokens)
+        result.timings["decode"] = time.perf_counter() - clock
+        if completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
+            kept_starts = (*[s for s in starts if s < point], point)
+            self._slot = SlotContent(tuple(tokens), kept_starts, tuple(completion.tokens[:-1]))
+
+    def bytes_per_token(self) -> float:
+        """The bytes a slot file takes per token, measured once (a 128-token prefill saved)."""
+        if self._bytes_per_token is None:
+            server = self.engine
+            with server.lock:
+                tokens = server.tokenize("Minutes of the planning call. " * 40, True)[:128]
+                self._prefill(tokens, 0, None)
+                self._bytes_per_token = len(self._save()) / len(tokens)
+        return self._bytes_per_token
+
+    # -- idle work's plain completions -------------------------------------------------------
+
+    def complete_plain(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        should_stop: StopCheck | None = None,
+    ) -> tuple[str, int, int]:
+        """Complete *prompt* on the server with nothing reused (idle work's LLM calls):
+        (text, prompt tokens, generated tokens). The prompt keeps its last ``n_ctx -
+        max_new_tokens`` tokens. Raises :class:`Preempted` when *should_stop* turns true."""
+        server = self.engine
+        with server.lock:
+            if should_stop is not None and should_stop():
+                raise Preempted("completion pre-empted by a user question")
+            tokens = server.tokenize_chat(prompt) if chat else server.tokenize(prompt, True)
+            tokens = tokens[-(server.n_ctx - max_new_tokens) :]
+            self._slot = None
+            filter_ = StopStringFilter(stop, strip=False)
+            pieces = server.complete(
+                tokens, max_new_tokens=max_new_tokens, cache_prompt=False,
+                sampling=Sampling(temperature, 1.0, seed), stop=list(stop),
+            )
+            try:
+                for piece in pieces:
+                    filter_.feed(piece)
+                    if filter_.stopped:
+                        break
+                    if should_stop is not None and should_stop():
+                        raise Preempted("completion pre-empted by a user question")
+            finally:
+                pieces.close()
+            filter_.finish()
+            return filter_.text, len(tokens), len(server.last.tokens)

@@ -1,0 +1,214 @@
+"""What every prompt runner shares: the run's options and result, and the stored states.
+
+A runner runs PerCache's and callers' prompts on one engine through the chunk-state tree.
+:class:`~percache_core.serving.generation.PromptRunner` does it token by token on an
+in-process engine (llama-cpp-python); :class:`~percache_core.serving.server_runner.ServerRunner`
+does it with whole requests on a llama-server. Both take :class:`RunOptions`, return a
+:class:`RunResult`, and keep and find states the same way (this module's :class:`StateRunner`):
+``run``, ``lay_out``, ``prefill_prefix``, ``path_is_stored``, ``stored_order``,
+``evict_to_budget`` and ``complete_plain`` are the verbs the request path, the callers'
+verbs and idle work use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..config import PerCacheConfig
+from ..errors import PerCacheError, StorageWriteError
+from ..kv.budget import BUDGET_FLOOR_BYTES
+from ..kv.engine import Sampling
+from ..kv.tiers import TieredStateStore
+from ..kv.tree import StateNode, path_keys, prefix_keys
+from ..types import Chunk
+from .drafting import DraftStats
+from .prompting import PromptLayout, PromptSpec, TextPrompt, chunk_text, system_text
+from .streaming import drain
+
+logger = logging.getLogger(__name__)
+
+StopCheck = Callable[[], bool]
+
+
+class Preempted(PerCacheError):
+    """Idle work stopped because a user's question is waiting."""
+
+
+@dataclass
+class RunResult:
+    """What one prompt run did."""
+
+    layout: PromptLayout
+    text: str = ""
+    depth: int = 0  # segments restored
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)  # decoded ids, end of generation included
+    drafts: DraftStats = field(default_factory=DraftStats)
+    next_token_logits: np.ndarray | None = None  # after the prompt, when asked for (keep_logits)
+    moved_tokens: int = 0  # chunk tokens taken from independent states (approximate reuse)
+    approximate: bool = False  # some chunk was reused approximately: may differ from cache-off
+    idle_reused_chunks: int = 0  # of the restored chunks, those whose states idle work stored
+    idle_reused_tokens: int = 0  # their prompt tokens
+    live_tokens: int = 0  # of the reused tokens, those kept from the previous prompt in the context
+
+    @property
+    def reused_chunks(self) -> int:
+        return max(0, self.depth - 1)
+
+
+@dataclass(frozen=True)
+class NewState:
+    """A prefix state saved during a prefill, stored after the answer."""
+
+    index: int  # its last segment
+    parent_key: str  # the nearest stored (or newly saved) shorter prefix, or the root key
+    data: bytes  # whole, or with slices only the positions after the parent's
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How one prompt runs (``run`` of a :class:`StateRunner`): what it decodes and how, and what
+    its prefill keeps. ``None`` settings take the configured ones when the run starts.
+
+    >>> RunOptions(max_new_tokens=8, decode=False, keep_logits=True).decode
+    False
+    """
+
+    max_new_tokens: int
+    decode: bool = True  # False: only the prefill runs (to populate chunk states)
+    prefix_only: bool = False  # without decoding, and without the question's segment either
+    stop: Sequence[str] | None = None  # None: the configured stop strings
+    sampling: Sampling | None = None  # None: the configured sampling
+    prompt_lookup: bool | None = None  # None: the configured prompt lookup
+    answer_drafts: Sequence[Sequence[int]] = ()  # stored answers' token ids, verified as drafts
+    trim: bool = True  # drop white space around the answer (else llama.cpp's text as decoded)
+    keep_logits: bool = False  # keep a copy of the logits after the prompt in the result
+    approximate: bool = False  # compose chunks from independent states (reuse="approximate")
+    recompute_tokens: int | None = None  # of each composed chunk, prefilled live (None: configured)
+    restore_depth: int | None = None  # restore at most this many segments, keep nothing of the context
+    idle: bool = False  # the states kept are idle work's (StateNode.idle)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether decoding verifies drafts (greedy only; sampling decodes one at a time).
+        Only for resolved options (sampling set)."""
+        greedy = self.sampling is not None and self.sampling.temperature == 0
+        return greedy and (bool(self.prompt_lookup) or bool(self.answer_drafts))
+
+
+class StateRunner:
+    """Runs prompts on *engine*, reusing and filling the stored chunk *states* (None: the
+    chunk-state tier is off for this engine). Subclasses give ``run``, ``lay_out`` and
+    ``complete_plain``."""
+
+    def __init__(self, engine: Any, states: TieredStateStore | None, config: PerCacheConfig) -> None:
+        self.engine = engine
+        self.states = states
+        self.config = config
+        # the chunk-state budget in force (the configured one, or the one ModelRuntime
+        # sized from the knowledge)
+        self.budget_bytes = config.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES
+        self.restore_failures = 0
+        self.storage_failures = 0
+
+    def run(
+        self,
+        layout: PromptLayout,
+        options: RunOptions,
+        *,
+        should_stop: StopCheck | None = None,
+        started: float | None = None,
+    ) -> Generator[str, None, RunResult]:
+        """Run the prompt *layout* as *options* say; yields answer text, returns a
+        :class:`RunResult`."""
+        raise NotImplementedError
+
+    def lay_out(
+        self,
+        question: str,
+        chunks: Sequence[Chunk],
+        *,
+        spec: PromptSpec | TextPrompt | None = None,
+        max_new_tokens: int,
+    ) -> PromptLayout:
+        """The pieces ``run`` feeds for PerCache's own prompt of *question* and *chunks*, or for *spec*."""
+        raise NotImplementedError
+
+    def complete_plain(self, prompt: str, **options: Any) -> tuple[str, int, int]:
+        """Idle work's free-form completion of *prompt* (no chunk states, no stored
+        answers): (text, prompt tokens, generated tokens)."""
+        raise NotImplementedError
+
+    def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
+        """The stored-state keys of the layout's prefixes (all but the whole prompt): a
+        caller's prompt keyed by its leading tokens whatever the cuts before them,
+        PerCache's own by its segments."""
+        if states is None:
+            return []
+        if layout.caller_prompt:
+            return prefix_keys(states.root_key, layout.tokens, layout.ends[:-1])
+        return path_keys(states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
+
+    def prefill_prefix(self, chunks: Sequence[Chunk], *, should_stop: StopCheck | None = None) -> int:
+        """Prefill [system, *chunks] and keep its states, with no question and no decode
+        (idle-time population of the tree); returns the tokens prefilled (0 when stored)."""
+        layout = self.lay_out("", chunks, max_new_tokens=1)
+        events = self.run(layout, RunOptions(max_new_tokens=1, prefix_only=True, idle=True), should_stop=should_stop)
+        return drain(events).prefilled_tokens
+
+    def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
+        """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
+        layout = self.lay_out(question, chunks, max_new_tokens=max_new_tokens)
+        keys = path_keys(self.states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
+        return keys[-1] in self.states
+
+    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
+        position, a chunk whose prefix state is stored comes first; the rest keep their order."""
+        tokenize = self.engine.tokenize
+        parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.system_prompt), True)])[0]
+        remaining = list(chunks)
+        ordered: list[Chunk] = []
+        while remaining and parent in self.states:
+            for chunk in remaining:
+                key = path_keys(parent, [tokenize(chunk_text(chunk), False)])[0]
+                if key in self.states:
+                    ordered.append(chunk)
+                    remaining.remove(chunk)
+                    parent = key
+                    break
+            else:
+                break
+        return ordered + remaining
+
+    def _keep_states(
+        self, layout: PromptLayout, keys: list[str], new_states: list[NewState], *, idle: bool = False
+    ) -> None:
+        """Store the states of new prefixes, parents first (as complete nodes: file, record,
+        tree). A failed write (disk full, read-only) is logged and counted, and the deeper
+        ones are not stored (their slices would lack a parent); the answer is kept."""
+        segments = layout.segments
+        for new in new_states:
+            index = new.index
+            label = segments[index].chunk_id or segments[index].kind
+            node = StateNode(keys[index], new.parent_key, index + 1, new.n_tokens, label, len(new.data), idle=idle)
+            try:
+                self.states.put(node, new.data, budget_bytes=self.budget_bytes)
+            except StorageWriteError as error:
+                self.storage_failures += 1
+                logger.warning("chunk state not stored (%s); the answer is unaffected", error)
+                return
+
+    def evict_to_budget(self) -> None:
+        """Evict least frequently used unpinned leaves down to the chunk-state budget."""
+        self.states.evict_to(self.budget_bytes)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from the llama.cpp sources inside the llama-cpp-python
+# sdist that the in-process engine uses (same version, so the same llama.cpp commit), and
+# installs the binary as $VENV/bin/llama-server. Run once by `make llama-server`; the result
+# is kept (about 4 minutes on 2 cores).
+#   cmake: the server on, the prebuilt web UI off (it would be downloaded), OpenSSL off
+#   (loopback HTTP only), static libraries (one self-contained binary), Ninja.
+set -euo pipefail
+VENV=${1:-.venv}
+VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
+WORK=build/llama-server-src
+mkdir -p "$WORK"
+SDIST="$WORK/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+    "$VENV/bin/python" -m pip download --quiet --no-binary :all: --no-deps \
+        "llama-cpp-python==$VERSION" -d "$WORK"
+fi
+SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+[ -d "$SRC" ] || tar -xzf "$SDIST" -C "$WORK"
+GENERATOR=()
+command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
+cmake -S "$SRC" -B "$WORK/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+cmake --build "$WORK/build" --target llama-server -j "$(nproc)" >/dev/null
+install -m 755 "$WORK/build/bin/llama-server" "$VENV/bin/llama-server"
+echo "$VENV/bin/llama-server: llama.cpp from llama-cpp-python $VERSION"

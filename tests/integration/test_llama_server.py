@@ -1,0 +1,191 @@
+"""PerCache on llama.cpp's llama-server (built by ``make llama-server``): the answers are the
+server's own text for the same prompt with nothing reused, on every entry point, with chunk
+states restored from slot files, across a restart of server and cache, and when the server
+reuses other than planned."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from percache_core import LlamaServer, PerCache, PerCacheConfig, TextPrompt
+from percache_core.inspection import internals
+from percache_core.kv.cuts import CutRule
+from percache_core.serving.server_runner import ServerRunner, SlotContent
+from percache_core.serving.state_runner import RunOptions
+from percache_core.serving.streaming import drain
+
+pytestmark = pytest.mark.model
+
+QUESTIONS = [
+    "When is the presentation rehearsal for the launch talk?",
+    "Which room is the launch talk rehearsal in, and what should I bring?",
+    "How much budget did finance approve for the Harbor design work?",
+    "How much of the Harbor design budget is reserved for user testing?",
+    "Who is bringing the projector to the rehearsal?",
+]
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Iterator[LlamaServer]:
+    with LlamaServer.start(model_path, n_ctx=2048) as started:
+        yield started
+
+
+def fresh_text(server: LlamaServer, tokens: Sequence[int], *, max_new_tokens: int, stop: Sequence[str]) -> str:
+    """The server's text for *tokens* with nothing reused."""
+    return "".join(server.complete(tokens, max_new_tokens=max_new_tokens, cache_prompt=False, stop=list(stop)))
+
+
+def open_on(folder: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any], **settings: Any) -> PerCache:
+    settings.setdefault("max_new_tokens", 24)
+    settings.setdefault("prediction", False)
+    pc = PerCache.open(folder, config=PerCacheConfig(**settings), engine=server, embedder=embedder)
+    if not len(internals(pc).knowledge):
+        pc.add_documents(corpus["documents"])
+    return pc
+
+
+def own_prompt_reference(pc: PerCache, server: LlamaServer, question: str, chunk_ids: Sequence[str]) -> str:
+    runner = internals(pc).runtime.runner
+    chunks = [pc.caller.chunk(chunk_id) for chunk_id in chunk_ids]
+    layout = runner.lay_out(question, chunks, max_new_tokens=pc.config.max_new_tokens)
+    return fresh_text(server, layout.tokens, max_new_tokens=pc.config.max_new_tokens, stop=pc.config.stop).strip()
+
+
+def test_answers_are_the_servers_fresh_text_with_states_restored(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        answers = [pc.answer(question) for question in [*QUESTIONS, *reversed(QUESTIONS)]]
+        for question, answer in zip([*QUESTIONS, *reversed(QUESTIONS)], answers):
+            assert answer.text == own_prompt_reference(pc, server, question, answer.chunk_ids), question
+        assert any(a.source == "chunk_states" and a.reused_tokens >= 64 for a in answers)  # restored slot files
+        assert all(a.source == "prompt_answer" for a in answers[len(QUESTIONS) :])  # repeats: no model
+        runner = internals(pc).runtime.runner
+        assert isinstance(runner, ServerRunner) and runner.rule is not None
+        assert runner.restore_failures == 0 and runner.unexpected_reuse == 0
+        assert pc.stats()["chunk_states"]["nodes"] > 0
+    finally:
+        pc.close()
+
+
+def test_a_restart_of_server_and_cache_restores_states_from_disk(
+    tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    folder = tmp_path / "cache"
+    with LlamaServer.start(model_path, n_ctx=2048) as first:
+        pc = open_on(folder, first, embedder, corpus)
+        before = pc.answer(QUESTIONS[0])
+        pc.close()
+    with LlamaServer.start(model_path, n_ctx=2048) as second:  # a new process, a new slot folder
+        pc = open_on(folder, second, embedder, corpus)
+        try:
+            followup = pc.answer("At what time is the rehearsal of the launch talk?")
+            assert followup.source == "chunk_states" and followup.reused_tokens >= 64
+            assert followup.text == own_prompt_reference(pc, second, followup.question, followup.chunk_ids)
+            assert pc.answer(QUESTIONS[0]).text == before.text
+        finally:
+            pc.close()
+
+
+def test_a_reuse_other_than_planned_is_a_miss(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        assert isinstance(runner, ServerRunner)
+        chunks = [pc.caller.chunk(document["id"]) for document in corpus["documents"][:3]]
+        layout = runner.lay_out(QUESTIONS[2], chunks, max_new_tokens=24)
+        # another client used the slot behind the runner's back, which believes the slot
+        # holds this prompt's first 128 tokens and plans to keep them
+        other = LlamaServer(url=server.url)
+        fresh_text(other, server.tokenize("Unrelated words, " * 40, True), max_new_tokens=2, stop=[])
+        runner._slot = SlotContent(tuple(layout.tokens[:128]))
+        result = drain(runner.run(layout, RunOptions(max_new_tokens=24)))
+        assert runner.unexpected_reuse == 1 and result.reused_tokens == 0
+        reference = fresh_text(server, layout.tokens, max_new_tokens=24, stop=pc.config.stop).strip()
+        assert result.text == reference
+    finally:
+        pc.close()
+
+
+def test_caller_prompts_and_the_adapters_give_the_servers_text(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    from percache_langchain import PerCacheChatModel, PerCacheLLM
+    from percache_llamaindex import PerCacheLlamaCPP
+
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        notes = [document["text"] for document in corpus["documents"][:3]]
+        prompt = "Notes:\n" + "\n".join(notes) + "\nQuestion: When is the rehearsal?\nAnswer:"
+        tokens = runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=24).tokens
+        reference = fresh_text(server, tokens, max_new_tokens=24, stop=pc.config.stop)
+        answer = pc.caller.complete(prompt, documents=notes, max_new_tokens=24, trim=False)
+        assert answer.text == reference
+        assert pc.caller.complete(prompt, documents=notes, max_new_tokens=24).source == "prompt_answer"
+        other = prompt.replace("When is the rehearsal?", "How much did finance approve?")
+        answer = pc.caller.complete(other, documents=notes, max_new_tokens=24)  # restores the notes' state
+        assert answer.reused_tokens >= 64
+        other_tokens = runner.lay_out("", [], spec=TextPrompt(other), max_new_tokens=24).tokens
+        assert answer.text == fresh_text(server, other_tokens, max_new_tokens=24, stop=pc.config.stop)
+
+        llm = PerCacheLLM(percache=pc, max_new_tokens=24)
+        assert llm.invoke(prompt) == reference
+        assert "".join(llm.stream(prompt)) == reference
+        assert asyncio.run(llm.ainvoke(prompt)) == reference
+
+        chat = PerCacheChatModel(percache=pc, max_new_tokens=24)
+        messages = [SystemMessage(content="Notes:\n" + "\n".join(notes)), HumanMessage(content="When is the rehearsal?")]
+        chat_prompt = server.stock_chat([("system", messages[0].content), ("user", messages[1].content)])
+        chat_tokens = server.tokenize(chat_prompt.text, True, special=True)
+        expected = fresh_text(server, chat_tokens, max_new_tokens=24, stop=[])
+        assert chat.invoke(messages).content == expected
+        assert chat.invoke(messages).content == expected  # a stored prompt answer, or a restore
+
+        index_llm = PerCacheLlamaCPP(engine=server, max_new_tokens=24, stop=list(pc.config.stop))
+        assert index_llm.complete(prompt, formatted=True).text == reference  # outside a cache: fresh
+    finally:
+        pc.close()
+
+
+def test_an_attached_server_without_a_slot_folder_keeps_stored_answers_only(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    attached = LlamaServer(url=server.url)
+    assert attached.chunk_state_problem is not None and not attached.features.chunk_states
+    with pytest.warns(UserWarning, match="no chunk states"):
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+    try:
+        first = pc.answer(QUESTIONS[0])
+        assert first.reused_tokens == 0
+        assert first.text == own_prompt_reference(pc, server, QUESTIONS[0], first.chunk_ids)
+        assert pc.answer(QUESTIONS[0]).source == "prompt_answer"
+    finally:
+        pc.close()
+    with pytest.raises(ValueError, match="in-process engine"):
+        PerCache.open(tmp_path / "other", config=PerCacheConfig(reuse="approximate"), engine=attached, embedder=embedder)
+
+
+def test_where_a_server_prefill_may_start() -> None:
+    runner = ServerRunner.__new__(ServerRunner)
+    runner.rule, runner.n_ubatch = CutRule(64, 4), 512
+    assert runner.cut_allowed(0, 800)
+    assert runner.cut_allowed(128, 800) and not runner.cut_allowed(130, 800)  # a multiple of 4
+    assert not runner.cut_allowed(40, 800) and not runner.cut_allowed(760, 800)  # pieces of 64 or more
+    assert not runner.cut_allowed(128, 700)  # the prefill after it would end with 60 tokens
+    assert not runner.cut_allowed(128, 800, before=100)  # its own prefill from 100 was short
+    # a fresh prefill of 520 ends with an 8-token batch: only a cut at 512 keeps it
+    assert not runner.cut_allowed(256, 520) and runner.cut_allowed(512, 520 + 64)
+    assert not runner.cut_allowed(200, 200 + 512 + 8)  # the prefill after it would end short
+    assert runner.state_allowed(0, 128) and not runner.state_allowed(0, 520)
