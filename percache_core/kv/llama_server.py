@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -89,6 +90,41 @@ def find_server_binary() -> Path:
     )
 
 
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_sliding_window(path: str | os.PathLike[str]) -> int:
+    """The sliding-window size of the model in GGUF file *path* (its
+    ``<arch>.attention.sliding_window`` value; 0 when it has none), read from the file's
+    header without loading it."""
+    with open(path, "rb") as file:
+
+        def read(fmt: str) -> Any:
+            size = struct.calcsize(fmt)
+            return struct.unpack("<" + fmt, file.read(size))[0]
+
+        def skip(kind: int) -> Any:
+            if kind == 8:
+                return file.read(read("Q"))
+            if kind == 9:
+                inner, count = read("I"), read("Q")
+                for _ in range(count):
+                    skip(inner)
+                return None
+            return read(_GGUF_SCALARS[kind])
+
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        read("I")  # version
+        read("Q")  # tensors
+        for _ in range(read("Q")):
+            key = file.read(read("Q")).decode(errors="replace")
+            value = skip(read("I"))
+            if key.endswith(".attention.sliding_window"):
+                return int(value)
+    return 0
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
@@ -129,6 +165,7 @@ class LlamaServer:
         self._local = threading.local()
         self._props: dict[str, Any] | None = None
         self._pieces: dict[int, bytes] = {}  # token id -> bytes, from /tokenize
+        self._sliding_window: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
         self.launch_flags: tuple[str, ...] = ()  # the flags a started server runs with (but where)
@@ -350,9 +387,18 @@ class LlamaServer:
             return f"it runs {props.get('total_slots')} slots; start it with -np 1"
         if self.slot_save_path is None or not self.slot_save_path.is_dir():
             return "no slot-save folder readable here: start it with --slot-save-path DIR and give that DIR"
-        if self.owns_process or os.access(self.slot_save_path, os.W_OK):
-            return None
-        return f"the slot-save folder {self.slot_save_path} is not writable here"
+        if not (self.owns_process or os.access(self.slot_save_path, os.W_OK)):
+            return f"the slot-save folder {self.slot_save_path} is not writable here"
+        if self.model_path is None:
+            return f"its model file {props.get('model_path')!r} is not readable here (its layout decides which states restore exactly)"
+        return None
+
+    @property
+    def sliding_window(self) -> int:
+        """The model's sliding-window size (0: none), read from its GGUF file once."""
+        if self._sliding_window is None:
+            self._sliding_window = gguf_sliding_window(self.model_path) if self.model_path is not None else 0
+        return self._sliding_window
 
     @property
     def features(self) -> EngineFeatures:
@@ -513,7 +559,8 @@ class LlamaServer:
     @staticmethod
     def _absorb(event: dict[str, Any], completion: Completion) -> None:
         completion.text += event.get("content") or ""
-        completion.tokens.extend(int(t) for t in event.get("tokens") or ())
+        if event.get("prompt_progress") is None:  # progress events carry a placeholder token
+            completion.tokens.extend(int(t) for t in event.get("tokens") or ())
         probabilities = event.get("completion_probabilities")
         if probabilities and not completion.top_logprobs:
             completion.top_logprobs = [(int(p["id"]), float(p["logprob"])) for p in probabilities[0]["top_logprobs"]]

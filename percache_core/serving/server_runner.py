@@ -26,6 +26,7 @@ Drafts, state slices and composed (approximate) states need the in-process engin
 from __future__ import annotations
 
 import logging
+import struct
 import time
 import uuid
 from collections.abc import Generator, Sequence
@@ -47,15 +48,95 @@ from .state_runner import NewState, Preempted, RunOptions, RunResult, StateRunne
 
 logger = logging.getLogger(__name__)
 
+NO_WINDOW = 1 << 30  # a model without a sliding window: states of any length
+
 
 @dataclass(frozen=True)
 class SlotContent:
-    """What slot 0 holds as far as this runner knows: *prompt* tokens prefilled from the
-    allowed cuts *starts* (their cells are a fresh prefill's), then *generated* ones."""
+    """What slot 0 holds as far as this runner knows: *prompt* tokens, of which the first
+    *valid* were prefilled in batches the cut rule allows (their cells are what a fresh
+    prefill computes), then *generated* ones."""
 
     prompt: tuple[int, ...]
-    starts: tuple[int, ...] = (0,)
+    valid: int
     generated: tuple[int, ...] = ()
+
+
+def slot_file_prefix(saved: bytes, tokens: Sequence[int]) -> bytes | None:
+    """The slot file of the first ``len(tokens)`` tokens of the slot file *saved*, or None
+    where *saved* does not hold every cell of those positions (a sliding-window cache drops
+    the cells its window has passed when a slot is saved; an unknown cache layout cannot
+    be read). The file is llama.cpp's sequence-state file: magic, version, token count,
+    tokens (*tokens* here, as a plain list), then each KV cache's cells (see
+    :func:`_prefix_cells`), kept only for positions before ``len(tokens)``."""
+    try:
+        magic, version, count = struct.unpack_from("<III", saved)
+        cells = _prefix_cells(memoryview(saved)[12 + 4 * count :], len(tokens))
+    except (struct.error, ValueError):
+        return None
+    if cells is None:
+        return None
+    return struct.pack("<III", magic, version, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens) + cells
+
+
+def _prefix_cells(data: memoryview, n_tokens: int) -> bytes | None:
+    """The KV caches' state of one sequence (llama.cpp's ``state_write``: per cache, per
+    stream, the cells' positions and sequence ids, then per layer the K rows and the V rows,
+    or V by element when transposed) with only the cells of positions ``0 .. n_tokens-1``;
+    None when a cache lacks one of them. Raises ValueError on what it cannot read."""
+    out: list[bytes] = []
+    offset = 0
+
+    def take(fmt: str) -> tuple[int, ...]:
+        nonlocal offset
+        values = struct.unpack_from(fmt, data, offset)
+        offset += struct.calcsize(fmt)
+        return values
+
+    while offset < len(data):
+        (n_stream,) = take("<I")
+        if n_stream != 1:
+            raise ValueError(f"{n_stream} streams")
+        (cell_count,) = take("<I")
+        cells = []
+        for _ in range(cell_count):
+            pos, n_seq = take("<iI")
+            if n_seq != 1:
+                raise ValueError("a cell of several sequences")
+            cells.append((pos, *take("<i")))
+        keep = [i for i, (pos, _) in enumerate(cells) if pos < n_tokens]
+        if sorted(cells[i][0] for i in keep) != list(range(n_tokens)):
+            return None  # a cell of the prefix is missing (or doubled)
+        section = [struct.pack("<II", 1, len(keep))]
+        section += [struct.pack("<iIi", cells[i][0], 1, cells[i][1]) for i in keep]
+        v_trans, n_layer = take("<II")
+        section.append(struct.pack("<II", v_trans, n_layer))
+        for _ in range(n_layer):
+            k_type, k_row = take("<iQ")
+            section += [struct.pack("<iQ", k_type, k_row), _rows(data, offset, k_row, cell_count, keep)]
+            offset += k_row * cell_count
+        for _ in range(n_layer):
+            if not v_trans:
+                v_type, v_row = take("<iQ")
+                section += [struct.pack("<iQ", v_type, v_row), _rows(data, offset, v_row, cell_count, keep)]
+                offset += v_row * cell_count
+                continue
+            v_type, v_el, n_embd = take("<iII")
+            section.append(struct.pack("<iII", v_type, v_el, n_embd))
+            for _ in range(n_embd):
+                section.append(_rows(data, offset, v_el, cell_count, keep))
+                offset += v_el * cell_count
+        out.append(b"".join(section))
+    if offset != len(data) or not out:
+        raise ValueError("unread bytes")
+    return b"".join(out)
+
+
+def _rows(data: memoryview, offset: int, size: int, count: int, keep: list[int]) -> bytes:
+    """Of the *count* rows of *size* bytes at *offset*, those of the cells *keep*."""
+    if offset + size * count > len(data):
+        raise ValueError("truncated rows")
+    return b"".join(data[offset + i * size : offset + (i + 1) * size] for i in keep)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -92,6 +173,11 @@ class ServerRunner(StateRunner):
         super().__init__(server, states, config)
         self.rule = rule
         self.n_ubatch = n_ubatch
+        # On a sliding-window model a state restores exactly only within the window
+        # (measured with Gemma 3, window 512: states of up to 512 tokens gave the fresh
+        # prefill's output when the prompt went on past 512, 6 of 6; longer ones 0 of 6)
+        window = server.sliding_window if rule is not None else 0
+        self.window = window or NO_WINDOW
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
         self._slot: SlotContent | None = None
         self._bytes_per_token: float | None = None
@@ -115,39 +201,48 @@ class ServerRunner(StateRunner):
             raise ContextOverflowError(f"max_new_tokens {max_new_tokens} leaves no room in the server's n_ctx {server.n_ctx}")
         rule = self.rule if self.states is not None else None
         if isinstance(spec, TextPrompt):
-            return lay_out_text(spec, server, max_prompt_tokens=max_prompt_tokens, rule=rule if spec.documents else None)
+            # a state is taken after the request, not where a request starts: cut at every
+            # document's end (at a multiple of the rule's); which of them a later prompt may
+            # restore is decided then (cut_allowed)
+            cuts = CutRule(1, rule.multiple) if rule is not None and spec.documents else None
+            return lay_out_text(spec, server, max_prompt_tokens=max_prompt_tokens, rule=cuts)
         return lay_out(spec, tokenize=server.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
 
     # -- where a prefill may start ---------------------------------------------------------
 
-    def _batches_allowed(self, start: int, stop: int) -> bool:
-        """Whether a prefill from *start* to *stop* makes batches the rule allows: at least
-        ``rule.min_tokens`` in all, and its last batch (``n_ubatch`` tokens at a time from
-        *start*) not shorter than that."""
+    def valid_end(self, start: int, end: int) -> int:
+        """How far the cells of a prefill from *start* (an allowed cut) to *end* are what a
+        fresh prefill computes: the server's batches of ``n_ubatch`` tokens from *start*
+        must be at least ``rule.min_tokens`` long, so a short last batch's cells are not."""
         assert self.rule is not None
-        rest = (stop - start) % self.n_ubatch
-        return stop - start >= self.rule.min_tokens and (rest == 0 or rest >= self.rule.min_tokens)
+        rest = (end - start) % self.n_ubatch
+        if end - start < self.rule.min_tokens:
+            return start
+        return end - rest if 0 < rest < self.rule.min_tokens else end
 
-    def state_allowed(self, start: int, point: int) -> bool:
-        """Whether a state may be saved at *point* after a prefill from *start* (an
-        allowed cut): a multiple of ``rule.multiple`` reached in allowed batches."""
-        return self.rule is not None and point % self.rule.multiple == 0 and self._batches_allowed(start, point)
+    def state_allowed(self, start: int, point: int, end: int) -> bool:
+        """Whether the state of the first *point* tokens may be taken after a prefill from
+        *start* to *end*: a multiple of the rule's, within the prefill's valid cells (and,
+        on a sliding-window model, within the window: see :attr:`window`)."""
+        rule = self.rule
+        if rule is None or point % rule.multiple or point > self.window:
+            return False
+        return rule.min_tokens <= point <= self.valid_end(start, end)
 
-    def cut_allowed(self, cut: int, end: int, *, before: int | None = None) -> bool:
-        """Whether a prompt of *end* tokens may be prefilled from *cut* on and give a fresh
-        prefill's output: its cells before *cut* are an allowed state (a stored one, checked
-        when it was saved, or prefilled from *before*, an allowed cut itself), the prefill
-        after it makes allowed batches, and where a fresh prefill's own last batch is short,
-        the cut keeps that batch whole (a multiple of ``n_ubatch``)."""
+    def cut_allowed(self, cut: int, end: int) -> bool:
+        """Whether a prompt of *end* tokens may be prefilled from *cut* on (its cells before
+        *cut* valid: a stored state, or what the slot holds) and give a fresh prefill's
+        output: the batches after the cut are allowed ones; where a fresh prefill's own last
+        batch is short, the cut must keep that batch as it is (a multiple of ``n_ubatch``)."""
+        rule = self.rule
         if cut == 0:
             return True
-        rule = self.rule
-        if rule is None or cut % rule.multiple or cut < rule.min_tokens or not self._batches_allowed(cut, end):
-            return False
-        if before is not None and not self.state_allowed(before, cut):
+        if rule is None or cut % rule.multiple or cut < rule.min_tokens or cut >= end or cut > self.window:
             return False
         last = end % self.n_ubatch
-        return not (0 < last < rule.min_tokens) or cut % self.n_ubatch == 0
+        if 0 < last < rule.min_tokens:
+            return cut % self.n_ubatch == 0
+        return self.valid_end(cut, end) == end
 
     def _live_reuse(self, tokens: Sequence[int]) -> int:
         """The tokens the server would reuse of what its slot holds: that many where the
@@ -162,8 +257,7 @@ class ServerRunner(StateRunner):
             return 0
         if held > len(slot.prompt):
             return -1
-        before = max(start for start in slot.starts if start < held) if held else 0
-        return held if self.cut_allowed(held, len(tokens), before=before) else -1
+        return held if held <= slot.valid and self.cut_allowed(held, len(tokens)) else -1
 
     # -- running a prompt -------------------------------------------------------------------
 
@@ -190,8 +284,6 @@ class ServerRunner(StateRunner):
         states = self.states if config.chunk_states and self.rule is not None else None
         server = self.engine
         with server.lock:
-            if states is not None and layout.caller_prompt and not options.prefix_only:
-                layout = self._with_tail_cut(layout)
             result = RunResult(layout)
             keys = self._keys(layout, states)
             if options.restore_depth is not None:
@@ -220,31 +312,116 @@ class ServerRunner(StateRunner):
         fresh = options.restore_depth is not None or not self.config.chunk_states  # caches off: nothing reused
         point, depth = self._start(layout, keys, end, fresh=fresh)
         result.depth, result.reused_tokens = depth, point
+        if self.states is not None and self.rule is not None and layout.caller_prompt and options.decode:
+            layout = result.layout = self._with_tail_cut(layout, point)
+            keys = self._keys(layout, self.states)
         result.timings["restore"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        new_states: list[NewState] = []
-        try:
-            point = self._prefill_state_points(
-                layout, keys, point, end, new_states, should_stop, to_end=not options.prefix_only
-            )
-        except UnexpectedReuse as error:  # the slot held other than planned: states dropped
-            logger.warning("%s; the prompt is prefilled from the start", error)
-            self.unexpected_reuse += 1
-            new_states.clear()
-            point = result.reused_tokens = result.depth = 0
-        reached = point if options.prefix_only else end
-        result.prefilled_tokens = reached - result.reused_tokens
+        complete = False
+        early: list[NewState] = []
+        if self.states is not None and self.rule is not None and self.window < NO_WINDOW:
+            point = self._save_early(result, layout, keys, point, end, early, should_stop)
         try:
             if options.decode:
                 yield from self._complete(result, tokens, point, options, should_stop, started)
-            elif point < end and not options.prefix_only:
-                self._prefill(tokens[:end], point, should_stop)
+                complete = self._slot is not None  # the request ran to its end
+            else:
+                self._prefill_to(result, tokens[:end], point, should_stop)
+                complete = True
+            result.prefilled_tokens = end - result.reused_tokens
         finally:
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
-            if new_states and self.states is not None:
-                self._keep_states(layout, keys, new_states, idle=options.idle)
+            if complete and self.states is not None and self.rule is not None:
+                taken = self._taken_states(layout, keys, point, end)
+                self._keep_states(layout, keys, [*early, *taken], idle=options.idle)
             result.timings["store_states"] = time.perf_counter() - clock
+
+    def _save_early(
+        self,
+        result: RunResult,
+        layout: PromptLayout,
+        keys: list[str],
+        point: int,
+        end: int,
+        early: list[NewState],
+        should_stop: StopCheck | None,
+    ) -> int:
+        """On a sliding-window model, save the wanted states within the window on the way
+        (a prefill of the prefix alone, then the slot saved), before the rest of the prompt
+        moves the window past their first cells (a slot saved later lacks them). Each is a
+        start the rest of the prompt may go on from. Returns where the slot's prefill ends."""
+        states = self.states
+        assert states is not None
+        parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= point), "")
+        for index in range(len(keys)):
+            state_point = layout.state_point(index)
+            if not layout.segments[index].keep_state or keys[index] in states or state_point <= point:
+                continue
+            if not self.state_allowed(point, state_point, state_point) or not self.cut_allowed(state_point, end):
+                continue
+            try:
+                self._prefill(layout.tokens[:state_point], point, should_stop)
+                data = slot_file_prefix(self._save(), layout.tokens[:state_point])
+            except UnexpectedReuse as error:  # the slot held other than planned: from nothing
+                logger.warning("%s; the prompt is prefilled from the start", error)
+                self.unexpected_reuse += 1
+                early.clear()
+                result.reused_tokens = result.depth = 0
+                self._slot = None
+                return 0
+            except (OSError, ServerError) as error:
+                logger.warning("the slot could not be saved (%s): no chunk state kept", error)
+                self.storage_failures += 1
+                data = None
+            point = state_point
+            if data is not None:
+                early.append(NewState(index, parent or states.root_key, data, state_point))
+                parent = keys[index]
+        return point
+
+    def _prefill_to(self, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> None:
+        """Prefill *tokens* from *point* (from 0 when the server reused otherwise)."""
+        try:
+            self._prefill(tokens, point, should_stop)
+        except UnexpectedReuse as error:
+            logger.warning("%s; the prompt is prefilled from the start", error)
+            self.unexpected_reuse += 1
+            result.reused_tokens = result.depth = 0
+            self._prefill(tokens, 0, should_stop)
+
+    def _taken_states(self, layout: PromptLayout, keys: list[str], start: int, end: int) -> list[NewState]:
+        """The states of the layout's prefixes that are wanted and not stored, taken from
+        the slot after a request that prefilled from *start* to *end*: one save of the slot,
+        then one slot file per state point, whose token list ends there (a restore then
+        holds those tokens; the server drops the later cells before it prefills). Only at
+        points a prefill from *start* reaches in batches the rule allows."""
+        states = self.states
+        assert states is not None
+        wanted = [
+            index for index in range(len(keys))
+            if layout.segments[index].keep_state and keys[index] not in states
+            and start < layout.state_point(index) and self.state_allowed(start, layout.state_point(index), end)
+        ]
+        if not wanted:
+            return []
+        try:
+            saved = self._save()
+        except (OSError, ServerError) as error:
+            logger.warning("the slot could not be saved (%s): no chunk states kept", error)
+            self.storage_failures += 1
+            return []
+        tokens = layout.tokens
+        parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= start), "")
+        taken = []
+        for index in wanted:
+            point = layout.state_point(index)
+            data = slot_file_prefix(saved, tokens[:point])
+            if data is None:  # e.g. a sliding window passed it: no state there
+                continue
+            taken.append(NewState(index, parent or states.root_key, data, point))
+            parent = keys[index]
+        return taken
 
     def _start(self, layout: PromptLayout, keys: list[str], end: int, *, fresh: bool) -> tuple[int, int]:
         """Bring the slot to the deepest allowed start: a stored state restored, or the
@@ -286,23 +463,23 @@ class ServerRunner(StateRunner):
         keys = prefix_keys(self.states.root_key, tokens, lengths) if lengths else []
         return [node for key in keys if key in self.states and (node := self.states.tree.get(key)) is not None]
 
-    def _with_tail_cut(self, layout: PromptLayout) -> PromptLayout:
-        """A caller's prompt with one more state kept: at the last cut the rule allows
-        before its end, so that the next prompt that continues this one (a chat's next turn)
-        restores it and prefills only what follows. (In the process the context itself is
-        kept; a server's slot also holds the generated tokens, whose cells a fresh prefill
-        would not compute, and a server cannot be told to reuse less than it holds.)"""
-        rule, tokens = self.rule, layout.tokens
+    def _with_tail_cut(self, layout: PromptLayout, start: int) -> PromptLayout:
+        """A caller's prompt with one more state kept, as near its end as a prefill from
+        *start* leaves valid cells, so that the next prompt that continues this one (a
+        chat's next turn) restores it and prefills only what follows. (In the process the
+        context itself is kept; a server's slot also holds the generated tokens, whose cells
+        a fresh prefill would not compute, and a server cannot be told to reuse less than
+        it holds.)"""
+        rule, ends = self.rule, layout.ends
         assert rule is not None
-        end = len(tokens)
-        tail = (end - rule.min_tokens) // rule.multiple * rule.multiple
-        ends = layout.ends
-        if tail <= (ends[-2] if len(ends) > 1 else 0) or not self.cut_allowed(tail, end):
+        end = ends[-1]
+        tail = self.valid_end(start, end) // rule.multiple * rule.multiple
+        before = ends[-2] if len(ends) > 1 else 0
+        if tail <= max(before, start) or tail >= end:
             return layout
         last = layout.segments[-1]
-        offset = tail - (ends[-2] if len(ends) > 1 else 0)
-        head = Segment("text", "", last.tokens[:offset], keep_state=True)
-        rest = Segment("text", last.text, last.tokens[offset:], keep_state=False)
+        head = Segment("text", "", last.tokens[: tail - before], keep_state=True)
+        rest = Segment("text", last.text, last.tokens[tail - before :], keep_state=False)
         return PromptLayout((*layout.segments[:-1], head, rest), layout.dropped_chunk_ids, layout.rule)
 
     def _restore(self, node: StateNode, tokens: Sequence[int]) -> bool:
@@ -323,7 +500,7 @@ class ServerRunner(StateRunner):
                 path.unlink(missing_ok=True)
             if restored == node.n_tokens:
                 self.states.record_use(node)
-                self._slot = SlotContent(tuple(tokens[: node.n_tokens]))  # a stored state's are its key's
+                self._slot = SlotContent(tuple(tokens[: node.n_tokens]), node.n_tokens)  # its key names its tokens
                 return True
         self.states.delete(node.key)
         self.restore_failures += 1
@@ -335,48 +512,15 @@ class ServerRunner(StateRunner):
         assert folder is not None  # chunk states are on only with a slot-save folder
         return folder
 
-    def _prefill_state_points(
-        self,
-        layout: PromptLayout,
-        keys: list[str],
-        point: int,
-        end: int,
-        new_states: list[NewState],
-        should_stop: StopCheck | None,
-        *,
-        to_end: bool,
-    ) -> int:
-        """Prefill to each state point after *point* whose state is wanted and not stored
-        (where a cut there is allowed, and with *to_end* where the prompt may go on from
-        it to *end*), saving the slot there; returns where the slot's prefill ends."""
-        states = self.states
-        if states is None or not keys:
-            return point
-        tokens = layout.tokens
-        parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= point), "")
-        for index in range(len(keys)):
-            state_point = layout.state_point(index)
-            if not layout.segments[index].keep_state or keys[index] in states or state_point <= point:
-                continue
-            if not self.state_allowed(point, state_point):
-                continue
-            if to_end and not self.cut_allowed(state_point, end):
-                continue
-            self._prefill(tokens[:state_point], point, should_stop)
-            new_states.append(NewState(index, parent or states.root_key, self._save(), state_point))
-            parent, point = keys[index], state_point
-        return point
-
     def _prefill(self, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> None:
         """Prefill *tokens* in the slot from *point* (the slot holds their first *point*),
         generating nothing."""
         if should_stop is not None and should_stop():
             raise Preempted("prefill pre-empted by a user question")
-        starts = self._slot.starts if self._slot is not None and point else ()
         self._slot = None
         for _ in self.engine.complete(tokens, max_new_tokens=0, cache_prompt=point > 0, expected_cached=point):
             pass
-        self._slot = SlotContent(tuple(tokens), (*[s for s in starts if s < point], point))
+        self._slot = SlotContent(tuple(tokens), self.valid_end(point, len(tokens)) if self.rule else 0)
 
     def _save(self) -> bytes:
         """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
@@ -403,7 +547,6 @@ class ServerRunner(StateRunner):
         stop = StopStringFilter(stops, strip=options.trim)
         server = self.engine
         clock = time.perf_counter()
-        starts = self._slot.starts if self._slot is not None and point else ()
         for attempt in (0, 1):
             self._slot = None
             pieces = server.complete(
@@ -435,7 +578,6 @@ class ServerRunner(StateRunner):
                 self.unexpected_reuse += 1
                 point = result.reused_tokens = result.depth = 0
                 result.prefilled_tokens = len(tokens)
-                starts = ()
             finally:
                 pieces.close()
         completion = server.last
@@ -447,8 +589,8 @@ class ServerRunner(StateRunner):
         result.generated_tokens = len(completion.tokens)
         result.timings["decode"] = time.perf_counter() - clock
         if completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
-            kept_starts = (*[s for s in starts if s < point], point)
-            self._slot = SlotContent(tuple(tokens), kept_starts, tuple(completion.tokens[:-1]))
+            valid = self.valid_end(point, len(tokens)) if self.rule else 0
+            self._slot = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
 
     def bytes_per_token(self) -> float:
         """The bytes a slot file takes per token, measured once (a 128-token prefill saved)."""

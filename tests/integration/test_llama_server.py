@@ -107,7 +107,7 @@ def test_a_reuse_other_than_planned_is_a_miss(
         # holds this prompt's first 128 tokens and plans to keep them
         other = LlamaServer(url=server.url)
         fresh_text(other, server.tokenize("Unrelated words, " * 40, True), max_new_tokens=2, stop=[])
-        runner._slot = SlotContent(tuple(layout.tokens[:128]))
+        runner._slot = SlotContent(tuple(layout.tokens[:128]), 128)
         result = drain(runner.run(layout, RunOptions(max_new_tokens=24)))
         assert runner.unexpected_reuse == 1 and result.reused_tokens == 0
         reference = fresh_text(server, layout.tokens, max_new_tokens=24, stop=pc.config.stop).strip()
@@ -179,13 +179,60 @@ def test_an_attached_server_without_a_slot_folder_keeps_stored_answers_only(
 
 def test_where_a_server_prefill_may_start() -> None:
     runner = ServerRunner.__new__(ServerRunner)
-    runner.rule, runner.n_ubatch = CutRule(64, 4), 512
+    runner.rule, runner.n_ubatch, runner.window = CutRule(64, 4), 512, 1 << 30
     assert runner.cut_allowed(0, 800)
     assert runner.cut_allowed(128, 800) and not runner.cut_allowed(130, 800)  # a multiple of 4
-    assert not runner.cut_allowed(40, 800) and not runner.cut_allowed(760, 800)  # pieces of 64 or more
-    assert not runner.cut_allowed(128, 700)  # the prefill after it would end with 60 tokens
-    assert not runner.cut_allowed(128, 800, before=100)  # its own prefill from 100 was short
-    # a fresh prefill of 520 ends with an 8-token batch: only a cut at 512 keeps it
-    assert not runner.cut_allowed(256, 520) and runner.cut_allowed(512, 520 + 64)
-    assert not runner.cut_allowed(200, 200 + 512 + 8)  # the prefill after it would end short
-    assert runner.state_allowed(0, 128) and not runner.state_allowed(0, 520)
+    assert not runner.cut_allowed(40, 800) and not runner.cut_allowed(760, 800)  # 64 tokens or more after
+    assert not runner.cut_allowed(128, 700)  # the prefill after it would end with a 60-token batch
+    # a fresh prefill of 520 ends with an 8-token batch: only a cut at 512 keeps it as it is
+    assert not runner.cut_allowed(256, 520) and runner.cut_allowed(512, 520)
+    # a prefill from 0 to 520: its last 8 cells were computed in a short batch
+    assert runner.valid_end(0, 520) == 512 and runner.valid_end(0, 600) == 600
+    assert runner.state_allowed(0, 548, 600) and not runner.state_allowed(0, 516, 520)
+    assert not runner.state_allowed(0, 550, 600)  # not a multiple of 4
+    runner.window = 512  # a sliding-window model: states within the window only
+    assert runner.state_allowed(0, 512, 600) and not runner.state_allowed(0, 548, 600)
+    assert runner.cut_allowed(400, 800) and not runner.cut_allowed(600, 800)
+
+
+def test_long_prompts_and_a_chats_next_turn_restore_only_exact_states(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    from percache_langchain import PerCacheChatModel
+
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        assert isinstance(runner, ServerRunner) and runner.window == server.sliding_window == 512
+        def rag(notes: list[str], question: str) -> tuple[str, list[int]]:
+            prompt = "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
+            return prompt, runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=24).tokens
+
+        # notes past the window, and a prompt whose fresh prefill ends with a full batch
+        # (one ending with a batch under 64 tokens can only be restored at 512)
+        texts = [document["text"] for document in corpus["documents"]]
+        notes = next(
+            texts[:k] for k in range(len(texts), 0, -1)
+            if len(tokens := rag(texts[:k], "When?")[1]) > 600 and len(tokens) % 512 >= 80
+        )
+        for question in ("When is the rehearsal?", "How much did finance approve?"):
+            prompt, tokens = rag(notes, question)
+            answer = pc.caller.complete(prompt, documents=notes, max_new_tokens=24)
+            assert answer.reused_tokens <= 512
+            assert answer.text == fresh_text(server, tokens, max_new_tokens=24, stop=pc.config.stop)
+        assert answer.reused_tokens >= 64  # the second restored a state of the first's notes
+
+        chat = PerCacheChatModel(percache=pc, max_new_tokens=16)
+        messages: list[Any] = [SystemMessage(content="Notes:\n" + "\n".join(notes[:2])), HumanMessage(content="When?")]
+        for turn in range(3):
+            reply = chat.invoke(messages)
+            pairs = [(m.type.replace("human", "user").replace("ai", "assistant"), m.content) for m in messages]
+            tokens = server.tokenize(server.stock_chat(pairs).text, True, special=True)
+            assert reply.content == fresh_text(server, tokens, max_new_tokens=16, stop=[])
+            if turn:  # restored the state kept near the end of the turn before
+                assert reply.usage_metadata["input_token_details"]["cache_read"] >= 64
+            messages += [AIMessage(content=reply.content), HumanMessage(content=f"And the {turn} other?")]
+    finally:
+        pc.close()
