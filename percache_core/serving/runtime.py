@@ -368,6 +368,8 @@ class ModelRuntime:
         }
         if self._states is None or self._runner is None:
             return {"nodes": 0, "bytes": 0, **budget}
+        if isinstance(self._runner, ServerRunner):
+            self._runner.flush()
         return {
             "nodes": len(self._states.tree),
             "bytes": self._states.bytes,
@@ -380,6 +382,8 @@ class ModelRuntime:
 
     def close(self) -> None:
         """Persist state counters; free the engine if this runtime loaded it."""
+        if isinstance(self._runner, ServerRunner):
+            self._runner.close()  # the states still being stored
         if self._states is not None:
             self._states.close()
         if self.owns_engine and self._engine is not None:

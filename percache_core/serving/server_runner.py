@@ -30,6 +30,7 @@ import struct
 import time
 import uuid
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +50,7 @@ from .state_runner import NewState, Preempted, RunOptions, RunResult, StateRunne
 logger = logging.getLogger(__name__)
 
 NO_WINDOW = 1 << 30  # a model without a sliding window: states of any length
+LIVE_CUT_GAIN = 128  # the slot is cut back (a save and a restore) only to keep this many more tokens
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,8 @@ class ServerRunner(StateRunner):
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
         self._slot: SlotContent | None = None
         self._bytes_per_token: float | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="percache-server-states")
+        self._pending: Future[None] | None = None
 
     # -- laying prompts out -------------------------------------------------------------------
 
@@ -284,6 +288,9 @@ class ServerRunner(StateRunner):
         states = self.states if config.chunk_states and self.rule is not None else None
         server = self.engine
         with server.lock:
+            self.flush()
+            if states is not None and states.bytes > self.budget_bytes:
+                super().evict_to_budget()  # the budget was lowered: new states evict on their own
             result = RunResult(layout)
             keys = self._keys(layout, states)
             if options.restore_depth is not None:
@@ -293,8 +300,6 @@ class ServerRunner(StateRunner):
                 end = layout.state_point(len(layout.segments) - 2) if len(layout.segments) > 1 else 0
             with states.pinned(keys) if states is not None else nullcontext():
                 yield from self._run(result, layout, keys, options, should_stop, started, end)
-            if states is not None and states.bytes > self.budget_bytes:
-                self.evict_to_budget()
         return result
 
     def _run(
@@ -333,8 +338,7 @@ class ServerRunner(StateRunner):
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
-                taken = self._taken_states(layout, keys, point, end)
-                self._keep_states(layout, keys, [*early, *taken], idle=options.idle)
+                self._store_later(layout, keys, early, point, end, options.idle)
             result.timings["store_states"] = time.perf_counter() - clock
 
     def _save_early(
@@ -390,27 +394,26 @@ class ServerRunner(StateRunner):
             result.reused_tokens = result.depth = 0
             self._prefill(tokens, 0, should_stop)
 
-    def _taken_states(self, layout: PromptLayout, keys: list[str], start: int, end: int) -> list[NewState]:
-        """The states of the layout's prefixes that are wanted and not stored, taken from
-        the slot after a request that prefilled from *start* to *end*: one save of the slot,
-        then one slot file per state point, whose token list ends there (a restore then
-        holds those tokens; the server drops the later cells before it prefills). Only at
-        points a prefill from *start* reaches in batches the rule allows."""
+    def _wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int) -> list[int]:
+        """The segments whose states are wanted, not stored, and may be taken from the slot
+        after a request that prefilled from *start* to *end* (batches the rule allows)."""
         states = self.states
         assert states is not None
-        wanted = [
+        return [
             index for index in range(len(keys))
             if layout.segments[index].keep_state and keys[index] not in states
             and start < layout.state_point(index) and self.state_allowed(start, layout.state_point(index), end)
         ]
-        if not wanted:
-            return []
-        try:
-            saved = self._save()
-        except (OSError, ServerError) as error:
-            logger.warning("the slot could not be saved (%s): no chunk states kept", error)
-            self.storage_failures += 1
-            return []
+
+    def _taken_states(
+        self, layout: PromptLayout, keys: list[str], wanted: list[int], start: int, saved: bytes
+    ) -> list[NewState]:
+        """The states of the *wanted* segments, from the slot file *saved* after a request
+        that prefilled from *start*: one slot file per state point, with the cells and the
+        token list up to there (a restore then holds exactly those), where *saved* holds
+        every cell of them."""
+        states = self.states
+        assert states is not None
         tokens = layout.tokens
         parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= start), "")
         taken = []
@@ -422,6 +425,37 @@ class ServerRunner(StateRunner):
             taken.append(NewState(index, parent or states.root_key, data, point))
             parent = keys[index]
         return taken
+
+    def _store_later(
+        self, layout: PromptLayout, keys: list[str], early: list[NewState], start: int, end: int, idle: bool
+    ) -> None:
+        """Save the slot now if a state is to be taken from it (the next request changes
+        it), and cut and store the states in the background, off the answer's time; the
+        next run (or :meth:`flush`) waits for them first."""
+        wanted = self._wanted(layout, keys, start, end)
+        saved = b""
+        if wanted:
+            try:
+                saved = self._save()
+            except (OSError, ServerError) as error:
+                logger.warning("the slot could not be saved (%s): no chunk states kept", error)
+                self.storage_failures += 1
+                wanted = []
+        if not wanted and not early:
+            return
+
+        def store() -> None:
+            taken = self._taken_states(layout, keys, wanted, start, saved) if wanted else []
+            self._keep_states(layout, keys, [*early, *taken], idle=idle)
+
+        self.flush()
+        self._pending = self._writer.submit(store)
+
+    def flush(self) -> None:
+        """Wait until the states of earlier runs are stored."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _start(self, layout: PromptLayout, keys: list[str], end: int, *, fresh: bool) -> tuple[int, int]:
         """Bring the slot to the deepest allowed start: a stored state restored, or the
@@ -437,15 +471,56 @@ class ServerRunner(StateRunner):
             if layout.caller_prompt:  # a caller's prompt: any stored state of its leading tokens
                 found = {node.key: node for node in (*stored, *self._stored_text_prefixes(layout.tokens, end))}
                 stored = sorted(found.values(), key=lambda node: -node.n_tokens)
-        for node in stored:
+        usable = [node for node in stored if self.cut_allowed(node.n_tokens, end)]
+        deepest = usable[0].n_tokens if usable else 0
+        if live < 0 and not fresh:  # the slot holds more than may be kept: cut it back
+            kept = self._cut_slot_back(layout.tokens[:end], deepest + LIVE_CUT_GAIN)
+            if kept:
+                return kept, self._depth(layout, kept)
+        for node in usable:
             if live > 0 and live >= node.n_tokens:
                 break
-            if self.cut_allowed(node.n_tokens, end) and self._restore(node, layout.tokens):
+            if self._restore(node, layout.tokens):
                 return node.n_tokens, self._depth(layout, node.n_tokens)
         if live > 0:
             return live, self._depth(layout, live)
         self._slot = None  # whatever it holds, the next request is fresh
         return 0, 0
+
+    def _cut_slot_back(self, tokens: Sequence[int], least: int) -> int:
+        """Keep the slot's cells of *tokens*' first tokens up to the last allowed cut
+        within what it holds (at least *least* tokens, else nothing is done): the slot is
+        saved and restored with its token list cut there (the server then drops the later
+        cells itself), as the in-process engine truncates its sequence. Returns the tokens
+        kept (0: none)."""
+        slot = self._slot
+        if slot is None or self.rule is None:
+            return 0
+        held = min(common_prefix(slot.prompt, tokens), slot.valid, len(tokens) - 1)
+        cut = held // self.rule.multiple * self.rule.multiple
+        while cut >= least and not self.cut_allowed(cut, len(tokens)):
+            cut -= self.rule.multiple
+        if cut < least:
+            return 0
+        name = f"percache-{uuid.uuid4().hex}.bin"
+        path = self._slot_folder() / name
+        try:
+            data = slot_file_prefix(self._save(), tokens[:cut])
+            if data is None:
+                return 0
+            path.write_bytes(data)
+            restored = self.engine.restore_slot(name)
+        except (OSError, ServerError) as error:
+            logger.warning("the slot could not be cut back (%s)", error)
+            self._slot = None
+            return 0
+        finally:
+            path.unlink(missing_ok=True)
+        if restored != cut:
+            self._slot = None
+            return 0
+        self._slot = SlotContent(tuple(tokens[:cut]), cut)
+        return cut
 
     @staticmethod
     def _depth(layout: PromptLayout, point: int) -> int:
@@ -591,6 +666,23 @@ class ServerRunner(StateRunner):
         if completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
             valid = self.valid_end(point, len(tokens)) if self.rule else 0
             self._slot = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
+
+    def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
+        self.flush()
+        return super().path_is_stored(question, chunks, max_new_tokens)
+
+    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        self.flush()
+        return super().stored_order(chunks)
+
+    def evict_to_budget(self) -> None:
+        self.flush()
+        super().evict_to_budget()
+
+    def close(self) -> None:
+        """Store what is pending and stop the writer."""
+        self.flush()
+        self._writer.shutdown()
 
     def bytes_per_token(self) -> float:
         """The bytes a slot file takes per token, measured once (a 128-token prefill saved)."""

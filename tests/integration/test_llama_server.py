@@ -236,3 +236,24 @@ def test_long_prompts_and_a_chats_next_turn_restore_only_exact_states(
             messages += [AIMessage(content=reply.content), HumanMessage(content=f"And the {turn} other?")]
     finally:
         pc.close()
+
+
+def test_the_slot_is_cut_back_to_an_allowed_start(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        notes = "Notes:\n" + "\n".join(document["text"] for document in corpus["documents"][:3])
+        first = pc.caller.complete(notes + "\nQuestion: When is the rehearsal?\nAnswer:", max_new_tokens=16)
+        assert first.reused_tokens == 0
+        # the same notes and another question: what the slot holds diverges inside the
+        # question, where no state was kept; the slot is cut back to a start the rule allows
+        prompt = notes + "\nQuestion: How much did finance approve?\nAnswer:"
+        tokens = runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=16).tokens
+        assert len(tokens) < 500  # within the window: the saved slot holds every cell
+        second = pc.caller.complete(prompt, max_new_tokens=16)
+        assert second.reused_tokens >= 128 and second.reused_tokens % 4 == 0
+        assert second.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.stop)
+    finally:
+        pc.close()
