@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--idle-seconds", type=float, help="one idle round of at most this long before each question")
     parser.add_argument("--budget-gib", type=float, help="every system's chunk-state budget (default: sized)")
+    parser.add_argument(
+        "--server", action="store_true",
+        help="run the systems on llama-servers, with stock = the same llama-server alone (make llama-server)",
+    )
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
     return parser
 
@@ -78,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         consecutive=args.consecutive,
         idle_seconds=args.idle_seconds,
         budget_gib=args.budget_gib,
+        server=args.server,
         **settings,
     )
     print()

@@ -44,6 +44,7 @@ from percache_core.config import PerCacheConfig
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
+from percache_core.kv.llama_server import LlamaServer
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache
 from percache_core.types import ANSWERED_BEFORE
@@ -398,6 +399,7 @@ def evaluate(
     consecutive: bool = False,
     idle_seconds: float | None = None,
     budget_gib: float | None = None,
+    server: bool = False,
 ) -> dict[str, Any]:
     """Run every system on every user, then the sensitivity and ablation runs (see
     :func:`sensitivity_runs`) of PerCache on the first user. After each user, what is
@@ -411,7 +413,9 @@ def evaluate(
     meeting as one knowledge (``data_sets.load_merged_user``; *consecutive*: questions in a
     row per series). *idle_seconds* bounds each
     idle round (one before each question); *budget_gib* sets every system's chunk-state
-    budget."""
+    budget. With *server*, the systems run on llama-servers (``LlamaServer.start``; naive
+    on one of its own) and stock is the same llama-server alone, as users run it
+    (``benchmarks.server.ServerAlone``: its own prefix reuse and RAM cache on)."""
     users: list[User] = []
     if merged is not None:
         users.append(
@@ -425,11 +429,15 @@ def evaluate(
     users = users[skip_users:]  # to go on with the users a stopped run did not reach
     owns_engine = engine is None
     if owns_engine:
-        engine = LlamaEngine(resolve_model_path(None))
+        engine = LlamaServer.start(resolve_model_path(None), n_ctx=2048) if server else LlamaEngine(resolve_model_path(None))
     model_path = engine.model_path
     engine.warm_up()
     stock = None
-    if any(system.name == STOCK.name for system in systems):
+    if server and any(system.name == STOCK.name for system in systems):
+        from .server import ServerAlone
+
+        stock = ServerAlone(model_path, os.cpu_count() or 2)
+    elif any(system.name == STOCK.name for system in systems):
         from llama_cpp import Llama  # stock llama.cpp, as users run it (prefix reuse on)
 
         stock = Llama(
@@ -443,9 +451,12 @@ def evaluate(
     # naive against stock: each keeps its own context between questions (stock's Llama
     # does), so naive gets an engine of its own rather than one that other systems' runs
     # and idle rounds change in between
-    own_engines: dict[str, LlamaEngine] = {}
+    own_engines: dict[str, Any] = {}
     if stock is not None and any(system.name == "naive" for system in systems):
-        own_engines["naive"] = LlamaEngine(model_path, n_ctx=engine.n_ctx, n_batch=engine.n_batch)
+        own_engines["naive"] = (
+            LlamaServer.start(model_path, n_ctx=engine.n_ctx) if server
+            else LlamaEngine(model_path, n_ctx=engine.n_ctx, n_batch=engine.n_batch)
+        )
         own_engines["naive"].warm_up()
     if embedder is None:
         embedder = BertEmbedder()
@@ -504,6 +515,8 @@ def evaluate(
             own.close()
         if owns_engine:
             engine.close()
+        if server and stock is not None:
+            stock.close()
     return {
         "benchmark": "e2e",
         "settings": {

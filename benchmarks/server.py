@@ -108,6 +108,15 @@ class ServerAlone:
             text += piece
         return text, first if first is not None else time.perf_counter() - started
 
+    def create_completion(
+        self, prompt: str, *, max_tokens: int, temperature: float, stop: list[str], stream: bool = True
+    ) -> Iterator[dict[str, Any]]:
+        """``/completion`` streamed, in ``llama_cpp.Llama.create_completion``'s chunk shape
+        (what ``benchmarks.e2e_harness`` calls stock with)."""
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": temperature, "stop": stop, "stream": True}
+        for event in self._post("/completion", body):
+            yield {"choices": [{"text": event.get("content") or ""}]}
+
     def complete(self, prompt: str, max_tokens: int, stop: list[str]) -> str:
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stop": stop}
         return str(next(self._post("/completion", body))["content"])

@@ -257,3 +257,21 @@ def test_the_slot_is_cut_back_to_an_allowed_start(
         assert second.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.stop)
     finally:
         pc.close()
+
+
+def test_an_idle_round_on_the_server_fills_states_and_predicts(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus, prediction=True, max_new_tokens=16)
+    try:
+        report = pc.warm(max_seconds=120, max_predictions=2, progress=False)
+        assert not report.preempted
+        assert pc.stats()["chunk_states"]["nodes"] > 0  # the knowledge prefill's [system, chunk] states
+        assert report.predicted  # the predictor's LLM calls ran on the server
+        answer = pc.answer(QUESTIONS[1])
+        assert answer.text == own_prompt_reference(pc, server, QUESTIONS[1], answer.chunk_ids)
+        # a user's question pre-empts a round at once
+        stopped = pc.warm(max_seconds=120, progress=False, should_stop=lambda: True)
+        assert stopped.preempted
+    finally:
+        pc.close()
