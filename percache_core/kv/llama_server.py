@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +127,26 @@ def gguf_sliding_window(path: str | os.PathLike[str]) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """In the child before it runs the server: ask Linux to stop it when its parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop(process: subprocess.Popen[bytes], log: Any) -> None:
+    """Stop a started server (politely, then by force) and close its log."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    log.close()
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
@@ -167,6 +189,8 @@ class LlamaServer:
         self._pieces: dict[int, bytes] = {}  # token id -> bytes, from /tokenize
         self._sliding_window: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._log: Any = None  # a started server's log file
+        self._finalizer: Any = None
         self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
         self.launch_flags: tuple[str, ...] = ()  # the flags a started server runs with (but where)
         self.model_path: Path | None = None  # the GGUF (a started server's, or /props' when readable)
@@ -219,11 +243,15 @@ class LlamaServer:
             "--swa-full", "--cache-ram", "0", "--no-webui", *extra_args,
         )
         where = ("-m", str(model), "--host", host, "--port", str(port), "--slot-save-path", str(slot_save_path))
+        # its log goes to a file (a pipe nobody reads fills up and stops the server); the
+        # server dies with this process (Linux: the parent-death signal)
+        log = tempfile.TemporaryFile(prefix="percache-llama-server-")
         process = subprocess.Popen(
-            [str(executable), *where, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            [str(executable), *where, *flags], stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent
         )
         server = cls(f"http://{host}:{port}", slot_save_path=slot_save_path)
-        server._process, server._owned_folder = process, owned
+        server._process, server._owned_folder, server._log = process, owned, log
+        server._finalizer = weakref.finalize(server, _stop, process, log)
         server.launch_flags, server.model_path = flags, model
         try:
             server._wait_until_ready(startup_timeout_s)
@@ -232,12 +260,19 @@ class LlamaServer:
             raise
         return server
 
+    def _log_tail(self, size: int = 2000) -> str:
+        """The end of a started server's log."""
+        if self._log is None:
+            return ""
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - size))
+        return self._log.read().decode(errors="replace")
+
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
-                error = self._process.stderr.read().decode(errors="replace")[-2000:] if self._process.stderr else ""
-                raise ServerError(f"llama-server exited with code {self._process.returncode}:\n{error}")
+                raise ServerError(f"llama-server exited with code {self._process.returncode}:\n{self._log_tail()}")
             try:
                 status, _ = self._request("GET", "/health", timeout_s=2.0)
                 if status == 200:
@@ -260,14 +295,7 @@ class LlamaServer:
             self._local.connection = None
         process, self._process = self._process, None
         if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            if process.stderr is not None:
-                process.stderr.close()
+            self._finalizer()  # stops it and closes its log
         if self._owned_folder is not None:
             self._owned_folder.cleanup()
             self._owned_folder = None

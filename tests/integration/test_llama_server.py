@@ -275,3 +275,18 @@ def test_an_idle_round_on_the_server_fills_states_and_predicts(
         assert stopped.preempted
     finally:
         pc.close()
+
+
+def test_a_started_server_keeps_answering_and_stops_with_its_owner(model_path: Path) -> None:
+    import gc
+
+    server = LlamaServer.start(model_path, n_ctx=512)
+    process = server._process
+    assert process is not None
+    client = LlamaServer(url=server.url, timeout_s=30)  # a server blocked on its log would time out
+    tokens = client.tokenize("Hello there", True)
+    for _ in range(200):  # its log grows past what an unread pipe holds
+        assert "".join(client.complete(tokens, max_new_tokens=1, cache_prompt=False)) is not None
+    del server
+    gc.collect()
+    assert process.wait(timeout=15) is not None  # stopped when the object went
