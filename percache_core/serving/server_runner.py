@@ -331,9 +331,10 @@ class ServerRunner(StateRunner):
                 yield from self._complete(result, tokens, point, options, should_stop, started)
                 complete = self._slot is not None  # the request ran to its end
             else:
-                self._prefill_to(result, tokens[:end], point, should_stop)
+                if end > point:  # (a prefix with no state point to reach has nothing to prefill)
+                    self._prefill_to(result, tokens[:end], point, should_stop)
                 complete = True
-            result.prefilled_tokens = end - result.reused_tokens
+            result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()

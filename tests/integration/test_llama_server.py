@@ -290,3 +290,18 @@ def test_a_started_server_keeps_answering_and_stops_with_its_owner(model_path: P
     del server
     gc.collect()
     assert process.wait(timeout=15) is not None  # stopped when the object went
+
+
+def test_a_prefix_without_a_state_point_prefills_nothing(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    from percache_core import Chunk
+
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        tiny = Chunk("t#c000", "t", "Lunch at noon.")  # [system, chunk] is shorter than a state may be
+        assert runner.prefill_prefix([tiny]) == 0
+        assert not runner.path_is_stored("When is lunch?", [tiny], 16)
+    finally:
+        pc.close()
