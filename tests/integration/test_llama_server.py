@@ -305,3 +305,24 @@ def test_a_prefix_without_a_state_point_prefills_nothing(
         assert not runner.path_is_stored("When is lunch?", [tiny], 16)
     finally:
         pc.close()
+
+
+def test_the_llamaindex_query_engine_on_the_server_answers_as_the_apps_own(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    from llama_index.core import Document, VectorStoreIndex
+
+    from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
+
+    documents = [Document(text=d["text"], doc_id=d["id"]) for d in corpus["documents"]]
+    index = VectorStoreIndex.from_documents(documents, embed_model=PerCacheEmbedding(embedder))
+    llm = PerCacheLlamaCPP(engine=server, max_new_tokens=24)
+    plain = index.as_query_engine(llm=llm, similarity_top_k=2)  # the app's own engine: fresh each time
+    cached = PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / "cache", llm=llm, similarity_top_k=2)
+    try:
+        asked = [QUESTIONS[1], QUESTIONS[0], QUESTIONS[1]]
+        responses = [cached.query(question) for question in asked]
+        assert [r.response for r in responses] == [plain.query(question).response for question in asked]
+        assert [r.metadata["percache"]["source"] for r in responses][2] == "qa_bank"
+    finally:
+        cached.close()
