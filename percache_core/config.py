@@ -142,8 +142,10 @@ class PerCacheConfig:
         knowledge_prediction_rounds: knowledge-based prediction steps the background worker
             runs per version of the abstract (an explicit ``warm()`` always runs one).
         knowledge_prefill: in idle rounds, also prefill and keep the [system, chunk] state
-            of each chunk (recently retrieved first) up to 80% of the chunk-state budget,
-            so that every prompt restores at least its first chunk.
+            of every chunk (recently retrieved first), so that every prompt restores at
+            least its first chunk: the bulk prefill runs only where all of them fit the
+            prefill's share of the chunk-state budget (80%); where they do not, idle time
+            prefills the paths the demand estimate names instead.
         knowledge_prefill_neighbours: after those, also the [system, chunk, neighbour]
             states of each chunk for this many neighbours, the chunks retrieval ranks next
             when the chunk's own text is the question: a prompt whose first two chunks are

@@ -320,8 +320,11 @@ class PerCache:
         should_stop: Callable[[], bool] | None = None,
         answer: Callable[[str], bool] | None = None,
     ) -> WarmReport:
-        """Run one idle round now: abstract, refresh, follow-ups, prediction and population
-        (``max_predictions`` per view, default ``prediction_stride``), conversions.
+        """Run one idle round now, its eight steps in order (see
+        :mod:`percache_core.prediction.scheduler`): predicted paths, the knowledge
+        abstract, stale answers refreshed, follow-ups answered, prediction and population
+        (``max_predictions`` per view, default ``prediction_stride``), the bulk knowledge
+        prefill, conversions, calibration.
 
         A user question pre-empts it (``report.preempted``). With *answer* (question ->
         whether an answer was stored), predicted questions are answered by the caller's own

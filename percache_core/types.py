@@ -114,7 +114,8 @@ class Answer:
     Attributes:
         text: the answer.
         source: where the text came from: ``"qa_bank"`` (a QA entry: served in semantic
-            mode, or verified as a draft in exact mode), ``"prompt_answer"`` (the stored
+            mode, verified as a draft in exact mode, or, from ``pc.caller.lookup`` in exact
+            mode, the entry stored for this very question text), ``"prompt_answer"`` (the stored
             answer of an identical prompt, without the model), ``"remembered"`` (the answer
             a caller stored for this question with ``remember()``, returned as given),
             ``"chunk_states"`` (generated; at least one retrieved chunk's KV state was

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from percache_core import Chunk, PerCache
 
@@ -31,16 +31,3 @@ def record_chunks(percache: PerCache, chunks: list[Chunk]) -> None:
     if kept:
         percache.add_documents([{"id": c.id, "text": c.text, "metadata": c.metadata} for c in kept], split=False)
 
-
-def chunk_nodes(percache: PerCache, chunk_ids: tuple[str, ...]) -> list[NodeWithScore]:
-    """Nodes for stored chunk ids (the source nodes of a QA-bank hit)."""
-    nodes = []
-    for chunk_id in chunk_ids:
-        chunk = percache.caller.chunk(chunk_id)
-        if chunk is not None:
-            nodes.append(
-                NodeWithScore(
-                    node=TextNode(id_=chunk.doc_id, text=chunk.text, metadata=chunk.metadata), score=None
-                )
-            )
-    return nodes

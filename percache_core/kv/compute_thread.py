@@ -96,10 +96,6 @@ class ComputeThread:
                 call.error = error
             call.done.release()
 
-    def runs_here(self) -> bool:
-        """Whether the calling thread is this compute thread."""
-        return threading.get_ident() == self._ident
-
     def close(self) -> None:
         """Let the thread end once the calls before this one have run (idempotent)."""
         with self._start_lock:

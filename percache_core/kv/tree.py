@@ -86,7 +86,8 @@ class StateNode:
             the node was stored, or the root key.
         depth: number of segments covered.
         n_tokens: number of tokens covered (the sequence length of the stored state).
-        label: what the last segment is (a chunk id, or "system").
+        label: what the last segment is: a chunk id, "system", or "text" (a piece of a
+            caller's finished prompt, keyed by its leading tokens).
         size: bytes of the stored state.
         hits: times the node was restored (its LFU frequency).
         idle: stored by idle work (prediction, knowledge prefill) rather than by an answer.

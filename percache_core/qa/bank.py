@@ -1,11 +1,12 @@
 """The QA bank: stored questions with embeddings and answers, searched by cosine similarity.
 
-Vocabulary (the facade's): ``lookup`` (the best servable entry at or above
-``similarity_threshold``, counted as a hit), ``search`` (the top candidates), ``remember``
-(store an answer, or a pending question), ``drop``, ``correct`` (replace an answer),
-``clear``. Entries
-persist in a :class:`~percache_core.storage.Store`; the bank's bytes (the serialized size of
-its records) stay within a budget by evicting the least frequently used entries.
+:class:`QABank`'s verbs: ``find`` (the entry stored for exactly this question), ``nearest``
+(the best servable entry at or above ``similarity_threshold``, counted as a hit),
+``search`` (the top candidates), ``put`` (store an answer, or a pending question),
+``correct`` (replace an answer), ``delete``, ``clear``, ``record_hit`` and ``sync`` (take in
+other processes' writes). Entries persist in a :class:`~percache_core.storage.Store`; the
+bank's bytes (the serialized size of its records) stay within a budget by evicting the
+least frequently used entries.
 """
 
 from __future__ import annotations
@@ -167,7 +168,6 @@ class QABank:
         self._version = -1
         self.bytes = 0
         self.evictions = 0
-        self.unreadable = 0
         self.listener: Callable[[QAEntry], None] | None = None  # told of each stored answer
         self.sync()
 
@@ -222,7 +222,7 @@ class QABank:
     def _take(self, record: Record) -> None:
         entry = _entry(record, self._dimension)
         if entry is None:
-            self.unreadable += 1
+            logger.debug("QA entry %s is unreadable (another version or embedder wrote it): skipped", record.key)
             return
         row = self._index.get(entry.id)
         if row is not None:

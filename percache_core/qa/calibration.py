@@ -18,8 +18,9 @@ entry's (its prompt differs only in the question: ``context="same"``), other chu
 context is calibrated on its own. :class:`Calibration` keeps them and says:
 
 - the **threshold**: the lowest similarity (in steps of 1/200) at which the labels at or
-  above it show an error rate whose one-sided 95% Clopper-Pearson upper bound is at most
-  ``max_error_rate``
+  above it show an error rate whose one-sided 95% upper bound is at most ``max_error_rate``
+  (Clopper-Pearson's exact bound; Wilson's score bound above 30 errors, where the two agree
+  within a few percent: :func:`error_upper_bound`)
   (``None``: no similarity does yet; nothing is served);
 - an entry's **floor**: the highest similarity at which one of its own labels was wrong (it
   is never served at or below it: a per-entry threshold, raised by its own evidence);
@@ -113,7 +114,9 @@ def equivalent(answer: str, reference: str, *, equivalence: str = "text", min_f1
 
 
 def error_upper_bound(errors: int, total: int, confidence: float = CONFIDENCE) -> float:
-    """The one-sided Clopper-Pearson upper bound of an error rate seen as *errors* of *total*.
+    """The one-sided upper bound of an error rate seen as *errors* of *total*: Clopper-Pearson's
+    exact bound, or above 30 errors Wilson's score bound (the binomial is near normal there,
+    and the exact bound's search would cost more than it adds).
 
     >>> round(error_upper_bound(0, 150), 4)    # the rule of three: about 3 / n
     0.0198

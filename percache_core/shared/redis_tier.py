@@ -366,15 +366,8 @@ class SharedTier:
             "fingerprint": self._fingerprint,
         }
         envelope = seal(self._secret, key, header, data)
-        catalog = self._state_catalog()
-        if self._call(lambda client: client.set(key, envelope)) is not None:
-            self._call(
-                lambda client: client.xadd(
-                    catalog, {"k": node.key}, maxlen=self._bloom_capacity, approximate=True
-                )
-            )
+        if self._publish(key, envelope, self._state_catalog(), node.key):
             self.bloom.add(node.key)
-            self.counters.writes += 1
 
     def _publish(self, key: str, envelope: bytes, catalog: str, item: str) -> bool:
         """Write *envelope* under *key* and announce *item* in the *catalog* stream."""
@@ -429,15 +422,8 @@ class SharedTier:
             **{name: entry.metadata.get(name) for name in _SHARED_METADATA},
         }
         envelope = seal(self._secret, key, header, np.asarray(entry.embedding, dtype=np.float32).tobytes())
-        catalog = self.qa_catalog()
         self._own_entries.add(entry.id)
-        if self._call(lambda client: client.set(key, envelope)) is not None:
-            self._call(
-                lambda client: client.xadd(
-                    catalog, {"k": entry.id}, maxlen=self._bloom_capacity, approximate=True
-                )
-            )
-            self.counters.writes += 1
+        self._publish(key, envelope, self.qa_catalog(), entry.id)
 
     def _fetch_qa(self, entry_id: str) -> QAEntry | None:
         key = self.qa_key(entry_id)
