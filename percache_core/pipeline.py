@@ -172,7 +172,12 @@ class PerCache:
         )
 
     def close(self) -> None:
-        """Persist counters and release files and (if it loaded it) the model."""
+        """Persist counters, store what is still being stored, and release files, the
+        worker and (if it loaded it) the model; a llama-server passed in keeps running.
+        Idempotent; ``with PerCache.open(...) as pc:`` calls it.
+
+        >>> pc.close()   # doctest: +SKIP
+        """
         if self._closed:
             return
         self.stop_worker()
@@ -215,7 +220,15 @@ class PerCache:
     def preload(self) -> None:
         """Load the embedder, the model and the chunk states now, and run the engine's
         self-checks (a few seconds once per engine: the exact prefill piece size, the
-        draft-verification bound, whether drafts pay), not on first use."""
+        draft-verification bound, whether drafts pay; on a llama-server its cut rule), not
+        on first use.
+
+        Raises:
+            CacheClosedError: the cache is closed.
+            ModelNotFoundError: the model file cannot be found or loaded.
+
+        >>> pc.preload()   # doctest: +SKIP
+        """
         self._ensure_open()
         self._parts.embed_question("warm-up")
         self._parts.runtime.preload()
@@ -227,10 +240,25 @@ class PerCache:
     def add_documents(
         self, documents: Iterable[DocumentInput], *, split: bool = True, progress: bool = False
     ) -> list[Chunk]:
-        """Add documents (strings, or dicts with ``text`` and optional ``id``/``metadata``).
+        """Add documents to the knowledge. Re-adding a document with the same text does
+        nothing; with the same id and new text it replaces the old chunks (and the answers
+        and states made from them).
 
-        Returns the new chunks. Re-adding a document with the same text does nothing;
-        with the same id and new text it replaces the old chunks.
+        Args:
+            documents: strings, or dicts with ``text`` and optional ``id`` and ``metadata``.
+            split: cut long documents into chunks of about ``chunk_words`` words.
+            progress: show a progress bar (long imports).
+
+        Returns:
+            The new chunks.
+
+        Raises:
+            TypeError: a single document instead of a list, or an item of another type.
+            InvalidDocumentError: an empty text, a bad id or metadata that cannot be stored
+                (nothing is added).
+
+        >>> pc.add_documents([{"id": "mail-1", "text": "The review moved to Thursday."}])   # doctest: +SKIP
+        [Chunk(id='mail-1#c000', ...)]
         """
         self._ensure_open()
         self._parts.activity.touch()
@@ -240,8 +268,17 @@ class PerCache:
         return chunks
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
-        """Delete documents by id (ids this cache does not hold are skipped); returns the
-        number of chunks removed.
+        """Delete documents by id (ids this cache does not hold are skipped).
+
+        Args:
+            doc_ids: a list of document ids.
+
+        Returns:
+            The number of chunks removed.
+
+        Raises:
+            TypeError: a single string instead of a list.
+            InvalidDocumentError: an empty id.
 
         Nothing made from their text stays: their chunks, the QA entries answered from
         them, every stored prompt answer (keys do not say which texts a prompt held), the chunk states that may hold them (only the system prompt's and the
@@ -264,7 +301,22 @@ class PerCache:
             return len(self._parts.knowledge.delete_documents(ids))
 
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
-        """The chunks hybrid retrieval gives for *question* (best first)."""
+        """The chunks hybrid retrieval (embeddings and BM25, fused) gives for *question*.
+
+        Args:
+            question: the question.
+            k: how many chunks (default: ``top_k``).
+
+        Returns:
+            The retrieved chunks with their scores, best first.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question.
+            ValueError: *k* is not a positive integer.
+
+        >>> [r.chunk.id for r in pc.retrieve("When is the review?", k=2)]   # doctest: +SKIP
+        ['mail-1#c000', 'notes-3#c001']
+        """
         self._ensure_open()
         return self._parts.knowledge.retrieve(
             validated_question(question), positive_override("k", k, self.config.top_k)
@@ -282,12 +334,30 @@ class PerCache:
         scope: Mapping[str, Any] | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
-        """Answer *question* from the QA bank, or generate it reusing chunk states.
+        """Answer *question* from a stored answer, or generate it reusing chunk states.
 
-        Per-call overrides: ``similarity_threshold`` (tau), ``top_k``, ``max_new_tokens``.
-        ``scope`` (e.g. ``{"meeting": "kickoff"}``) confines both the QA bank (only entries
-        stored with the same scope) and retrieval (only chunks whose metadata match) to it.
-        With ``stream=True`` an :class:`AnswerStream` is returned instead.
+        Args:
+            question: the user's question.
+            similarity_threshold: tau for this call (semantic mode).
+            top_k: chunks retrieved for this call.
+            max_new_tokens: the longest answer for this call.
+            scope: e.g. ``{"meeting": "kickoff"}``: confines both the QA bank (only
+                entries stored with the same scope) and retrieval (only chunks whose
+                metadata match) to it.
+            stream: return an :class:`AnswerStream` (text pieces as they come, then
+                ``.answer``) instead of an :class:`~percache_core.types.Answer`.
+
+        Returns:
+            The answer: its text, where it came from (``source``), tokens reused and
+            prefilled, timings.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question (before any work).
+            ValueError: an override out of range.
+            CacheClosedError: the cache is closed.
+
+        >>> pc.answer("When is the review?").source   # doctest: +SKIP
+        'chunk_states'
         """
         self._ensure_open()
         question = validated_question(question)
@@ -305,7 +375,12 @@ class PerCache:
         return delivered(self._parts.activity.in_user_turn(events), stream)
 
     def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
-        """``answer(question, stream=True, **overrides)``."""
+        """``answer(question, stream=True, **overrides)``: the text pieces as they come.
+
+        >>> stream = pc.answer_stream("When is the review?")   # doctest: +SKIP
+        >>> text = "".join(stream); stream.answer.source        # doctest: +SKIP
+        'full'
+        """
         return self.answer(question, stream=True, **overrides)  # type: ignore[return-value]
 
     # -- idle time ------------------------------------------------------------------------
@@ -325,6 +400,20 @@ class PerCache:
         abstract, stale answers refreshed, follow-ups answered, prediction and population
         (``max_predictions`` per view, default ``prediction_stride``), the bulk knowledge
         prefill, conversions, calibration.
+
+        Args:
+            max_seconds: the round stops after this long (between steps).
+            max_predictions: questions predicted per view (knowledge, history).
+            knowledge_prediction: also predict from the knowledge abstract (else from the
+                recent questions only).
+            progress: show a progress bar.
+            should_stop: asked between segments and tokens; the round stops when it turns
+                true.
+            answer: question -> whether an answer was stored: the app's own pipeline
+                answers the predicted questions.
+
+        Returns:
+            What the round did (:class:`~percache_core.prediction.scheduler.WarmReport`).
 
         A user question pre-empts it (``report.preempted``). With *answer* (question ->
         whether an answer was stored), predicted questions are answered by the caller's own
@@ -352,9 +441,21 @@ class PerCache:
         round_seconds: float | None = 60.0,
         answer: Callable[[str], bool] | None = None,
     ) -> IdleWorker:
-        """Start the background worker (idle rounds after ``idle_after_s`` without a query,
-        while ``should_run()`` allows; *answer* as in :meth:`warm`); returns it. One worker
-        per cache."""
+        """Start the background worker: idle rounds (see :meth:`warm`) while no question
+        is asked. One worker per cache; a user's question pre-empts a round at once.
+
+        Args:
+            idle_after_s: seconds without a question before a round (default:
+                ``idle_after_s`` of the config).
+            should_run: asked before each round (e.g. "on mains power").
+            round_seconds: the longest round.
+            answer: as in :meth:`warm` (an app's own pipeline answers the predictions).
+
+        Returns:
+            The running :class:`~percache_core.prediction.worker.IdleWorker`.
+
+        >>> pc.start_worker(idle_after_s=30)   # doctest: +SKIP
+        """
         self._ensure_open()
         if self._worker is not None and self._worker.running:
             return self._worker
@@ -376,9 +477,19 @@ class PerCache:
 
     def configure(self, **changes: Any) -> PerCacheConfig:
         """Change settings at run time (e.g. ``similarity_threshold``, budgets): the next
-        question and the next idle round use them. Settings fixed when the cache was
-        opened (the shared tier's, and the model's once it is loaded) are refused with a
-        ``ValueError``; reopen the cache to change them.
+        question and the next idle round use them.
+
+        Args:
+            changes: ``PerCacheConfig`` fields and their new values.
+
+        Returns:
+            The settings now.
+
+        Raises:
+            ValueError: a value out of range, or a setting fixed when the cache was opened
+                (the shared tier's, and the model's once it is loaded): reopen the cache to
+                change those.
+            TypeError: an unknown setting.
 
         >>> pc.configure(similarity_threshold=0.8)   # doctest: +SKIP
         """
@@ -404,7 +515,11 @@ class PerCache:
     # -- reporting ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Hit rates, token counts, bytes and entries per tier.
+        """What the cache did and holds: answers by source, hit rates, tokens reused and
+        prefilled, bytes and entries of each tier, idle work, the engine's self-check.
+
+        Returns:
+            A JSON-ready dict (``qa_bank``, ``chunk_states``, ``prediction``, ...).
 
         >>> pc.stats()["qa_bank"]["entries"]   # doctest: +SKIP
         12
