@@ -304,7 +304,8 @@ class RequestPath:
         question, tokens = request.question, request.max_new_tokens
         if candidates is None:
             candidates = self.candidates(request.embedding, binding=request.binding, scope=request.scope)
-        drafts = [self.draft_tokens(c.entry) for c in candidates]
+        # stored answers are drafts only where the engine verifies them (in the process)
+        drafts = [self.draft_tokens(c.entry) for c in candidates] if parts.runtime.features.token_level else []
         runner = parts.runtime.runner
         if config.context != "fixed":
             clock = time.perf_counter()

@@ -16,7 +16,6 @@ round trip at opening (:mod:`percache_core.kv.slicing`), and whole otherwise.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import threading
 from collections.abc import Sequence
@@ -45,8 +44,6 @@ from .generation import PromptRunner
 from .prompting import TEMPLATE_VERSION, chunk_text
 from .server_runner import ServerRunner
 from .state_runner import StateRunner
-
-logger = logging.getLogger(__name__)
 
 ENGINE_MEMO = "engines"  # load identity -> engine fingerprint (see ModelRuntime.model_id)
 
@@ -279,11 +276,9 @@ class ModelRuntime:
     def _open_server_states(self, server: LlamaServer) -> None:
         """The runner and stored states of a llama-server: whole slot files, at the state
         points of the server's own cut rule (measured through it once); no chunk-state tier
-        where the server cannot hold exact states (the reason is logged)."""
-        problem = server.chunk_state_problem
-        rule = measure_server_cut_rule(server) if problem is None and self.config.chunk_states else None
-        if problem is not None:
-            logger.warning("no chunk states on the llama-server at %s: %s (stored answers still work)", server.url, problem)
+        where the server cannot hold exact states (``PerCache.open`` said why)."""
+        chunk_states = self.features.chunk_states and self.config.chunk_states
+        rule = measure_server_cut_rule(server) if chunk_states else None
         with self._lock:
             if self._states is not None:
                 return

@@ -29,9 +29,9 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -326,20 +326,21 @@ class ServerRunner(StateRunner):
         early: list[NewState] = []
         if self.states is not None and self.rule is not None and self.window < NO_WINDOW:
             point = self._save_early(result, layout, keys, point, end, early, should_stop)
+        start = point  # where the last request's prefill started (0 where it was run again)
         try:
             if options.decode:
-                yield from self._complete(result, tokens, point, options, should_stop, started)
+                start = yield from self._complete(result, tokens, point, options, should_stop, started)
                 complete = self._slot is not None  # the request ran to its end
             else:
                 if end > point:  # (a prefix with no state point to reach has nothing to prefill)
-                    self._prefill_to(result, tokens[:end], point, should_stop)
+                    start = self._prefill_to(result, tokens[:end], point, should_stop)
                 complete = True
             result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
-                self._store_later(layout, keys, early, point, end, options.idle)
+                self._store_later(layout, keys, early, start, end, options.idle)
             result.timings["store_states"] = time.perf_counter() - clock
 
     def _save_early(
@@ -358,7 +359,7 @@ class ServerRunner(StateRunner):
         start the rest of the prompt may go on from. Returns where the slot's prefill ends."""
         states = self.states
         assert states is not None
-        parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= point), "")
+        parent = self._stored_parent_key(keys, point)
         for index in range(len(keys)):
             state_point = layout.state_point(index)
             if not layout.segments[index].keep_state or keys[index] in states or state_point <= point:
@@ -385,15 +386,25 @@ class ServerRunner(StateRunner):
                 parent = keys[index]
         return point
 
-    def _prefill_to(self, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> None:
-        """Prefill *tokens* from *point* (from 0 when the server reused otherwise)."""
+    def _prefill_to(self, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> int:
+        """Prefill *tokens* from *point* (from 0 when the server reused otherwise);
+        returns where the prefill started."""
         try:
             self._prefill(tokens, point, should_stop)
+            return point
         except UnexpectedReuse as error:
             logger.warning("%s; the prompt is prefilled from the start", error)
             self.unexpected_reuse += 1
             result.reused_tokens = result.depth = 0
             self._prefill(tokens, 0, should_stop)
+            return 0
+
+    def _stored_parent_key(self, keys: list[str], point: int) -> str:
+        """The deepest stored prefix among *keys* within the first *point* tokens (the
+        parent of a state taken after it), or "" (the root)."""
+        assert self.states is not None
+        tree = self.states.tree
+        return next((key for key in reversed(keys) if (node := tree.get(key)) and node.n_tokens <= point), "")
 
     def _wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int) -> list[int]:
         """The segments whose states are wanted, not stored, and may be taken from the slot
@@ -416,7 +427,7 @@ class ServerRunner(StateRunner):
         states = self.states
         assert states is not None
         tokens = layout.tokens
-        parent = next((key for key in reversed(keys) if (node := states.tree.get(key)) and node.n_tokens <= start), "")
+        parent = self._stored_parent_key(keys, start)
         taken = []
         for index in wanted:
             point = layout.state_point(index)
@@ -503,20 +514,15 @@ class ServerRunner(StateRunner):
             cut -= self.rule.multiple
         if cut < least:
             return 0
-        name = f"percache-{uuid.uuid4().hex}.bin"
-        path = self._slot_folder() / name
         try:
             data = slot_file_prefix(self._save(), tokens[:cut])
             if data is None:
                 return 0
-            path.write_bytes(data)
-            restored = self.engine.restore_slot(name)
+            restored = self._load(data)
         except (OSError, ServerError) as error:
             logger.warning("the slot could not be cut back (%s)", error)
             self._slot = None
             return 0
-        finally:
-            path.unlink(missing_ok=True)
         if restored != cut:
             self._slot = None
             return 0
@@ -564,16 +570,11 @@ class ServerRunner(StateRunner):
         assert self.states is not None
         data = self.states.get(node)
         if data is not None:
-            name = f"percache-{uuid.uuid4().hex}.bin"
-            path = self._slot_folder() / name
             try:
-                path.write_bytes(data)
-                restored = self.engine.restore_slot(name)
+                restored = self._load(data)
             except (OSError, ServerError) as error:
                 logger.warning("chunk state %s could not be restored (%s): treated as a miss", node.key, error)
                 restored = -1
-            finally:
-                path.unlink(missing_ok=True)
             if restored == node.n_tokens:
                 self.states.record_use(node)
                 self._slot = SlotContent(tuple(tokens[: node.n_tokens]), node.n_tokens)  # its key names its tokens
@@ -598,15 +599,27 @@ class ServerRunner(StateRunner):
             pass
         self._slot = SlotContent(tuple(tokens), self.valid_end(point, len(tokens)) if self.rule else 0)
 
-    def _save(self) -> bytes:
-        """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
+    @contextmanager
+    def _slot_file(self) -> Iterator[tuple[str, Path]]:
+        """A fresh file name in the slot-save folder and its path (removed afterwards)."""
         name = f"percache-{uuid.uuid4().hex}.bin"
         path = self._slot_folder() / name
         try:
-            self.engine.save_slot(name)
-            return path.read_bytes()
+            yield name, path
         finally:
             path.unlink(missing_ok=True)
+
+    def _save(self) -> bytes:
+        """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
+        with self._slot_file() as (name, path):
+            self.engine.save_slot(name)
+            return path.read_bytes()
+
+    def _load(self, data: bytes) -> int:
+        """Load the slot file *data* into the slot; the tokens the server restored."""
+        with self._slot_file() as (name, path):
+            path.write_bytes(data)
+            return self.engine.restore_slot(name)
 
     def _complete(
         self,
@@ -616,8 +629,9 @@ class ServerRunner(StateRunner):
         options: RunOptions,
         should_stop: StopCheck | None,
         started: float,
-    ) -> Generator[str, None, None]:
-        """Complete the prompt from *point*; on a reuse other than planned, from 0."""
+    ) -> Generator[str, None, int]:
+        """Complete the prompt from *point*; on a reuse other than planned, from 0.
+        Returns where its prefill started."""
         assert options.sampling is not None
         stops = stop_strings(self.config.stop if options.stop is None else options.stop)
         stop = StopStringFilter(stops, strip=options.trim)
@@ -653,7 +667,6 @@ class ServerRunner(StateRunner):
                 logger.warning("%s; the prompt is prefilled from the start", error)
                 self.unexpected_reuse += 1
                 point = result.reused_tokens = result.depth = 0
-                result.prefilled_tokens = len(tokens)
             finally:
                 pieces.close()
         completion = server.last
@@ -667,6 +680,7 @@ class ServerRunner(StateRunner):
         if completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
             valid = self.valid_end(point, len(tokens)) if self.rule else 0
             self._slot = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
+        return point
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         self.flush()
