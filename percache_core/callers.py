@@ -25,9 +25,11 @@ answers by accident.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from .inputs import as_chunks, positive_override, similarity_override, validated_question, validated_scope
@@ -35,10 +37,12 @@ from .kv.engine import Engine, Sampling, TextModel
 from .serving.parts import CacheParts
 from .serving.prompting import TextPrompt
 from .serving.request_path import RequestPath, stored_answer
+from .serving.state_runner import RelayedRequest
 from .serving.streaming import AnswerStream, delivered
 from .types import Answer, Chunk, QAEntry, QAHit
 
 OFFERS_KEPT = 64
+QUOTE_KEY = 48  # characters a quoted passage is found by (its first ones)
 
 
 def _offer_key(question: str, binding: str, scope: dict[str, Any] | None) -> tuple[str, str, str]:
@@ -56,6 +60,7 @@ class CallerCache:
         # semantic lookups that served nothing: the stored answers they saw, until the
         # caller remembers its own answer to the question (a calibration label each)
         self._offered: OrderedDict[tuple[str, str, str], list[QAHit]] = OrderedDict()
+        self._quote_index: tuple[int, dict[str, list[Chunk]]] = (-1, {})  # knowledge version, index
 
     # -- serving stored answers -------------------------------------------------------------
 
@@ -190,6 +195,51 @@ class CallerCache:
         )
         return delivered(self._parts.activity.in_user_turn(events), stream)
 
+    def relay(
+        self, request: RelayedRequest, prompt: str, *, documents: Sequence[str] = (), stream: bool = False
+    ) -> Answer | AnswerStream:
+        """Run a client's OpenAI request on a llama-server engine's own endpoint, with the
+        chunk states of its leading part restored: the server lays out, samples, stops and
+        parses the reply as it does for the client alone (``percache serve`` uses this).
+
+        *prompt* is the prompt the server lays out for *request* (``apply_template`` of a
+        chat's body, a completion's prompt string), cut where one of *documents* ends as
+        :meth:`complete` does. The server must report the planned reuse of a prompt of the
+        same length before any text, else the request runs again from nothing. An
+        identical request run before (same prompt and body) is answered from its stored
+        answer without the model; *request* then holds its finish reason and no chunks.
+
+        Args:
+            request: the path and body; the run fills in its chunks, finish reason and usage.
+            prompt: the request's prompt as the server lays it out (non-empty).
+            documents: texts in the prompt (messages, passages) after which states are kept.
+            stream: return an :class:`AnswerStream` of text pieces instead of an Answer.
+
+        Returns:
+            The :class:`Answer` (source ``"prompt_answer"`` when stored before), or a stream.
+
+        Raises:
+            TypeError: on a prompt that is not a non-empty string.
+            PerCacheError: when this cache's engine is not a llama-server.
+
+        >>> request = RelayedRequest("/v1/chat/completions", body)           # doctest: +SKIP
+        >>> pc.caller.relay(request, server.apply_template(body)).text       # doctest: +SKIP
+        """
+        self._ensure_open()
+        if not isinstance(prompt, str) or not prompt:
+            raise TypeError("prompt must be a non-empty string")
+        spec = TextPrompt(prompt, tuple(d for d in documents if d.strip()), add_bos=True)
+        events = self._path.complete(
+            prompt, spec=spec, stop=(), max_new_tokens=1, sampling=None, prompt_lookup=False, trim=False, relay=request
+        )  # (the server decodes as the body says; one token of room is what the layout keeps)
+        return delivered(self._parts.activity.in_user_turn(events), stream)
+
+    def lend_engine(self) -> AbstractContextManager[None]:
+        """Hold the engine for a request PerCache does not run (a passed-through one):
+        no other request runs meanwhile, and what its slot holds afterwards is unknown."""
+        self._ensure_open()
+        return self._parts.runtime.runner.lend_engine()
+
     def generate(
         self,
         question: str,
@@ -313,6 +363,38 @@ class CallerCache:
         """Whether this cache answers with *engine* (so the caller's model calls may go
         through :meth:`complete`)."""
         return self._parts.runtime.runs_on(engine)
+
+    def quoted_passages(self, text: str) -> list[str]:
+        """The passages of the knowledge's chunks that *text* (a prompt) quotes, in order:
+        from a chunk's start, as long as the text goes on as the chunk does (an app may
+        shorten its passages), at least ``QUOTE_KEY`` characters. A prompt cut where they end
+        keeps their states (:meth:`relay`'s *documents*).
+
+        >>> pc.caller.quoted_passages(f"Notes: {chunk.text} Question: when?")   # doctest: +SKIP
+        [chunk.text]
+        """
+        self._ensure_open()
+        knowledge = self._parts.knowledge
+        version, index = self._quote_index
+        if version != knowledge.version:
+            index = {}
+            for chunk in knowledge.chunks:
+                if len(chunk.text) >= QUOTE_KEY:
+                    index.setdefault(chunk.text[:QUOTE_KEY], []).append(chunk)
+            self._quote_index = (knowledge.version, index)
+        found: list[str] = []
+        start = 0
+        while start <= len(text) - QUOTE_KEY:
+            best = ""
+            for chunk in index.get(text[start : start + QUOTE_KEY], ()):
+                span = os.path.commonprefix([text[start : start + len(chunk.text)], chunk.text])
+                best = span if len(span) > len(best) else best
+            if best:
+                found.append(best)
+                start += len(best)
+            else:
+                start += 1
+        return found
 
     def chunk(self, chunk_id: str) -> Chunk | None:
         """The stored chunk *chunk_id* (a whole document's first chunk as ``id#c000``)."""

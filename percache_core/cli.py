@@ -1,10 +1,11 @@
-"""The ``percache`` command: ``demo``, ``ingest``, ``ask``, ``warm`` and ``stats``.
+"""The ``percache`` command: ``demo``, ``ingest``, ``ask``, ``warm``, ``stats`` and ``serve``.
 
 percache demo                          # scripted tour on the bundled corpus
 percache ingest notes/*.txt --cache ~/.percache/me
 percache ask "When is the rehearsal?" --cache ~/.percache/me --stream
 percache warm --cache ~/.percache/me --max-seconds 60
 percache stats --cache ~/.percache/me
+percache serve --upstream http://127.0.0.1:8081 --cache ~/.percache/me   # OpenAI endpoint
 
 Measurements live in the repository's ``benchmarks/`` (not installed).
 """
@@ -202,6 +203,18 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from .endpoint import EndpointSettings
+    from .endpoint.serve import checked_api_key, open_server, serve, shared_config
+
+    key = checked_api_key(args.host, args.api_key)  # before any work
+    config = shared_config(args.shared_url)
+    server = open_server(args.upstream, args.model, args.slot_save_path)
+    settings = EndpointSettings(api_key=key, max_request_bytes=args.max_request_bytes)
+    serve(args.cache, server, host=args.host, port=args.port, settings=settings, config=config, idle=args.idle)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="percache", description="Predictive two-tier cache for local RAG.")
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp and cache logs")
@@ -234,6 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
     common(stats, DEFAULT_CACHE)
     stats.set_defaults(handler=run_stats)
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible endpoint with PerCache in front of a llama-server"
+    )
+    serve.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
+    serve.add_argument("--upstream", help="URL of a running llama-server (e.g. http://127.0.0.1:8081)")
+    serve.add_argument("--model", help="a GGUF file: start a llama-server on it (instead of --upstream)")
+    serve.add_argument("--slot-save-path", help="the upstream server's --slot-save-path folder (chunk states)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")
+    serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest request body")
+    serve.add_argument("--shared-url", help="Redis tier shared with other endpoints ($PERCACHE_SHARED_SECRET signs)")
+    serve.add_argument("--idle", action="store_true", help="run idle prediction between requests")
+    serve.set_defaults(handler=run_serve)
     return parser
 
 

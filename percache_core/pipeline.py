@@ -213,6 +213,12 @@ class PerCache:
         return self._folder
 
     @property
+    def chunk_count(self) -> int:
+        """How many chunks the knowledge holds (0: no documents added)."""
+        self._ensure_open()
+        return len(self._parts.knowledge)
+
+    @property
     def embedder(self) -> Embedder:
         """The embedder of questions and chunks (e.g. for an app's own vector store)."""
         return self._parts.embedder

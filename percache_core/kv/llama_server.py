@@ -61,6 +61,10 @@ class ServerError(PerCacheError):
     """The llama-server answered with an error, or could not be reached or started."""
 
 
+class ServerUnreachable(ServerError):
+    """The llama-server could not be reached (stopped, or not there)."""
+
+
 @dataclass
 class Completion:
     """What one :meth:`LlamaServer.complete` request did (filled in as it streams)."""
@@ -72,6 +76,9 @@ class Completion:
     stop_type: str = ""  # "eos", "limit", "word", or "" while streaming
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # first token's, with n_probs
     timings: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""  # a relayed OpenAI request's: "stop" or "length"
+    usage: dict[str, Any] = field(default_factory=dict)  # a relayed OpenAI request's, as the server sent it
+    plain: bool = True  # a relayed chat's deltas held nothing but its text (no reasoning, no tool calls)
 
 
 def find_server_binary() -> Path:
@@ -368,7 +375,7 @@ class LlamaServer:
         try:
             status, decoded = self._request("POST", path, body)
         except (OSError, http.client.HTTPException) as error:
-            raise ServerError(f"llama-server at {self.url} unreachable: {error}") from error
+            raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
         if status != 200:
             raise ServerError(f"llama-server {path}: HTTP {status}: {_error_text(decoded)}")
         return decoded
@@ -382,7 +389,7 @@ class LlamaServer:
             try:
                 status, decoded = self._request("GET", "/props")
             except (OSError, http.client.HTTPException) as error:
-                raise ServerError(f"llama-server at {self.url} unreachable: {error}") from error
+                raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
             if status != 200 or not isinstance(decoded, dict):
                 raise ServerError(f"llama-server /props: HTTP {status}: {_error_text(decoded)}")
             self._props = decoded
@@ -400,6 +407,21 @@ class LlamaServer:
     def model_name(self) -> str:
         alias = self.props.get("model_alias") or ""
         return str(alias or Path(str(self.props.get("model_path", "model"))).stem)
+
+    @property
+    def api_key(self) -> str | None:
+        """The key the server asks for (None: none)."""
+        return self._api_key
+
+    def models(self) -> dict[str, Any]:
+        """The server's ``/v1/models`` list."""
+        try:
+            status, body = self._request("GET", "/v1/models")
+        except (OSError, http.client.HTTPException) as error:
+            raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
+        if status != 200 or not isinstance(body, dict):
+            raise ServerError(f"llama-server /v1/models: HTTP {status}")
+        return body
 
     @property
     def chat_template(self) -> str | None:
@@ -442,11 +464,10 @@ class LlamaServer:
 
     @property
     def n_vocab(self) -> int:
-        status, decoded = self._request("GET", "/v1/models")
         try:
-            return int(decoded["data"][0]["meta"]["n_vocab"])
+            return int(self.models()["data"][0]["meta"]["n_vocab"])
         except (KeyError, IndexError, TypeError, ValueError) as error:
-            raise ServerError(f"llama-server /v1/models: HTTP {status}: no n_vocab") from error
+            raise ServerError("llama-server /v1/models: no n_vocab") from error
 
     def warm_up(self) -> None:
         """Read the server's settings (it warms its model up itself when it starts)."""
@@ -497,6 +518,11 @@ class LlamaServer:
         body = {"messages": [{"role": role, "content": content} for role, content in messages]}
         prompt = str(self._post("/apply-template", body)["prompt"])
         return ChatPrompt(prompt, add_bos=True)
+
+    def apply_template(self, body: dict[str, Any]) -> str:
+        """The prompt the server's ``/v1/chat/completions`` lays out for the OpenAI request
+        *body* (its messages, tools and template settings), without running it."""
+        return str(self._post("/apply-template", body)["prompt"])
 
     def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
         if template is not None:
@@ -550,19 +576,27 @@ class LlamaServer:
 
     last: Completion = Completion()
 
+    def _event_stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The events of a streamed POST to *path*, read on to the stream's end (so the
+        connection can be reused) unless the caller stops early; an error event raised."""
+        try:
+            response = self._send("POST", path, body)
+        except (OSError, http.client.HTTPException) as error:
+            raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
+        if response.status != 200:
+            raise ServerError(f"llama-server {path}: HTTP {response.status}: {_error_text(_json(response.read()))}")
+        for event in _events(response):
+            if "error" in event:
+                raise ServerError(f"llama-server {path}: {_error_text(event)}")
+            yield event
+        response.read()
+        if response.will_close:
+            self._drop_connection()
+
     def _stream(self, body: dict[str, Any], completion: Completion, expected_cached: int | None) -> Iterator[str]:
         finished = False
         try:
-            try:
-                response = self._send("POST", "/completion", body)
-            except (OSError, http.client.HTTPException) as error:
-                raise ServerError(f"llama-server at {self.url} unreachable: {error}") from error
-            if response.status != 200:
-                raw = response.read()
-                raise ServerError(f"llama-server /completion: HTTP {response.status}: {_error_text(_json(raw))}")
-            for event in _events(response):
-                if "error" in event:
-                    raise ServerError(f"llama-server /completion: {_error_text(event)}")
+            for event in self._event_stream("/completion", body):
                 progress = event.get("prompt_progress")
                 if progress is not None and completion.cached is None:
                     completion.cached = int(progress.get("cache", 0))
@@ -571,14 +605,8 @@ class LlamaServer:
                 self._absorb(event, completion)
                 if event.get("content"):
                     yield event["content"]
-                if event.get("stop"):
-                    finished = True
-                    break
-            if finished:
-                response.read()  # the end of the stream, so the connection can be reused
-                if response.will_close:
-                    self._drop_connection()
-            else:
+                finished = finished or bool(event.get("stop"))  # (the stream ends after it)
+            if not finished:
                 raise ServerError("llama-server closed the stream before the end of the completion")
         finally:
             if not finished:
@@ -601,6 +629,72 @@ class LlamaServer:
         if event.get("stop"):
             completion.stop_type = str(event.get("stop_type", ""))
 
+    def relay(
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        cache_prompt: bool,
+        expected_cached: int,
+        expected_total: int,
+        chunks: list[dict[str, Any]],
+    ) -> Iterator[str]:
+        """Run a client's OpenAI request *body* on the server's own endpoint *path*
+        (``/v1/chat/completions`` or ``/v1/completions``) in slot 0, streamed: the server
+        lays out the prompt, samples, stops and parses the reply as it does for the client
+        alone. Appends each chunk the client would get to *chunks* as it arrives (the
+        server's progress events left out) and yields the text each adds; the request's
+        :class:`Completion` is :attr:`last`.
+
+        Before any text, the server's progress event must show *expected_cached* tokens
+        reused of a prompt of *expected_total* tokens (the prompt PerCache laid out):
+        otherwise the request is cancelled and :class:`UnexpectedReuse` raised."""
+        request = dict(body)
+        request.update(
+            stream=True,
+            stream_options={"include_usage": True},
+            cache_prompt=cache_prompt,
+            id_slot=SLOT,
+            return_progress=True,
+        )
+        completion = self.last = Completion()
+        yield from self._relay_stream(path, request, completion, (expected_cached, expected_total), chunks)
+
+    def _relay_stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        completion: Completion,
+        expected: tuple[int, int],
+        chunks: list[dict[str, Any]],
+    ) -> Iterator[str]:
+        finished = False
+        try:
+            for event in self._event_stream(path, body):
+                progress = event.get("prompt_progress")
+                if progress is not None:
+                    if completion.cached is None:
+                        completion.cached = int(progress.get("cache", 0))
+                        total = int(progress.get("total", 0))
+                        if (completion.cached, total) != expected:
+                            raise UnexpectedReuse(expected[0], completion.cached, expected[1], total)
+                    continue  # progress is PerCache's, not the client's
+                if completion.cached is None:
+                    raise ServerError(f"llama-server {path} reported no prompt progress: its reuse is unknown")
+                if event.get("usage"):
+                    completion.usage = dict(event["usage"])
+                if event.get("timings"):
+                    completion.timings = {k: float(v) for k, v in event["timings"].items() if isinstance(v, (int, float))}
+                    event = {k: v for k, v in event.items() if k != "timings"}
+                chunks.append(event)
+                text = _absorb_choice(event, completion)
+                if text:
+                    yield text
+            finished = True
+        finally:
+            if not finished:
+                self._drop_connection()  # the server cancels the request when the client goes
+
     def save_slot(self, filename: str) -> int:
         """Save slot 0's tokens and KV cells as *filename* in the slot-save folder; the
         tokens saved."""
@@ -616,11 +710,33 @@ class LlamaServer:
 
 
 class UnexpectedReuse(ServerError):
-    """The server reused another number of prompt tokens than the request counted on."""
+    """The server reused another number of prompt tokens than the request counted on (or,
+    for a relayed request, laid out a prompt of another length)."""
 
-    def __init__(self, expected: int, cached: int) -> None:
-        super().__init__(f"the server reused {cached} prompt tokens, not {expected}")
+    def __init__(self, expected: int, cached: int, expected_total: int = 0, total: int = 0) -> None:
+        other_prompt = f" of a {total}-token prompt, not {expected_total}" if total != expected_total else ""
+        super().__init__(f"the server reused {cached} prompt tokens{other_prompt}, not {expected}")
         self.expected, self.cached = expected, cached
+
+
+def _absorb_choice(event: dict[str, Any], completion: Completion) -> str:
+    """The text one OpenAI chunk adds (a chat delta's content, a completion's text); its
+    finish reason and whether it holds more than text are noted on *completion*."""
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if choice.get("finish_reason"):
+        completion.finish_reason = str(choice["finish_reason"])
+    delta = choice.get("delta")
+    if delta is None:  # /v1/completions
+        text = choice.get("text") or ""
+    else:
+        text = delta.get("content") or ""
+        if any(value for key, value in delta.items() if key not in ("role", "content")):
+            completion.plain = False  # reasoning or tool calls: relayed, not kept as an answer
+    completion.text += text
+    return text
 
 
 def _events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:

@@ -62,6 +62,7 @@ class PromptAnswer:
     generated_tokens: int
     chunk_ids: tuple[str, ...] = ()
     idle: bool = False  # produced by idle work (a predicted or refreshed question)
+    finish_reason: str = ""  # a relayed OpenAI request's ("stop" or "length")
 
 
 def prompt_key(model: str, pieces: Sequence[Sequence[int]], decoding: Mapping[str, Any]) -> str:
@@ -128,6 +129,7 @@ class PromptAnswers:
             "generated_tokens": answer.generated_tokens,
             "chunk_ids": list(answer.chunk_ids),
             "idle": answer.idle,
+            "finish_reason": answer.finish_reason,
         }
         evicted = self._store.put(PREFIX + key, value, budget=(PREFIX, self.budget_bytes))
         self.evictions += len(evicted or ())
@@ -176,6 +178,7 @@ def _answer(value: Any) -> PromptAnswer | None:
             generated_tokens=int(value["generated_tokens"]),
             chunk_ids=tuple(str(c) for c in value.get("chunk_ids", ())),
             idle=bool(value.get("idle", False)),
+            finish_reason=str(value.get("finish_reason", "")),
         )
     except (KeyError, TypeError, ValueError):
         return None

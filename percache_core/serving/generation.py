@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..config import PerCacheConfig
+from ..errors import PerCacheError
 from ..kv.cuts import CutRule, batch_bounds, known_cut_rule, measure_cut_rule
 from ..kv.engine import Engine
 from ..kv.stopping import StopStringFilter
@@ -81,6 +82,8 @@ class PromptRunner(StateRunner):
         not complete, no new state is kept. *started* (``time.perf_counter()``) is when the
         request began, for the time to first token.
         """
+        if options.relay is not None:
+            raise PerCacheError("an OpenAI request is relayed by a llama-server engine only")
         started = time.perf_counter() if started is None else started
         states = self.states if self.config.chunk_states else None
         engine = self.engine

@@ -190,7 +190,7 @@ def _document_ends(text: str, documents: Sequence[str]) -> list[int]:
 
 
 def lay_out_text(
-    prompt: TextPrompt, engine: TextModel, *, max_prompt_tokens: int, rule: CutRule | None
+    prompt: TextPrompt, engine: TextModel, *, max_prompt_tokens: int, rule: CutRule | None, lead: int = 0
 ) -> PromptLayout:
     """*prompt* tokenized whole (markup such as ``<start_of_turn>`` as special tokens, BOS
     as ``prompt.add_bos`` says) and cut only where a state is worth keeping: at the last position *rule* allows
@@ -201,8 +201,11 @@ def lay_out_text(
     without stored states, inside or outside a framework's engine. Without documents, or
     without a rule (a build where no cut is safe), or when the detokenized tokens do not
     spell the prompt exactly, the prompt is one piece. A piece that ends at a document keeps
-    its state; the last piece never does. Raises :class:`ContextOverflowError` when the
-    prompt does not fit.
+    its state; the last piece never does. With *lead*, the last document's end also gets a
+    cut *lead* tokens before it: where a cut must leave at least *lead* tokens after it (a
+    llama-server's rule), a later prompt that follows the same documents with a shorter
+    question can still restore that much. Raises :class:`ContextOverflowError` when the prompt does not
+    fit.
     """
     text = prompt.text
     if prompt.add_bos is None:
@@ -228,7 +231,7 @@ def lay_out_text(
     if offset != len(data):
         return whole
     at_char = _char_boundaries(text, boundaries)
-    cuts = _keep_cuts(text, document_ends, at_char, len(tokens), rule)
+    cuts = _keep_cuts(text, document_ends, at_char, len(tokens), rule, lead)
     offsets = {token: char for char, token in at_char.items()}
     segments: list[Segment] = []
     start_token, start_char = 0, 0
@@ -277,11 +280,14 @@ def _char_boundaries(text: str, boundaries: dict[int, int]) -> dict[int, int]:
     return found
 
 
-def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_tokens: int, rule: CutRule) -> list[int]:
+def _keep_cuts(
+    text: str, document_ends: list[int], at_char: dict[int, int], n_tokens: int, rule: CutRule, lead: int = 0
+) -> list[int]:
     """Token indices of the cuts after documents: after a document's end and the white
-    space that follows it (else at the first token boundary after its end), moved back to a
-    multiple of ``rule.multiple``, and only where ``rule`` allows the pieces it leaves.
-    *at_char*: character offset -> token index."""
+    space that follows it (else at the first token boundary after its end), and *lead*
+    tokens before the last of them (when given), moved back to a multiple of
+    ``rule.multiple``, and only where ``rule`` allows the pieces it leaves. *at_char*:
+    character offset -> token index."""
     ordered = sorted(at_char)
     wanted: set[int] = set()
     for end in document_ends:
@@ -294,6 +300,9 @@ def _keep_cuts(text: str, document_ends: list[int], at_char: dict[int, int], n_t
             index = bisect.bisect_left(ordered, end)
             if index < len(ordered):
                 wanted.add(at_char[ordered[index]])
+    if lead and wanted:  # the last document: what a later prompt may follow with a short question
+        last = max(wanted)
+        wanted |= {last - lead} if last > lead else set()
     cuts: list[int] = []
     for token in sorted({t // rule.multiple * rule.multiple for t in wanted}):
         if rule.allows(cuts[-1] if cuts else 0, token, n_tokens):

@@ -55,7 +55,7 @@ from .binding import answer_metadata, chunk_sources
 from .context import context_chunks
 from .parts import CacheParts
 from .prompting import PromptLayout, TextPrompt
-from .state_runner import RunOptions, RunResult, StopCheck
+from .state_runner import RelayedRequest, RunOptions, RunResult, StopCheck
 from .streaming import drain
 
 logger = logging.getLogger(__name__)
@@ -199,18 +199,29 @@ class RequestPath:
         sampling: Sampling | None,
         prompt_lookup: bool,
         trim: bool,
+        relay: RelayedRequest | None = None,
     ) -> Generator[str, None, Answer]:
         """Run a caller's own prompt *spec* through the chunk states; an identical prompt
         run before (same pieces, engine and decoding) is answered from the prompt answers
         without the model. No QA-bank entry: the question's answers are the caller's to
-        keep. Yields text; returns the :class:`Answer`."""
+        keep. With *relay* the last request is the client's own OpenAI request on a
+        server's endpoint (its body is part of the key; a stored answer's finish reason is
+        set on it). Yields text; returns the :class:`Answer`."""
         started = time.perf_counter()
         runner = self.parts.runtime.runner
         layout = runner.lay_out(question, [], spec=spec, max_new_tokens=max_new_tokens)
         sampling = sampling or self.config.sampling
-        key = prompt_answer_key(self.parts, layout, max_new_tokens, sampling, stop, trim)
+        key = prompt_answer_key(self.parts, layout, max_new_tokens, sampling, stop, trim, relay)
         stored = self.stored_prompt_answer(key)
-        if stored is not None:
+        if stored is not None and (relay is None or stored.finish_reason):
+            if relay is not None:  # what the server said of the run that stored it
+                relay.finish_reason = stored.finish_reason
+                relay.usage = {
+                    "completion_tokens": stored.generated_tokens,
+                    "prompt_tokens": stored.prompt_tokens,
+                    "total_tokens": stored.prompt_tokens + stored.generated_tokens,
+                    "prompt_tokens_details": {"cached_tokens": stored.prompt_tokens},
+                }
             yield stored.text
             return self._finish(prompt_answered(question, stored, started, {}))
         background = self.parts.activity.background_stop()  # idle work yields to users
@@ -221,9 +232,11 @@ class RequestPath:
             prompt_lookup=prompt_lookup,
             trim=trim,
             idle=background is not None,
+            relay=relay,
         )
         result = yield from runner.run(layout, options, should_stop=background, started=started)
-        self.remember_prompt_answer(key, result)
+        if relay is None or (relay.plain and relay.finish_reason):  # reasoning or tool calls: not kept
+            self.remember_prompt_answer(key, result, finish_reason=relay.finish_reason if relay else "")
         return self._finish(generated_answer(question, result, started, dict(result.timings)))
 
     # -- prompt answers: an identical prompt needs no model --------------------------------
@@ -232,11 +245,14 @@ class RequestPath:
         """The stored answer of the prompt with *key*, if any."""
         return None if key is None else self.parts.prompt_answers.find(key)
 
-    def remember_prompt_answer(self, key: str | None, result: RunResult, *, idle: bool | None = None) -> bool:
+    def remember_prompt_answer(
+        self, key: str | None, result: RunResult, *, idle: bool | None = None, finish_reason: str = ""
+    ) -> bool:
         """Store what an exact run of a prompt produced under *key*, for the next identical
         prompt: a user's run with ``store_answers``, idle work's always (*idle*: idle work
-        ran it; None: whether the run was in the background). A failed write is logged and
-        counted (the answer stands). Returns whether it was stored."""
+        ran it; None: whether the run was in the background; *finish_reason*: a relayed
+        request's). A failed write is logged and counted (the answer stands). Returns
+        whether it was stored."""
         parts = self.parts
         if idle is None:
             idle = parts.activity.background_stop() is not None
@@ -249,6 +265,7 @@ class RequestPath:
             generated_tokens=result.generated_tokens,
             chunk_ids=result.layout.chunk_ids,
             idle=idle,
+            finish_reason=finish_reason,
         )
         try:
             parts.prompt_answers.put(key, answer)
@@ -593,22 +610,29 @@ def prompt_answer_key(
     sampling: Sampling,
     stop: Sequence[str] | None,
     trim: bool = True,
+    relay: RelayedRequest | None = None,
 ) -> str | None:
     """The key of a prompt's answer (:func:`~percache_core.qa.prompt_answers.prompt_key` of the
-    engine, its pieces and the decoding settings), or None when ``qa_bank=False``."""
+    engine, its pieces and the decoding settings, or a relayed request's path and body), or
+    None when ``qa_bank=False``."""
     config = parts.config
     if not config.qa_bank:
         return None
-    decoding = {
+    decoding: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "sampling": [sampling.temperature, sampling.top_p, sampling.seed],
         "stop": list(config.stop if stop is None else stop),
         "trim": trim,
     }
+    if relay is not None:  # the server's endpoint decodes as the body says
+        decoding = {"relay": [relay.path, {k: v for k, v in relay.body.items() if k not in RELAY_STREAM_FIELDS}]}
     # PerCache's own prompt in stock's calls gives the same output however it is cut (under
     # the engine's rule): one piece; other prompts are keyed by the calls they run in
     pieces = [layout.tokens] if layout.stock_calls else [s.tokens for s in layout.segments]
     return prompt_key(parts.runtime.model_id(), pieces, decoding)
+
+
+RELAY_STREAM_FIELDS = ("stream", "stream_options")  # how a reply is sent, not what it says
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import PerCacheConfig
@@ -53,6 +53,16 @@ NO_WINDOW = 1 << 30  # a model without a sliding window: states of any length
 LIVE_CUT_GAIN = 128  # the slot is cut back (a save and a restore) only to keep this many more tokens
 
 
+@dataclass
+class EarlySave:
+    """States a sliding-window model's prefill saved on the way: the slot file *saved* after
+    a prefill from *start*, to be cut to the states of segments *indices* after the answer."""
+
+    indices: list[int] = field(default_factory=list)
+    start: int = 0
+    saved: bytes = b""
+
+
 @dataclass(frozen=True)
 class SlotContent:
     """What slot 0 holds as far as this runner knows: *prompt* tokens, of which the first
@@ -61,7 +71,7 @@ class SlotContent:
 
     prompt: tuple[int, ...]
     valid: int
-    generated: tuple[int, ...] = ()
+    generated: tuple[int, ...] | None = ()  # None: not known (a relayed request's reply)
 
 
 def slot_file_prefix(saved: bytes, tokens: Sequence[int]) -> bytes | None:
@@ -73,12 +83,25 @@ def slot_file_prefix(saved: bytes, tokens: Sequence[int]) -> bytes | None:
     :func:`_prefix_cells`), kept only for positions before ``len(tokens)``."""
     try:
         magic, version, count = struct.unpack_from("<III", saved)
+        if slot_file_tokens(saved)[: len(tokens)] != tuple(tokens):
+            return None  # the slot holds other tokens
         cells = _prefix_cells(memoryview(saved)[12 + 4 * count :], len(tokens))
     except (struct.error, ValueError):
         return None
     if cells is None:
         return None
     return struct.pack("<III", magic, version, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens) + cells
+
+
+def slot_file_tokens(saved: bytes) -> tuple[int, ...]:
+    """The tokens the slot file *saved* holds. The server writes its token list packed: -1,
+    the packing's version, the count, the tokens, then its media (none here); a plain list
+    (as :func:`slot_file_prefix` writes, and older servers wrote) is read as it is."""
+    (count,) = struct.unpack_from("<I", saved, 8)
+    listed = struct.unpack_from(f"<{count}i", saved, 12)
+    if count >= 3 and listed[0] == -1:
+        return listed[3 : 3 + listed[2]]
+    return listed
 
 
 def _prefix_cells(data: memoryview, n_tokens: int) -> bytes | None:
@@ -206,10 +229,13 @@ class ServerRunner(StateRunner):
         rule = self.rule if self.states is not None else None
         if isinstance(spec, TextPrompt):
             # a state is taken after the request, not where a request starts: cut at every
-            # document's end (at a multiple of the rule's); which of them a later prompt may
-            # restore is decided then (cut_allowed)
+            # document's end (at a multiple of the rule's), and the rule's least piece before
+            # the last one (a later prompt may follow the same documents with a question
+            # shorter than that); which of them a later prompt may restore is decided then
+            # (cut_allowed)
             cuts = CutRule(1, rule.multiple) if rule is not None and spec.documents else None
-            return lay_out_text(spec, server, max_prompt_tokens=max_prompt_tokens, rule=cuts)
+            lead = rule.min_tokens if rule is not None else 0
+            return lay_out_text(spec, server, max_prompt_tokens=max_prompt_tokens, rule=cuts, lead=lead)
         return lay_out(spec, tokenize=server.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
 
     # -- where a prefill may start ---------------------------------------------------------
@@ -255,7 +281,12 @@ class ServerRunner(StateRunner):
         slot = self._slot
         if slot is None:
             return -1
-        held = common_prefix((*slot.prompt, *slot.generated), tokens)
+        if slot.generated is None:  # what follows the prompt is not known
+            held = common_prefix(slot.prompt, tokens)
+            if held == len(slot.prompt) and len(tokens) > held + 1:
+                return -1  # the server may reuse some of the reply too
+        else:
+            held = common_prefix((*slot.prompt, *slot.generated), tokens)
         held = min(held, len(tokens) - 1)  # the server prefills at least one token
         if held == 0:
             return 0
@@ -323,7 +354,7 @@ class ServerRunner(StateRunner):
         result.timings["restore"] = time.perf_counter() - clock
         clock = time.perf_counter()
         complete = False
-        early: list[NewState] = []
+        early = EarlySave()
         if self.states is not None and self.rule is not None and self.window < NO_WINDOW:
             point = self._save_early(result, layout, keys, point, end, early, should_stop)
         start = point  # where the last request's prefill started (0 where it was run again)
@@ -350,41 +381,46 @@ class ServerRunner(StateRunner):
         keys: list[str],
         point: int,
         end: int,
-        early: list[NewState],
+        early: EarlySave,
         should_stop: StopCheck | None,
     ) -> int:
-        """On a sliding-window model, save the wanted states within the window on the way
-        (a prefill of the prefix alone, then the slot saved), before the rest of the prompt
-        moves the window past their first cells (a slot saved later lacks them). Each is a
-        start the rest of the prompt may go on from. Returns where the slot's prefill ends."""
+        """On a sliding-window model, save the wanted states within the window on the way,
+        before the rest of the prompt moves the window past their first cells (a slot saved
+        later lacks them): the prefix up to the deepest of them that the rest of the prompt
+        may go on from is prefilled alone and the slot saved once, then cut to each state.
+        Returns where the slot's prefill ends."""
         states = self.states
         assert states is not None
-        parent = self._stored_parent_key(keys, point)
-        for index in range(len(keys)):
-            state_point = layout.state_point(index)
-            if not layout.segments[index].keep_state or keys[index] in states or state_point <= point:
-                continue
-            if not self.state_allowed(point, state_point, state_point) or not self.cut_allowed(state_point, end):
-                continue
-            try:
-                self._prefill(layout.tokens[:state_point], point, should_stop)
-                data = slot_file_prefix(self._save(), layout.tokens[:state_point])
-            except UnexpectedReuse as error:  # the slot held other than planned: from nothing
-                logger.warning("%s; the prompt is prefilled from the start", error)
-                self.unexpected_reuse += 1
-                early.clear()
-                result.reused_tokens = result.depth = 0
-                self._slot = None
-                return 0
-            except (OSError, ServerError) as error:
-                logger.warning("the slot could not be saved (%s): no chunk state kept", error)
-                self.storage_failures += 1
-                data = None
-            point = state_point
-            if data is not None:
-                early.append(NewState(index, parent or states.root_key, data, state_point))
-                parent = keys[index]
-        return point
+        wanted = [
+            index for index in range(len(keys))
+            if layout.segments[index].keep_state and keys[index] not in states and layout.state_point(index) > point
+        ]
+        target = next((
+            layout.state_point(index) for index in reversed(wanted)
+            if self.state_allowed(point, layout.state_point(index), layout.state_point(index))
+            and self.cut_allowed(layout.state_point(index), end)
+        ), 0)
+        if not target:
+            return point
+        try:
+            self._prefill(layout.tokens[:target], point, should_stop)
+            saved = self._save()
+        except UnexpectedReuse as error:  # the slot held other than planned: from nothing
+            logger.warning("%s; the prompt is prefilled from the start", error)
+            self.unexpected_reuse += 1
+            result.reused_tokens = result.depth = 0
+            self._slot = None
+            return 0
+        except (OSError, ServerError) as error:
+            logger.warning("the slot could not be saved (%s): no chunk state kept", error)
+            self.storage_failures += 1
+            return target
+        early.start, early.saved = point, saved  # cut to each state off the answer's time
+        early.indices = [
+            index for index in wanted
+            if layout.state_point(index) <= target and self.state_allowed(point, layout.state_point(index), target)
+        ]
+        return target
 
     def _prefill_to(self, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> int:
         """Prefill *tokens* from *point* (from 0 when the server reused otherwise);
@@ -439,7 +475,7 @@ class ServerRunner(StateRunner):
         return taken
 
     def _store_later(
-        self, layout: PromptLayout, keys: list[str], early: list[NewState], start: int, end: int, idle: bool
+        self, layout: PromptLayout, keys: list[str], early: EarlySave, start: int, end: int, idle: bool
     ) -> None:
         """Save the slot now if a state is to be taken from it (the next request changes
         it), and cut and store the states in the background, off the answer's time; the
@@ -449,16 +485,22 @@ class ServerRunner(StateRunner):
         if wanted:
             try:
                 saved = self._save()
-            except (OSError, ServerError) as error:
+                slot = self._slot
+                if slot is not None and slot.generated is None:  # a relayed reply's tokens
+                    held = slot_file_tokens(saved)
+                    if held[: len(slot.prompt)] == slot.prompt:
+                        self._slot = replace(slot, generated=held[len(slot.prompt) :])
+            except (OSError, ServerError, struct.error) as error:
                 logger.warning("the slot could not be saved (%s): no chunk states kept", error)
                 self.storage_failures += 1
                 wanted = []
-        if not wanted and not early:
+        if not wanted and not early.indices:
             return
 
         def store() -> None:
             taken = self._taken_states(layout, keys, wanted, start, saved) if wanted else []
-            self._keep_states(layout, keys, [*early, *taken], idle=idle)
+            kept = self._taken_states(layout, keys, early.indices, early.start, early.saved) if early.indices else []
+            self._keep_states(layout, keys, [*kept, *taken], idle=idle)
 
         self.flush()
         self._pending = self._writer.submit(store)
@@ -633,20 +675,28 @@ class ServerRunner(StateRunner):
         """Complete the prompt from *point*; on a reuse other than planned, from 0.
         Returns where its prefill started."""
         assert options.sampling is not None
-        stops = stop_strings(self.config.stop if options.stop is None else options.stop)
-        stop = StopStringFilter(stops, strip=options.trim)
+        relay = options.relay
+        stops = stop_strings(self.config.stop if options.stop is None else options.stop) if relay is None else ()
+        stop = StopStringFilter(stops, strip=options.trim and relay is None)
         server = self.engine
         clock = time.perf_counter()
         for attempt in (0, 1):
             self._slot = None
-            pieces = server.complete(
-                tokens,
-                max_new_tokens=options.max_new_tokens,
-                cache_prompt=point > 0,
-                sampling=options.sampling,
-                stop=list(stops),
-                expected_cached=point,
-            )
+            if relay is None:
+                pieces = server.complete(
+                    tokens,
+                    max_new_tokens=options.max_new_tokens,
+                    cache_prompt=point > 0,
+                    sampling=options.sampling,
+                    stop=list(stops),
+                    expected_cached=point,
+                )
+            else:  # the server's own endpoint lays out, stops and parses the reply
+                relay.chunks.clear()
+                pieces = server.relay(
+                    relay.path, relay.body, cache_prompt=point > 0, expected_cached=point,
+                    expected_total=len(tokens), chunks=relay.chunks,
+                )
             try:
                 for piece in pieces:
                     if result.ttft_s is None:
@@ -673,12 +723,17 @@ class ServerRunner(StateRunner):
         tail = stop.finish()
         if tail:
             yield tail
-        result.text = stop.text.strip() if options.trim else stop.text
+        result.text = stop.text.strip() if options.trim and relay is None else stop.text
         result.tokens = list(completion.tokens)
         result.generated_tokens = len(completion.tokens)
         result.timings["decode"] = time.perf_counter() - clock
-        if completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
-            valid = self.valid_end(point, len(tokens)) if self.rule else 0
+        valid = self.valid_end(point, len(tokens)) if self.rule else 0
+        if relay is not None:
+            relay.finish_reason, relay.usage, relay.plain = completion.finish_reason, completion.usage, completion.plain
+            result.generated_tokens = int(completion.usage.get("completion_tokens", 0))
+            if completion.finish_reason:  # it ran to its end: the slot holds the prompt and a reply
+                self._slot = SlotContent(tuple(tokens), valid, None)
+        elif completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
             self._slot = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
         return point
 
@@ -693,6 +748,18 @@ class ServerRunner(StateRunner):
     def evict_to_budget(self) -> None:
         self.flush()
         super().evict_to_budget()
+
+    @contextmanager
+    def lend_engine(self) -> Iterator[None]:
+        """Hold the server for a request run outside PerCache (a passed-through one): the
+        states of earlier runs are stored first, and the slot's content is unknown after."""
+        with self.engine.lock:
+            self.flush()
+            self._slot = None
+            try:
+                yield
+            finally:
+                self._slot = None
 
     def close(self) -> None:
         """Store what is pending and stop the writer."""

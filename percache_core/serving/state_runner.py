@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,24 @@ class RunResult:
         return max(0, self.depth - 1)
 
 
+@dataclass
+class RelayedRequest:
+    """A client's own OpenAI request, run by a server runner as a prompt's last request on
+    the server's own endpoint (:meth:`~percache_core.kv.llama_server.LlamaServer.relay`), so
+    the server lays out, samples, stops and parses the reply as for the client alone.
+
+    *path* and *body* are the request; the run fills in *chunks* (the server's chunks for
+    the client, as they arrive), the *finish_reason*, the server's *usage*, and *plain*
+    (the reply held nothing but text)."""
+
+    path: str
+    body: dict[str, Any]
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    plain: bool = True
+
+
 @dataclass(frozen=True)
 class NewState:
     """A prefix state saved during a prefill, stored after the answer."""
@@ -97,6 +116,7 @@ class RunOptions:
     recompute_tokens: int | None = None  # of each composed chunk, prefilled live (None: configured)
     restore_depth: int | None = None  # restore at most this many segments, keep nothing of the context
     idle: bool = False  # the states kept are idle work's (StateNode.idle)
+    relay: RelayedRequest | None = None  # a server's own endpoint runs the last request
 
     @property
     def drafting(self) -> bool:
@@ -208,6 +228,10 @@ class StateRunner:
                 self.storage_failures += 1
                 logger.warning("chunk state not stored (%s); the answer is unaffected", error)
                 return
+
+    def lend_engine(self) -> AbstractContextManager[None]:
+        """Hold the engine for a request run outside PerCache (a server's only)."""
+        raise PerCacheError("only a llama-server engine runs requests outside PerCache")
 
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""

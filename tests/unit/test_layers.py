@@ -13,8 +13,9 @@ The layers, lowest first (parts in one layer do not import each other):
 6. ``serving``, ``shared``: answering a request (the runner, the request path, the runtime
    and the parts a cache is made of); the Redis tier behind the local ones;
 7. ``prediction``: idle work (the demand estimate, the predictor, the scheduler, the worker);
-8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``cli``, ``inspection``
-   (the parts behind a facade, for tests and benchmarks) and the package.
+8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``endpoint`` (``percache
+   serve``: the OpenAI-compatible endpoint over it), then ``cli``, ``inspection`` (the parts
+   behind a facade, for tests and benchmarks) and the package.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ LAYERS: list[set[str]] = [
     {"prediction"},
     {"callers"},
     {"pipeline"},
+    {"endpoint"},
     {"cli", "inspection", "__init__", "__main__"},
 ]
 LAYER_OF = {part: index for index, parts in enumerate(LAYERS) for part in parts}

@@ -1,0 +1,132 @@
+"""Running the endpoint: :func:`serve` (``percache serve``) opens the server and the cache,
+then serves with uvicorn until stopped (Ctrl-C), and closes the cache and a started server;
+:func:`serving_in_thread` serves an open cache from a thread of this process (tests,
+benchmarks, an app that hosts the endpoint itself)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..config import PerCacheConfig
+from ..errors import PerCacheError
+from ..kv.llama_server import LlamaServer
+from ..pipeline import PerCache
+from .app import EndpointSettings, create_app
+
+API_KEY_ENV = "PERCACHE_API_KEY"
+SHARED_SECRET_ENV = "PERCACHE_SHARED_SECRET"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def open_server(upstream: str | None, model: str | None, slot_save_path: str | None) -> LlamaServer:
+    """The llama-server to serve with: the one at *upstream* (its ``--slot-save-path`` folder
+    as *slot_save_path*, else stored answers only), or one started on the GGUF *model*.
+
+    Raises:
+        PerCacheError: neither or both of *upstream* and *model*.
+    """
+    if (upstream is None) == (model is None):
+        raise PerCacheError("give either --upstream URL (a running llama-server) or --model GGUF")
+    if upstream is not None:
+        return LlamaServer(upstream, slot_save_path=slot_save_path, api_key=os.environ.get("LLAMA_API_KEY"))
+    return LlamaServer.start(model, slot_save_path=slot_save_path)
+
+
+def checked_api_key(host: str, api_key: str | None) -> str | None:
+    """The key clients must give: *api_key*, else ``$PERCACHE_API_KEY``; required on any
+    address but loopback.
+
+    >>> checked_api_key("127.0.0.1", None) is None
+    True
+    >>> checked_api_key("0.0.0.0", None)
+    Traceback (most recent call last):
+    ...
+    percache_core.errors.PerCacheError: serving on 0.0.0.0 needs --api-key (or $PERCACHE_API_KEY)
+    """
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    if key is None and host not in LOOPBACK:
+        raise PerCacheError(f"serving on {host} needs --api-key (or ${API_KEY_ENV})")
+    return key
+
+
+def serve(
+    cache: str | Path,
+    server: LlamaServer,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    settings: EndpointSettings = EndpointSettings(),
+    config: PerCacheConfig | None = None,
+    idle: bool = False,
+) -> None:
+    """Serve *cache* (opened with *config*) over *server* at http://host:port/v1 until
+    interrupted; *idle*: run idle prediction between requests.
+
+    >>> serve("~/.percache/me", LlamaServer("http://127.0.0.1:8081"))   # doctest: +SKIP
+    """
+    import uvicorn  # the serve extra; loaded only to serve
+
+    pc = PerCache.open(Path(cache).expanduser(), config=config, engine=server)
+    try:
+        pc.preload()
+        if idle:
+            pc.start_worker()
+        print(f"percache serve: http://{host}:{port}/v1 over {server.url} ({server.model_name}), cache {cache}")
+        uvicorn.run(create_app(pc, server, settings), host=host, port=port, log_level="warning")
+    finally:
+        pc.close()
+        if server.owns_process:
+            server.close()
+
+
+def shared_config(shared_url: str | None) -> PerCacheConfig | None:
+    """The settings of a cache that shares the Redis tier at *shared_url* (its secret from
+    ``$PERCACHE_SHARED_SECRET``), or None (defaults, local only).
+
+    Raises:
+        PerCacheError: a URL with no secret.
+    """
+    if shared_url is None:
+        return None
+    secret = os.environ.get(SHARED_SECRET_ENV)
+    if not secret:
+        raise PerCacheError(f"--shared-url needs ${SHARED_SECRET_ENV} (the key that signs shared entries)")
+    try:
+        return PerCacheConfig(shared_url=shared_url, shared_secret=secret)
+    except ValueError as error:
+        raise PerCacheError(str(error)) from None
+
+
+@contextmanager
+def serving_in_thread(
+    pc: PerCache, server: LlamaServer, settings: EndpointSettings = EndpointSettings(), *, host: str = "127.0.0.1"
+) -> Iterator[str]:
+    """Serve *pc* over *server* on a free port of *host* from a thread until the block ends:
+    the base URL (``http://host:port/v1``). The cache stays open.
+
+    >>> with serving_in_thread(pc, server) as url:                          # doctest: +SKIP
+    ...     openai.OpenAI(base_url=url, api_key="none").models.list()
+    """
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = int(probe.getsockname()[1])
+    web = uvicorn.Server(uvicorn.Config(create_app(pc, server, settings), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, name="percache-endpoint", daemon=True)
+    thread.start()
+    while not web.started and thread.is_alive():
+        time.sleep(0.02)
+    if not web.started:
+        raise PerCacheError(f"the endpoint could not listen on {host}:{port}")
+    try:
+        yield f"http://{host}:{port}/v1"
+    finally:
+        web.should_exit = True
+        thread.join()

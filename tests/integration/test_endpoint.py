@@ -1,0 +1,250 @@
+"""``percache serve`` with real OpenAI clients (the ``openai`` package, LangChain ``ChatOpenAI``,
+LlamaIndex ``OpenAILike``): every reply's text is the llama-server alone's with nothing
+reused (``cache_prompt: false``), streamed or not, with chunk states restored and repeats
+served from stored answers; bad requests get OpenAI's error bodies; a client that goes away
+mid-stream leaves nothing stored; a dead server fails requests cleanly and loses nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from percache_core import LlamaServer, PerCache
+from percache_core.endpoint import EndpointSettings
+from percache_core.endpoint import serving_in_thread as serving
+from percache_core.inspection import internals
+
+pytestmark = pytest.mark.model
+
+NOTES = (
+    "Minutes of the launch planning call, 3 March. The rehearsal of the launch talk is on Thursday "
+    "at 3 pm in room B12. Dana brings the projector and the clicker. Finance approved 40,000 euros "
+    "for the Harbor design work, of which 6,000 are kept for user testing. The press kit is due on "
+    "Friday; Omar writes the first draft and Lea reviews it before noon."
+)
+SYSTEM = "You answer questions about the user's notes in one short sentence."
+QUESTIONS = ["When is the rehearsal?", "Who brings the projector?", "How much is kept for user testing?"]
+NO_REUSE = {"cache_prompt": False}
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Iterator[LlamaServer]:
+    with LlamaServer.start(model_path, n_ctx=2048) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def alone(model_path: Path) -> Iterator[openai.OpenAI]:
+    """The same model on a llama-server of its own, as a user runs it without PerCache."""
+    with LlamaServer.start(model_path, n_ctx=2048) as started:
+        yield openai.OpenAI(base_url=started.url + "/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory, server: LlamaServer, embedder: Any) -> Iterator[tuple[str, PerCache]]:
+    pc = PerCache.open(tmp_path_factory.mktemp("endpoint"), engine=server, embedder=embedder)
+    try:
+        with serving(pc, server) as url:
+            yield url, pc
+    finally:
+        pc.close()
+
+
+def chat(question: str, history: list[dict[str, str]] = ()) -> list[dict[str, str]]:  # type: ignore[assignment]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": NOTES}, *history,
+            {"role": "user", "content": question}]
+
+
+def alone_text(alone: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 32) -> str:
+    reply = alone.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=max_tokens,
+                                          extra_body=NO_REUSE)
+    return reply.choices[0].message.content or ""
+
+
+def streamed(client: openai.OpenAI, model: str, messages: list[dict[str, str]]) -> tuple[str, Any]:
+    pieces, last = [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=32,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        last = chunk
+    return "".join(pieces), last
+
+
+def test_openai_client_gets_the_servers_own_text_with_states_and_stored_answers(
+    endpoint: tuple[str, PerCache], server: LlamaServer, alone: openai.OpenAI
+) -> None:
+    url, pc = endpoint
+    client = openai.OpenAI(base_url=url, api_key="none")
+    model = client.models.list().data[0].id
+    history: list[dict[str, str]] = []
+    sources = []
+    for turn, question in enumerate(QUESTIONS):
+        messages = chat(question, history)
+        if turn % 2:
+            text, last = streamed(client, model, messages)
+            usage, about = last.usage, last.percache
+        else:
+            reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=32)
+            text, usage, about = reply.choices[0].message.content, reply.usage, reply.percache
+        assert text == alone_text(alone, messages), question
+        assert usage.prompt_tokens_details.cached_tokens >= about["reused_tokens"]  # restored, or kept in the slot
+        sources.append(about["source"])
+        history += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
+    assert sources[0] == "full" and "chunk_states" in sources[1:]  # later turns restore the notes' state
+    again, last = streamed(client, model, chat(QUESTIONS[0]))  # a repeat: no model
+    assert last.percache["source"] == "prompt_answer" and again == alone_text(alone, chat(QUESTIONS[0]))
+    assert last.usage.prompt_tokens_details.cached_tokens == last.usage.prompt_tokens
+    prompt = f"{NOTES}\nQ: Who reviews the press kit?\nA:"
+    reply = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=16)
+    reference = alone.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=16, extra_body=NO_REUSE)
+    assert reply.choices[0].text == reference.choices[0].text
+    assert internals(pc).runtime.runner.unexpected_reuse == 0
+
+
+def test_langchain_and_llamaindex_openai_clients_answer_as_against_the_server_alone(
+    endpoint: tuple[str, PerCache], alone: openai.OpenAI
+) -> None:
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    url, _ = endpoint
+    model = openai.OpenAI(base_url=url, api_key="none").models.list().data[0].id
+    via_endpoint = ChatOpenAI(base_url=url, api_key="none", model=model, temperature=0, max_tokens=32)
+    messages = [SystemMessage(SYSTEM), HumanMessage(NOTES), HumanMessage(QUESTIONS[1])]
+    reference = alone_text(alone, chat(QUESTIONS[1]))
+    assert via_endpoint.invoke(messages).content == reference
+    assert "".join(str(c.content) for c in via_endpoint.stream(messages)) == reference
+    llm = OpenAILike(api_base=url, api_key="none", model=model, is_chat_model=True, temperature=0, max_tokens=32)
+    turns = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=NOTES),
+             ChatMessage(role="user", content=QUESTIONS[2])]
+    assert llm.chat(turns).message.content == alone_text(alone, chat(QUESTIONS[2]))
+
+
+def test_passages_of_the_cache_documents_keep_states_where_a_prompt_quotes_them(
+    tmp_path: Path, server: LlamaServer, embedder: Any, alone: openai.OpenAI
+) -> None:
+    pc = PerCache.open(tmp_path / "cache", engine=server, embedder=embedder)
+    passages = [NOTES, NOTES.replace("launch", "spring launch").replace("Thursday", "Friday")]
+    try:
+        with serving(pc, server) as url:
+            added = httpx.post(f"{url}/percache/documents", timeout=120,
+                               json={"documents": [{"id": f"notes-{i}", "text": t} for i, t in enumerate(passages)]})
+            assert added.status_code == 200 and added.json()["chunks"] == 2
+            client = openai.OpenAI(base_url=url, api_key="none")
+            model = client.models.list().data[0].id
+            context = "Use these notes.\n\n" + "\n\n".join(passages)  # an app's retrieved passages, in one message
+            asks = [[{"role": "system", "content": context}, {"role": "user", "content": q}] for q in QUESTIONS]
+            replies = [client.chat.completions.create(model=model, messages=m, temperature=0, max_tokens=32)
+                       for m in asks]
+            for messages, reply in zip(asks, replies):
+                assert reply.choices[0].message.content == alone_text(alone, messages)
+            assert any(r.percache["source"] == "chunk_states" and r.percache["reused_tokens"] >= 64 for r in replies[1:])
+            assert httpx.delete(f"{url}/percache/documents/notes-1").json()["chunks_removed"] == 1
+            assert pc.chunk_count == 1
+    finally:
+        pc.close()
+
+
+def test_requests_it_cannot_bind_pass_through_and_bad_ones_get_openai_errors(
+    endpoint: tuple[str, PerCache], server: LlamaServer, tmp_path: Path
+) -> None:
+    url, pc = endpoint
+    model = openai.OpenAI(base_url=url, api_key="none").models.list().data[0].id
+    sampled = httpx.post(f"{url}/chat/completions", json={"model": model, "messages": chat("Hi"), "max_tokens": 4},
+                         timeout=120)  # the server's default sampling: random
+    assert sampled.status_code == 200 and sampled.headers["x-percache-source"] == "passthrough"
+    assert "random" in sampled.headers["x-percache-reason"] and sampled.json()["choices"][0]["message"]["role"]
+    faults = {
+        b"{": 400,
+        b'{"messages": []}': 400,
+        b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]}': 404,
+        b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}': 400,
+    }
+    for body, status in faults.items():
+        reply = httpx.post(f"{url}/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert reply.status_code == status and reply.json()["error"]["message"], body
+    too_long = {"messages": [{"role": "user", "content": "word " * 3000}], "temperature": 0}
+    reply = httpx.post(f"{url}/chat/completions", json=too_long, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+    with serving(pc, server, EndpointSettings(api_key="sesame", max_request_bytes=2000)) as guarded:
+        assert httpx.get(f"{guarded}/models").status_code == 401
+        assert httpx.get(f"{guarded}/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        big = httpx.post(f"{guarded}/completions", json={"prompt": "x" * 5000}, headers={"Authorization": "Bearer sesame"})
+        assert big.status_code == 413 and big.json()["error"]["message"]
+
+
+def test_a_client_gone_mid_stream_leaves_nothing_stored(endpoint: tuple[str, PerCache], alone: openai.OpenAI) -> None:
+    url, pc = endpoint
+    client = openai.OpenAI(base_url=url, api_key="none")
+    model = client.models.list().data[0].id
+    messages = chat("List every person named in the notes, one per line, with what each of them does.")
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=64, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()  # the client goes away after its first piece
+    reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=64)
+    assert reply.percache["source"] != "prompt_answer"  # the cut-off run stored no answer
+    assert reply.choices[0].message.content == alone_text(alone, messages, max_tokens=64)
+
+
+def test_concurrent_clients_are_served_one_at_a_time_with_the_servers_text(
+    endpoint: tuple[str, PerCache], alone: openai.OpenAI
+) -> None:
+    url, _ = endpoint
+    model = openai.OpenAI(base_url=url, api_key="none").models.list().data[0].id
+    asks = [chat(f"{QUESTIONS[i % 3]} (client {c})") for c in range(4) for i in range(3)]
+
+    def ask(messages: list[dict[str, str]]) -> str:
+        client = openai.OpenAI(base_url=url, api_key="none")
+        if len(messages[-1]["content"]) % 2:
+            return streamed(client, model, messages)[0]
+        reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=32)
+        return reply.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(max_workers=4) as clients:
+        texts = list(clients.map(ask, asks))
+    assert texts == [alone_text(alone, messages) for messages in asks]
+
+
+def test_a_dead_server_fails_requests_cleanly_and_loses_nothing_stored(
+    tmp_path: Path, model_path: Path, embedder: Any, alone: openai.OpenAI
+) -> None:
+    def ask(client: openai.OpenAI, question: str) -> Any:
+        return client.chat.completions.create(model=model, messages=chat(question), temperature=0, max_tokens=32)
+
+    server = LlamaServer.start(model_path, n_ctx=2048)
+    pc = PerCache.open(tmp_path / "cache", engine=server, embedder=embedder)
+    try:
+        with serving(pc, server) as url:
+            client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+            model = client.models.list().data[0].id
+            first = ask(client, QUESTIONS[0])
+            server.close()  # the llama-server dies
+            for question in QUESTIONS[:2]:
+                with pytest.raises(openai.APIStatusError) as failed:
+                    ask(client, question)
+                assert failed.value.status_code == 502 and "llama-server" in str(failed.value)
+    finally:
+        pc.close()
+        server.close()
+    with LlamaServer.start(model_path, n_ctx=2048) as again:  # back: what was stored is there
+        pc = PerCache.open(tmp_path / "cache", engine=again, embedder=embedder)
+        try:
+            with serving(pc, again) as url:
+                client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+                model = client.models.list().data[0].id
+                repeat = ask(client, QUESTIONS[0])
+        finally:
+            pc.close()
+    assert repeat.percache["source"] == "prompt_answer"
+    assert repeat.choices[0].message.content == first.choices[0].message.content == alone_text(alone, chat(QUESTIONS[0]))
