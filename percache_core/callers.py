@@ -82,6 +82,21 @@ class CallerCache:
         text: the same inputs give the same output. Semantic mode returns the best entry at
         or above tau (*similarity_threshold* overrides it) that the verifier accepts
         (approximate).
+
+        Args:
+            question: the question, or a key of the caller's (a whole prompt).
+            binding: what the answer is bound to (default: this cache's own pipeline's).
+            scope: metadata the entry must have been stored with.
+            similarity_threshold: semantic mode's tau for this call.
+            asked: the user's question when *question* is a key of the caller's.
+
+        Returns:
+            The stored :class:`Answer` (a hit, counted), or None.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question.
+
+        >>> hit = pc.caller.lookup("When is the review?", binding="my-app-v1")   # doctest: +SKIP
         """
         self._ensure_open()
         question = validated_question(question)
@@ -174,6 +189,23 @@ class CallerCache:
         starts with it; a :class:`~percache_core.kv.engine.ChatPrompt` says). No QA-bank
         entry: the question's answer is the caller's to :meth:`remember`.
 
+        Args:
+            prompt: the finished prompt (non-empty).
+            documents: texts in the prompt after which states are kept.
+            max_new_tokens, sampling, stop: this call's decoding (default: the configured).
+            prompt_lookup: verify drafts taken from the prompt (in-process engines).
+            trim: drop the white space around the answer.
+            add_bos: whether tokenizing adds BOS (None: unless the prompt starts with it).
+            stream: return an :class:`AnswerStream` of text pieces instead of an Answer.
+
+        Returns:
+            The :class:`Answer` (``prompt_answer`` when the prompt was answered before), or a
+            stream of it.
+
+        Raises:
+            TypeError: a prompt that is not a non-empty string, or documents that are not strings.
+            ContextOverflowError: a prompt that does not fit the context.
+
         >>> pc.caller.complete("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
         ...                    documents=["Lunch is at noon."])  # doctest: +SKIP
         """
@@ -261,6 +293,19 @@ class CallerCache:
         wrapped as chunks with a content-derived id. With ``context="adaptive"`` the
         prompt gets the shortest leading run of *chunks* that makes the model confident.
 
+        Args:
+            question: the question.
+            chunks: the chunks the caller retrieved, in prompt order (strings are wrapped).
+            max_new_tokens: this call's answer length (default: the configured).
+            binding, scope: where stored answers are looked up and this one is stored.
+            stream: return an :class:`AnswerStream` instead of an Answer.
+
+        Returns:
+            The :class:`Answer`, or a stream of it.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question.
+
         >>> pc.caller.generate("When is lunch?", ["Lunch is at noon."]).text  # doctest: +SKIP
         """
         self._ensure_open()
@@ -298,6 +343,20 @@ class CallerCache:
         It goes with :meth:`forget`, and with ``delete_documents`` of a document in
         *chunk_ids*.
 
+        Args:
+            question: the question (or the caller's key).
+            answer: the caller's answer text.
+            binding, scope: where it is stored (default binding: this cache's own pipeline's).
+            chunk_ids: the chunks it came from (deleting their document deletes it).
+            metadata: kept with the entry (``origin`` names it for :meth:`forget`).
+
+        Returns:
+            The stored :class:`QAEntry`.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question.
+            TypeError: an answer that is not a string.
+
         >>> pc.caller.remember("When is the review?", "Monday.")   # doctest: +SKIP
         """
         self._ensure_open()
@@ -321,7 +380,17 @@ class CallerCache:
 
     def forget(self, *, entry_ids: Sequence[str] = (), origin: str | None = None) -> int:
         """Delete QA entries: those with these ids, and every entry whose ``origin`` is
-        *origin* (the ``metadata["origin"]`` the caller gave :meth:`remember`); the count.
+        *origin* (the ``metadata["origin"]`` the caller gave :meth:`remember`).
+
+        Args:
+            entry_ids: ids of entries (``Answer.entry_id``).
+            origin: delete every entry remembered with this origin.
+
+        Returns:
+            How many entries were deleted.
+
+        Raises:
+            TypeError: one string instead of a sequence of ids.
 
         >>> pc.caller.forget(origin="my-app")   # doctest: +SKIP
         3
