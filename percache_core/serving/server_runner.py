@@ -161,6 +161,8 @@ def _rows(data: memoryview, offset: int, size: int, count: int, keep: list[int])
     """Of the *count* rows of *size* bytes at *offset*, those of the cells *keep*."""
     if offset + size * count > len(data):
         raise ValueError("truncated rows")
+    if keep and keep[-1] == len(keep) - 1:  # the leading cells (*keep* ascends): one copy
+        return bytes(data[offset : offset + size * len(keep)])
     return b"".join(data[offset + i * size : offset + (i + 1) * size] for i in keep)
 
 
