@@ -204,8 +204,11 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .endpoint import EndpointSettings
-    from .endpoint.serve import checked_api_key, open_server, serve, shared_config
+    try:
+        from .endpoint import EndpointSettings
+        from .endpoint.serve import checked_api_key, open_server, serve, shared_config
+    except ImportError as error:
+        raise PerCacheError(f"percache serve needs the serve extra: pip install 'percache-core[serve]' ({error})") from None
 
     key = checked_api_key(args.host, args.api_key)  # before any work
     config = shared_config(args.shared_url)

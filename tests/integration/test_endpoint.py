@@ -6,6 +6,7 @@ mid-stream leaves nothing stored; a dead server fails requests cleanly and loses
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -248,3 +249,35 @@ def test_a_dead_server_fails_requests_cleanly_and_loses_nothing_stored(
             pc.close()
     assert repeat.percache["source"] == "prompt_answer"
     assert repeat.choices[0].message.content == first.choices[0].message.content == alone_text(alone, chat(QUESTIONS[0]))
+
+
+def test_the_percache_serve_command_serves_and_stops_with_its_server(
+    tmp_path: Path, model_path: Path, alone: openai.OpenAI
+) -> None:
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "percache_core.cli", "serve", "--model", str(model_path),
+               "--cache", str(tmp_path / "cache"), "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        for _ in range(600):
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert process.poll() is None, process.stdout.read() if process.stdout else ""
+                time.sleep(0.2)
+        reply = client.chat.completions.create(model=model, messages=chat(QUESTIONS[0]), temperature=0, max_tokens=32)
+        assert reply.choices[0].message.content == alone_text(alone, chat(QUESTIONS[0]))
+    finally:
+        process.send_signal(signal.SIGINT)  # Ctrl-C: the cache closed, the started server stopped
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert f"http://127.0.0.1:{port}/v1" in output
