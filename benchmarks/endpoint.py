@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import subprocess
 import tempfile
 import time
@@ -45,6 +44,7 @@ from langchain_openai import ChatOpenAI
 from percache_core import LlamaServer, PerCache, PerCacheConfig
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.knowledge.bert import BertEmbedder
+from percache_core.kv.llama_server import free_port
 from percache_core.models import resolve_model_path
 
 from .output import write_json
@@ -54,12 +54,6 @@ from .stock import QMSUM_USER, rag_chat_turns, smollm2_path, user_rows
 MAX_TOKENS = 40
 ARITHMETIC = ("-b", "512", "-ub", "512", "--swa-full")  # LlamaServer.start's flags that change numbers
 Messages = list[tuple[str, str]]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextmanager
@@ -191,7 +185,7 @@ def shared_tier(model_path: Path, folder: Path, prompts: list[Messages], fresh: 
                 embedder: Any, documents: list[dict[str, Any]]) -> dict[str, Any]:
     """Two endpoints (two servers, two cache folders) sharing one Redis: the chat asked on
     the first, then on the second, side by side with a server alone that has not seen it."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     shared_url = f"redis://127.0.0.1:{port}/0"

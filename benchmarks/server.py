@@ -60,9 +60,9 @@ class ServerAlone:
     """``llama-server -m MODEL -c 4096 -np 1 -t N`` with its defaults, over plain HTTP."""
 
     def __init__(self, model_path: Path, threads: int, extra_args: tuple[str, ...] = ()) -> None:
-        from percache_core.kv.llama_server import _free_port
+        from percache_core.kv.llama_server import free_port
 
-        self.port = _free_port("127.0.0.1")
+        self.port = free_port("127.0.0.1")
         args = [
             str(find_server_binary()), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
             "-c", str(N_CTX), "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args,

@@ -147,7 +147,7 @@ class _Endpoint:
         reason = pass_reason(body, kind, self.defaults)
         if reason is not None:
             return await self._pass_through(kind, body, reason)
-        relay = RelayedRequest(PATHS[kind], {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+        relay = RelayedRequest(PATHS[kind], body)  # (the relay sets how it streams)
         prompt, documents = await run_in_threadpool(self._prompt, kind, body)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream"):
@@ -159,7 +159,7 @@ class _Endpoint:
         except (ServerError, ContextOverflowError) as error:
             raise _server_fault(error) from None
         assert isinstance(answer, Answer)
-        reply = whole_reply(kind, answer.text, relay.finish_reason, model, relay.usage, relay.chunks)
+        reply = whole_reply(kind, answer.text, relay.reply.finish_reason, model, relay.reply.usage, relay.chunks)
         reply["percache"] = _about(answer)
         return JSONResponse(reply, headers={SOURCE_HEADER: answer.source})
 
@@ -208,7 +208,7 @@ class _Endpoint:
                     sent += 1
             answer = stream.answer  # type: ignore[union-attr]
             tail = relay.chunks[sent:] if relay.chunks else stored_chunks(
-                kind, answer.text, relay.finish_reason, model, relay.usage if wants_usage else None
+                kind, answer.text, relay.reply.finish_reason, model, relay.reply.usage if wants_usage else None
             )
             tail = [chunk for chunk in tail if chunk.get("choices") or wants_usage]
             for index, chunk in enumerate(tail):

@@ -61,7 +61,7 @@ class ServerDefaults:
         return cls(float(params.get("temperature", 0.8)), int(params.get("seed", -1)))
 
 
-RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's "a new seed each time" (as int and as uint32)
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's "a new seed each time" (-1) as /props reports it
 
 
 def read_request(raw: bytes, kind: Kind, models: Sequence[str]) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def pass_reason(body: dict[str, Any], kind: Kind, defaults: ServerDefaults) -> s
     seed = body.get("seed", defaults.seed)
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
         return "a temperature that is not a number"
-    if temperature > 0 and (not isinstance(seed, int) or seed < 0 or seed in RANDOM_SEEDS):
+    if temperature > 0 and (not isinstance(seed, int) or seed < 0 or seed == RANDOM_SEED):
         return f"sampling at temperature {temperature:g} with no seed is random"
     if body.get("tools") or body.get("functions"):
         return "tools"

@@ -6,7 +6,6 @@ benchmarks, an app that hosts the endpoint itself)."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from ..config import PerCacheConfig
 from ..errors import PerCacheError
-from ..kv.llama_server import LlamaServer
+from ..kv.llama_server import LlamaServer, free_port
 from ..pipeline import PerCache
 from .app import EndpointSettings, create_app
 
@@ -115,9 +114,7 @@ def serving_in_thread(
     """
     import uvicorn
 
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = int(probe.getsockname()[1])
+    port = free_port(host)
     web = uvicorn.Server(uvicorn.Config(create_app(pc, server, settings), host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=web.run, name="percache-endpoint", daemon=True)
     thread.start()

@@ -154,7 +154,8 @@ def _stop(process: subprocess.Popen[bytes], log: Any) -> None:
     log.close()
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port of *host* that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
@@ -242,7 +243,7 @@ class LlamaServer:
             owned = tempfile.TemporaryDirectory(prefix="percache-slots-")
             slot_save_path = owned.name
         Path(slot_save_path).mkdir(parents=True, exist_ok=True)
-        port = port or _free_port(host)
+        port = port or free_port(host)
         threads = n_threads or max(1, os.cpu_count() or 1)
         flags = (
             "-c", str(n_ctx), "-b", str(n_batch), "-ub", str(n_batch), "-np", "1",
@@ -372,8 +373,20 @@ class LlamaServer:
         return response.status, _json(raw) if raw else None
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
+        return self._call("POST", path, body)
+
+    def _get(self, path: str) -> dict[str, Any]:
+        """The JSON object the server answers a GET of *path* with."""
+        decoded = self._call("GET", path)
+        if not isinstance(decoded, dict):
+            raise ServerError(f"llama-server {path}: not a JSON object")
+        return decoded
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One request's decoded JSON answer (:class:`ServerUnreachable` when the server
+        cannot be reached, :class:`ServerError` on another status than 200)."""
         try:
-            status, decoded = self._request("POST", path, body)
+            status, decoded = self._request(method, path, body)
         except (OSError, http.client.HTTPException) as error:
             raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
         if status != 200:
@@ -386,13 +399,7 @@ class LlamaServer:
     def props(self) -> dict[str, Any]:
         """The server's ``/props`` (read once)."""
         if self._props is None:
-            try:
-                status, decoded = self._request("GET", "/props")
-            except (OSError, http.client.HTTPException) as error:
-                raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
-            if status != 200 or not isinstance(decoded, dict):
-                raise ServerError(f"llama-server /props: HTTP {status}: {_error_text(decoded)}")
-            self._props = decoded
+            decoded = self._props = self._get("/props")
             if self.model_path is None:
                 path = Path(str(decoded.get("model_path", "")))
                 self.model_path = path if path.is_file() else None
@@ -415,13 +422,7 @@ class LlamaServer:
 
     def models(self) -> dict[str, Any]:
         """The server's ``/v1/models`` list."""
-        try:
-            status, body = self._request("GET", "/v1/models")
-        except (OSError, http.client.HTTPException) as error:
-            raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
-        if status != 200 or not isinstance(body, dict):
-            raise ServerError(f"llama-server /v1/models: HTTP {status}")
-        return body
+        return self._get("/v1/models")
 
     @property
     def chat_template(self) -> str | None:

@@ -47,6 +47,7 @@ import numpy as np
 from ..config import PerCacheConfig
 from ..errors import StorageWriteError
 from ..kv.engine import Sampling
+from ..kv.llama_server import Completion
 from ..qa.calibration import Label, retrieval_context
 from ..qa.prompt_answers import PromptAnswer, prompt_key
 from ..qa.verifier import HitVerifier, make_verifier
@@ -215,13 +216,13 @@ class RequestPath:
         stored = self.stored_prompt_answer(key)
         if stored is not None and (relay is None or stored.finish_reason):
             if relay is not None:  # what the server said of the run that stored it
-                relay.finish_reason = stored.finish_reason
-                relay.usage = {
+                usage = {
                     "completion_tokens": stored.generated_tokens,
                     "prompt_tokens": stored.prompt_tokens,
                     "total_tokens": stored.prompt_tokens + stored.generated_tokens,
                     "prompt_tokens_details": {"cached_tokens": stored.prompt_tokens},
                 }
+                relay.reply = Completion(text=stored.text, finish_reason=stored.finish_reason, usage=usage)
             yield stored.text
             return self._finish(prompt_answered(question, stored, started, {}))
         background = self.parts.activity.background_stop()  # idle work yields to users
@@ -235,8 +236,8 @@ class RequestPath:
             relay=relay,
         )
         result = yield from runner.run(layout, options, should_stop=background, started=started)
-        if relay is None or (relay.plain and relay.finish_reason):  # reasoning or tool calls: not kept
-            self.remember_prompt_answer(key, result, finish_reason=relay.finish_reason if relay else "")
+        if relay is None or (relay.reply.plain and relay.reply.finish_reason):  # reasoning, tool calls: not kept
+            self.remember_prompt_answer(key, result, finish_reason=relay.reply.finish_reason if relay else "")
         return self._finish(generated_answer(question, result, started, dict(result.timings)))
 
     # -- prompt answers: an identical prompt needs no model --------------------------------

@@ -418,10 +418,7 @@ class ServerRunner(StateRunner):
             self.storage_failures += 1
             return target
         early.start, early.saved = point, saved  # cut to each state off the answer's time
-        early.indices = [
-            index for index in wanted
-            if layout.state_point(index) <= target and self.state_allowed(point, layout.state_point(index), target)
-        ]
+        early.indices = self._wanted(layout, keys, point, target)
         return target
 
     def _prefill_to(self, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> int:
@@ -731,7 +728,7 @@ class ServerRunner(StateRunner):
         result.timings["decode"] = time.perf_counter() - clock
         valid = self.valid_end(point, len(tokens)) if self.rule else 0
         if relay is not None:
-            relay.finish_reason, relay.usage, relay.plain = completion.finish_reason, completion.usage, completion.plain
+            relay.reply = completion
             result.generated_tokens = int(completion.usage.get("completion_tokens", 0))
             if completion.finish_reason:  # it ran to its end: the slot holds the prompt and a reply
                 self._slot = SlotContent(tuple(tokens), valid, None)

@@ -24,6 +24,7 @@ from ..config import PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.budget import BUDGET_FLOOR_BYTES
 from ..kv.engine import Sampling
+from ..kv.llama_server import Completion
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
 from ..types import Chunk
@@ -73,15 +74,14 @@ class RelayedRequest:
     the server lays out, samples, stops and parses the reply as for the client alone.
 
     *path* and *body* are the request; the run fills in *chunks* (the server's chunks for
-    the client, as they arrive), the *finish_reason*, the server's *usage*, and *plain*
-    (the reply held nothing but text)."""
+    the client, as they arrive) and *reply* (its finish reason, the server's usage, and
+    whether it held nothing but text; a stored answer's are those of the run that stored
+    it)."""
 
     path: str
     body: dict[str, Any]
     chunks: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str = ""
-    usage: dict[str, Any] = field(default_factory=dict)
-    plain: bool = True
+    reply: Completion = field(default_factory=Completion)
 
 
 @dataclass(frozen=True)
