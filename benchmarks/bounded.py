@@ -39,8 +39,8 @@ from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
+from percache_core.policies import recompute_ladder
 from percache_core.qa.calibration import COMPOSED, CONTEXTS, error_upper_bound
-from percache_core.serving.request_path import recompute_ladder
 
 from .data_sets import default_data_folder, query_scope, read_data_set, read_jsonl
 from .output import write_json
@@ -183,7 +183,7 @@ def composed_user(
         report = pc.warm(progress=False)
         seconds = time.perf_counter() - started
         labels = [label for label in internals(pc).parts.calibration.labels if label.kind == "composed"]
-        ladder = recompute_ladder(internals(pc).parts.config)
+        ladder = recompute_ladder(internals(pc).parts.config.tiers)
         per_setting = {}
         for tokens in ladder:
             outcomes = [label.right for label in labels if label.entry_id == f"{COMPOSED}{tokens}"]

@@ -87,7 +87,7 @@ with PerCache.open(sys.argv[1], config=PerCacheConfig(max_new_tokens=int(sys.arg
     runner = internals(pc).runner
     prompts = [runner.lay_out(q, [r.chunk for r in pc.retrieve(q)], max_new_tokens=int(sys.argv[3])).text
                for q in corpus["questions"]]
-    print(json.dumps({"prompts": prompts, "stop": list(pc.config.stop)}))
+    print(json.dumps({"prompts": prompts, "stop": list(pc.config.engine.stop)}))
 """
 
 

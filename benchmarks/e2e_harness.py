@@ -44,7 +44,7 @@ from percache_core.config import PerCacheConfig
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.kv.llama_server import LlamaServer
+from percache_core.kv.llama_server import LlamaServer, ServerLaunch
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache
 from percache_core.types import ANSWERED_BEFORE
@@ -239,14 +239,14 @@ class SystemRun:
         started = time.perf_counter()
         parts, config = internals(self.pc).parts, self.pc.config
         embedding = parts.embed_question(question)
-        retrieved = parts.knowledge.retrieve(question, config.top_k, question_embedding=embedding, where=scope)
+        retrieved = parts.knowledge.retrieve(question, config.retrieval.top_k, question_embedding=embedding, where=scope)
         chunks = [r.chunk for r in retrieved]
-        layout = parts.runtime.runner.lay_out(question, chunks, max_new_tokens=config.max_new_tokens)
+        layout = parts.runtime.runner.lay_out(question, chunks, max_new_tokens=config.engine.max_new_tokens)
         prefill_started = time.perf_counter()
         first: list[float] = []
         text = ""
         for piece in self.stock.create_completion(
-            layout.text, max_tokens=config.max_new_tokens, temperature=0.0, stop=list(config.stop), stream=True
+            layout.text, max_tokens=config.engine.max_new_tokens, temperature=0.0, stop=list(config.engine.stop), stream=True
         ):
             if not first:
                 first.append(time.perf_counter())
@@ -429,7 +429,7 @@ def evaluate(
     users = users[skip_users:]  # to go on with the users a stopped run did not reach
     owns_engine = engine is None
     if owns_engine:
-        engine = LlamaServer.start(resolve_model_path(None), n_ctx=2048) if server else LlamaEngine(resolve_model_path(None))
+        engine = LlamaServer.start(resolve_model_path(None), ServerLaunch(n_ctx=2048)) if server else LlamaEngine(resolve_model_path(None))
     model_path = engine.model_path
     engine.warm_up()
     stock = None
@@ -454,7 +454,7 @@ def evaluate(
     own_engines: dict[str, Any] = {}
     if stock is not None and any(system.name == "naive" for system in systems):
         own_engines["naive"] = (
-            LlamaServer.start(model_path, n_ctx=engine.n_ctx) if server
+            LlamaServer.start(model_path, ServerLaunch(n_ctx=engine.n_ctx)) if server
             else LlamaEngine(model_path, n_ctx=engine.n_ctx, n_batch=engine.n_batch)
         )
         own_engines["naive"].warm_up()

@@ -41,7 +41,7 @@ from typing import Any
 
 from langchain_openai import ChatOpenAI
 
-from percache_core import LlamaServer, PerCache, PerCacheConfig
+from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_server import free_port
@@ -63,7 +63,7 @@ def endpoint(model_path: Path, cache: Path, threads: int, embedder: Any, documen
     (and the Redis tier at *shared_url*): its base URL."""
     shared = {"shared_url": shared_url, "shared_secret": "endpoint-benchmark-secret"} if shared_url else {}
     config = PerCacheConfig(n_ctx=N_CTX, prediction=False, **shared)
-    server = LlamaServer.start(model_path, n_ctx=N_CTX, n_threads=threads)
+    server = LlamaServer.start(model_path, ServerLaunch(n_ctx=N_CTX, n_threads=threads))
     pc = PerCache.open(cache, config=config, engine=server, embedder=embedder)
     pc.preload()  # the server's cut rule: measured once per build and model, kept on disk
     if not pc.chunk_count:

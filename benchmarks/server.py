@@ -42,7 +42,7 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
-from percache_core import LlamaServer, PerCache, PerCacheConfig, TextPrompt
+from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_server import find_server_binary
@@ -171,7 +171,7 @@ def side_by_side(name: str, steps: list[Step], *, first: int = 0) -> dict[str, A
 
 def fresh_chat(server: LlamaServer, messages: list[tuple[str, str]], max_tokens: int) -> str:
     tokens = server.tokenize(server.stock_chat(messages).text, True, special=True)
-    return "".join(server.complete(tokens, max_new_tokens=max_tokens, cache_prompt=False))
+    return "".join(server.complete(tokens, Decoding(max_tokens), cache_prompt=False))
 
 
 def bench(model_path: Path, data: Path, *, turns: int, long_count: int, restarts: int, threads: int) -> list[dict[str, Any]]:
@@ -184,7 +184,7 @@ def bench(model_path: Path, data: Path, *, turns: int, long_count: int, restarts
         cache = Path(folder) / "cache"
         config = PerCacheConfig(max_new_tokens=MAX_TOKENS, n_ctx=N_CTX, prediction=False)
         alone = ServerAlone(model_path, threads)
-        server = LlamaServer.start(model_path, n_ctx=N_CTX, n_threads=threads)
+        server = LlamaServer.start(model_path, ServerLaunch(n_ctx=N_CTX, n_threads=threads))
         pc = PerCache.open(cache, config=config, engine=server, embedder=embedder)
         pc.preload()  # the server's cut rule: measured once per build and model, kept on disk
         chat = PerCacheChatModel(percache=pc, max_new_tokens=MAX_TOKENS, cache=False)
@@ -221,12 +221,12 @@ def bench(model_path: Path, data: Path, *, turns: int, long_count: int, restarts
 
         def fresh_completion(prompt: str) -> str:
             tokens = runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=32).tokens
-            return "".join(server.complete(tokens, max_new_tokens=32, cache_prompt=False, stop=stop))
+            return "".join(server.complete(tokens, Decoding(32, stop=stop), cache_prompt=False))
 
         steps = [
             (
                 lambda p=p: alone.complete(p, 32, stop),
-                lambda p=p: pc.caller.complete(p, max_new_tokens=32, stop=stop).text,  # type: ignore[union-attr]
+                lambda p=p: pc.caller.complete(p, decoding=Decoding(max_new_tokens=32, stop=stop)).text,  # type: ignore[union-attr]
                 lambda p=p: fresh_completion(p),
             )
             for p in prompts
@@ -267,7 +267,7 @@ def bench_restart(
         messages = [system, question]
         # before the restart: one turn on both sides
         alone = ServerAlone(model_path, threads)
-        server = LlamaServer.start(model_path, n_ctx=N_CTX, n_threads=threads)
+        server = LlamaServer.start(model_path, ServerLaunch(n_ctx=N_CTX, n_threads=threads))
         pc = PerCache.open(cache, config=config, engine=server, embedder=embedder)
         chat = PerCacheChatModel(percache=pc, max_new_tokens=MAX_TOKENS, cache=False)
         answer = str(chat.invoke(lc_messages(messages)).content)
@@ -276,7 +276,7 @@ def bench_restart(
         messages = [*messages, ("assistant", answer), sessions[index * 2 + 1][1]]
         # after the restart of both servers and the app: the next turn
         alone = ServerAlone(model_path, threads)
-        server = LlamaServer.start(model_path, n_ctx=N_CTX, n_threads=threads)
+        server = LlamaServer.start(model_path, ServerLaunch(n_ctx=N_CTX, n_threads=threads))
         pc = PerCache.open(cache, config=config, engine=server, embedder=embedder)
         chat = PerCacheChatModel(percache=pc, max_new_tokens=MAX_TOKENS, cache=False)
 

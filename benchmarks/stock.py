@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
-from percache_core import PerCache, PerCacheConfig
+from percache_core import Decoding, PerCache, PerCacheConfig
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.llama_cpp import LlamaEngine
@@ -240,7 +240,7 @@ def bench_model(
         llm = PerCacheLLM(percache=pc, max_new_tokens=32)
         stop = ["Question:"]
         entries: dict[str, Callable[[str], str]] = {
-            "pc.caller.complete": lambda p: pc.caller.complete(p, max_new_tokens=32, stop=stop).text,  # type: ignore[union-attr]
+            "pc.caller.complete": lambda p: pc.caller.complete(p, decoding=Decoding(max_new_tokens=32, stop=stop)).text,  # type: ignore[union-attr]
             "LangChain LLM invoke": lambda p: llm.invoke(p, stop=stop),
             "LangChain LLM ainvoke": lambda p: asyncio.run(llm.ainvoke(p, stop=stop)),
         }
@@ -257,7 +257,7 @@ def bench_model(
         pc = PerCache.open(Path(folder) / "cache", config=config, engine=engine, embedder=embedder)
         pc.add_documents([{"id": r["doc_id"], "text": r["text"]} for r in squad_chunks], progress=False)
         runner = internals(pc).runner
-        stops = list(config.stop)
+        stops = list(config.engine.stop)
 
         asked = squad_questions[:long_count]
         texts = [  # the prompt pc.answer lays out, as one string for stock

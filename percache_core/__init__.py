@@ -8,7 +8,16 @@ Importing this package loads no model and touches no file.
 """
 
 from .callers import CallerCache
-from .config import PerCacheConfig
+from .config import (
+    BoundSettings,
+    BudgetSettings,
+    EngineSettings,
+    IdleSettings,
+    PerCacheConfig,
+    RetrievalSettings,
+    SharedSettings,
+    TierSettings,
+)
 from .errors import (
     CacheClosedError,
     CacheFolderError,
@@ -24,8 +33,8 @@ from .errors import (
 )
 from .knowledge.bert import BertEmbedder
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
-from .kv.engine import ChatPrompt, Engine, EngineFeatures, Sampling
-from .kv.llama_server import LlamaServer, ServerError
+from .kv.engine import ChatPrompt, Decoding, Engine, EngineFeatures, Sampling
+from .kv.llama_server import LlamaServer, ServerError, ServerLaunch
 from .pipeline import AnswerStream, PerCache
 from .prediction.scheduler import WarmReport
 from .serving.binding import chunk_sources
@@ -57,6 +66,14 @@ __all__ = [
     "ModelNotFoundError",
     "PerCache",
     "PerCacheConfig",
+    "BoundSettings",
+    "BudgetSettings",
+    "Decoding",
+    "EngineSettings",
+    "IdleSettings",
+    "RetrievalSettings",
+    "SharedSettings",
+    "TierSettings",
     "PerCacheError",
     "QAEntry",
     "QAHit",
@@ -64,6 +81,7 @@ __all__ = [
     "Sampling",
     "SentenceTransformerEmbedder",
     "ServerError",
+    "ServerLaunch",
     "StorageWriteError",
     "TextPrompt",
     "UncachedCompletion",

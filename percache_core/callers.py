@@ -33,10 +33,11 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from .inputs import as_chunks, positive_override, similarity_override, validated_question, validated_scope
-from .kv.engine import Engine, Sampling, TextModel
+from .kv.engine import Decoding, Engine, TextModel
 from .serving.parts import CacheParts
 from .serving.prompting import TextPrompt
-from .serving.request_path import RequestPath, stored_answer
+from .serving.request import Request, stored_answer
+from .serving.request_path import RequestPath
 from .serving.state_runner import RelayedRequest
 from .serving.streaming import AnswerStream, delivered
 from .types import Answer, Chunk, QAEntry, QAHit
@@ -101,46 +102,33 @@ class CallerCache:
         self._ensure_open()
         question = validated_question(question)
         config = self._parts.config
-        threshold = similarity_override(similarity_threshold, config.similarity_threshold)
+        threshold = similarity_override(similarity_threshold, config.tiers.similarity_threshold)
         scope_dict = validated_scope(scope)
         started = time.perf_counter()
         binding = binding or self._parts.binding()
+        request = Request(question, binding, scope_dict, config.engine.max_new_tokens, config.retrieval.top_k, started)
         with self._parts.activity.user_turn():
-            hit = self._hit(question, threshold, scope_dict, binding, asked)
+            hit = self._hit(request, threshold, asked)
         if hit is None:
             return None
-        approximate = config.qa_mode != "exact"
-        accuracy = self._path.estimated_accuracy(hit) if approximate else None
-        answer = stored_answer(question, hit, started, {}, approximate=approximate, estimated_accuracy=accuracy)
+        policy = self._parts.answers
+        accuracy = policy.estimated_accuracy(hit)
+        answer = stored_answer(request, hit, approximate=policy.approximate, estimated_accuracy=accuracy)
         self._path.count(answer)
         return answer
 
-    def _hit(
-        self,
-        question: str,
-        similarity_threshold: float,
-        scope: dict[str, Any] | None,
-        binding: str,
-        asked: str | None,
-    ) -> QAHit | None:
+    def _hit(self, request: Request, similarity_threshold: float, asked: str | None) -> QAHit | None:
         """In exact mode the entry stored for this very question text (not one taken in
         from the shared tier: see :mod:`percache_core.shared.redis_tier`), in semantic mode
         the best verified one at or above *similarity_threshold*; counted as a hit, and
         *asked* (default *question*) recorded for history prediction."""
-        parts = self._parts
-        embedding = parts.embed_question(question)
-        hit = None
-        if parts.config.qa_mode == "exact":
-            entry = parts.qa_bank.find(question, scope=scope, binding=binding)
-            if entry is not None and not entry.from_shared_tier:
-                parts.qa_bank.record_hit(entry.id)
-                hit = QAHit(entry, float(min(1.0, float(entry.embedding @ embedding))))
-        else:
-            hit, offered = self._path.semantic_hit(question, embedding, similarity_threshold, scope, binding)
-            if hit is None and offered:  # the caller's answer, when it remembers one, labels them
-                self._offered[_offer_key(question, binding, scope)] = offered
-                while len(self._offered) > OFFERS_KEPT:
-                    self._offered.popitem(last=False)
+        parts, question, scope = self._parts, request.question, request.scope
+        embedding = request.embedding = parts.embed_question(question)
+        hit, offered = parts.answers.caller_hit(self._path.lookup(request, similarity_threshold))
+        if hit is None and offered:  # the caller's answer, when it remembers one, labels them
+            self._offered[_offer_key(question, request.binding, scope)] = offered
+            while len(self._offered) > OFFERS_KEPT:
+                self._offered.popitem(last=False)
         parts.activity.record_question(asked or question, embedding, hit, scope)
         return hit
 
@@ -166,11 +154,7 @@ class CallerCache:
         prompt: str,
         *,
         documents: Sequence[str] = (),
-        max_new_tokens: int | None = None,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] | None = None,
-        prompt_lookup: bool = False,
-        trim: bool = False,
+        decoding: Decoding | None = None,
         add_bos: bool | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
@@ -181,10 +165,10 @@ class CallerCache:
         where one of *documents* (texts in the prompt: retrieved chunks, chat messages) ends
         and the engine's self-check proved that the cut changes nothing, and the state there
         is kept. So the output never depends on the cache, and it is stock llama.cpp's text
-        (``trim=True`` drops the white space around it, as for a chat reply). A prompt run
-        before with the same settings is answered from its stored answer without the model.
-        *sampling* (default: the configured one), *stop* (replaces the configured stop
-        strings) and ``max_new_tokens`` apply to this call. Markup in the prompt is tokenized
+        (``Decoding(trim=True)`` drops the white space around it, as for a chat reply). A
+        prompt run before with the same settings is answered from its stored answer without
+        the model. *decoding* (its tokens, sampling, stop strings, prompt lookup and trim)
+        applies to this call. Markup in the prompt is tokenized
         as special tokens; *add_bos* says whether a BOS is added (None: unless the prompt
         starts with it; a :class:`~percache_core.kv.engine.ChatPrompt` says). No QA-bank
         entry: the question's answer is the caller's to :meth:`remember`.
@@ -192,9 +176,8 @@ class CallerCache:
         Args:
             prompt: the finished prompt (non-empty).
             documents: texts in the prompt after which states are kept.
-            max_new_tokens, sampling, stop: this call's decoding (default: the configured).
-            prompt_lookup: verify drafts taken from the prompt (in-process engines).
-            trim: drop the white space around the answer.
+            decoding: this call's decoding (default: the configured tokens, sampling and
+                stop strings, no prompt lookup, the text as decoded).
             add_bos: whether tokenizing adds BOS (None: unless the prompt starts with it).
             stream: return an :class:`AnswerStream` of text pieces instead of an Answer.
 
@@ -204,27 +187,19 @@ class CallerCache:
 
         Raises:
             TypeError: a prompt that is not a non-empty string, or documents that are not strings.
+            ValueError: ``max_new_tokens`` that is not a positive integer.
             ContextOverflowError: a prompt that does not fit the context.
 
         >>> pc.caller.complete("Context:\\n\\nLunch is at noon.\\n\\nQ: When? A:",
-        ...                    documents=["Lunch is at noon."])  # doctest: +SKIP
+        ...                    documents=["Lunch is at noon."], decoding=Decoding(max_new_tokens=8))  # doctest: +SKIP
         """
         self._ensure_open()
         if not isinstance(prompt, str) or not prompt:
             raise TypeError("prompt must be a non-empty string")
         if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
             raise TypeError("documents must be a sequence of strings")
-        tokens = positive_override("max_new_tokens", max_new_tokens, self._parts.config.max_new_tokens)
-        spec = TextPrompt(prompt, tuple(documents), add_bos)
-        events = self._path.complete(
-            prompt,
-            spec=spec,
-            stop=stop,
-            max_new_tokens=tokens,
-            sampling=sampling,
-            prompt_lookup=prompt_lookup,
-            trim=trim,
-        )
+        resolved = self._parts.config.engine.resolve(decoding)
+        events = self._path.complete(prompt, TextPrompt(prompt, tuple(documents), add_bos), resolved)
         return delivered(self._parts.activity.in_user_turn(events), stream)
 
     def relay(
@@ -261,9 +236,9 @@ class CallerCache:
         if not isinstance(prompt, str) or not prompt:
             raise TypeError("prompt must be a non-empty string")
         spec = TextPrompt(prompt, tuple(d for d in documents if d.strip()), add_bos=True)
-        events = self._path.complete(
-            prompt, spec=spec, stop=(), max_new_tokens=1, sampling=None, prompt_lookup=False, trim=False, relay=request
-        )  # (the server decodes as the body says; one token of room is what the layout keeps)
+        decoding = self._parts.config.engine.resolve(Decoding(max_new_tokens=1, stop=()))
+        events = self._path.complete(prompt, spec, decoding, relay=request)
+        # (the server decodes as the body says; one token of room is what the layout keeps)
         return delivered(self._parts.activity.in_user_turn(events), stream)
 
     def lend_engine(self) -> AbstractContextManager[None]:
@@ -311,7 +286,7 @@ class CallerCache:
         self._ensure_open()
         question = validated_question(question)
         chunk_list = as_chunks(chunks)
-        tokens = positive_override("max_new_tokens", max_new_tokens, self._parts.config.max_new_tokens)
+        tokens = positive_override("max_new_tokens", max_new_tokens, self._parts.config.engine.max_new_tokens)
         scope_dict = validated_scope(scope)
         binding = binding or self._parts.binding(max_new_tokens=tokens)
         events = self._path.generate(question, chunk_list, binding=binding, scope=scope_dict, max_new_tokens=tokens)
@@ -372,7 +347,7 @@ class CallerCache:
         embedding = self._parts.embed_question(question)
         offered = self._offered.pop(_offer_key(question, extra["binding"], scope_dict), [])
         self._parts.calibration.add_many(  # the stored answers a lookup offered, against the caller's own
-            self._path.label(question, hit, answer, "asked")
+            self._path.records.label(question, hit, answer, "asked")
             for hit in offered
             if hit.entry.answer is not None and hit.entry.question != question
         )

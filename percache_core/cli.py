@@ -214,7 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = shared_config(args.shared_url)
     server = open_server(args.upstream, args.model, args.slot_save_path)
     settings = EndpointSettings(api_key=key, max_request_bytes=args.max_request_bytes)
-    serve(args.cache, server, host=args.host, port=args.port, settings=settings, config=config, idle=args.idle)
+    serve(args.cache, server, address=(args.host, args.port), settings=settings, config=config, idle=args.idle)
     return 0
 
 

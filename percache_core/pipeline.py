@@ -9,7 +9,6 @@ them, run by the idle worker. None of these sees this class.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import warnings
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .callers import CallerCache
-from .config import PerCacheConfig
+from .config import LiveConfig, PerCacheConfig
 from .errors import CacheClosedError, CacheFolderError
 from .inputs import positive_override, similarity_override, validated_question, validated_scope
 from .knowledge.bank import DocumentInput, KnowledgeBank, validated_document_ids
@@ -26,6 +25,7 @@ from .knowledge.embedding import Embedder, check_embedder, default_embedder, emb
 from .kv.engine import Engine
 from .kv.llama_server import LlamaServer
 from .models import resolve_model_path
+from .policies import AnswerPolicy, state_policy
 from .prediction.scheduler import Scheduler, WarmReport
 from .prediction.worker import IdleWorker
 from .qa.bank import QABank
@@ -88,20 +88,25 @@ class PerCache:
         meta = Store(folder / "meta")
         check_embedder(meta, embedder, folder)
         qa_store = Store(folder / "qa_bank")
-        qa_bank = QABank(qa_store, dimension=embedding_dimension(embedder), budget_bytes=config.qa_bank_budget_bytes)
+        live = LiveConfig(config)
+        qa_budget = lambda: live.current.budgets.qa_bank_budget_bytes  # noqa: E731
+        qa_bank = QABank(qa_store, dimension=embedding_dimension(embedder), budget_bytes=qa_budget)
         self._shared = open_shared_tier(config, qa_bank, embedder.name)
         self._parts = CacheParts(
-            config=config,
+            live=live,
             embedder=embedder,
             knowledge=KnowledgeBank(
-                Store(folder / "knowledge"), embedder, chunk_words=config.chunk_words, rrf_k=config.rrf_k
+                Store(folder / "knowledge"),
+                embedder,
+                chunk_words=lambda: live.current.retrieval.chunk_words,
+                rrf_k=lambda: live.current.retrieval.rrf_k,
             ),
             qa_bank=qa_bank,
-            prompt_answers=PromptAnswers(qa_store, budget_bytes=config.qa_bank_budget_bytes, shared=self._shared),
+            prompt_answers=PromptAnswers(qa_store, budget_bytes=qa_budget, shared=self._shared),
             runtime=ModelRuntime(
-                folder, config, engine=engine, model_path=model_path, shared=self._shared, verbose=verbose
+                folder, live, engine=engine, model_path=model_path, shared=self._shared, verbose=verbose
             ),
-            activity=UserActivity(history_size=config.history_size),
+            activity=UserActivity(history_size=config.idle.history_size),
             usage=UsageCounters(),
             meta=meta,
             calibration=Calibration(meta),
@@ -135,7 +140,7 @@ class PerCache:
             engine: a loaded :class:`~percache_core.kv.engine.Engine` to share (a
                 ``LlamaEngine``, or a ``FakeEngine`` in tests), or a
                 :class:`~percache_core.kv.llama_server.LlamaServer` (started, or attached
-                to by its URL); otherwise ``config.model_path`` (or the bundled Gemma 3
+                to by its URL); otherwise ``config.engine.model_path`` (or the bundled Gemma 3
                 270M) is loaded in this process on the first question that needs the model.
 
         Raises:
@@ -161,7 +166,7 @@ class PerCache:
         folder = Path(path).expanduser()
         if folder.exists() and not folder.is_dir():
             raise CacheFolderError(f"cache path exists and is not a folder: {folder}")
-        model_path = None if engine is not None else resolve_model_path(config.model_path)
+        model_path = None if engine is not None else resolve_model_path(config.engine.model_path)
         return cls(
             folder,
             config=config,
@@ -206,6 +211,13 @@ class PerCache:
     def config(self) -> PerCacheConfig:
         """The settings now (change them with :meth:`configure`)."""
         return self._parts.config
+
+    @property
+    def answer_policy(self) -> AnswerPolicy:
+        """How stored answers may be served under the settings now (chosen once per
+        configuration): ``answer_policy.approximate`` is True where an answer served
+        without the model may be another question's (``qa_mode="semantic"``)."""
+        return self._parts.answers
 
     @property
     def folder(self) -> Path:
@@ -269,7 +281,7 @@ class PerCache:
         self._ensure_open()
         self._parts.activity.touch()
         chunks = self._parts.knowledge.add_documents(documents, split=split, progress=progress)
-        if chunks and self.config.qa_bank:
+        if chunks and self.config.tiers.qa_bank:
             self._scheduler.invalidation.documents_added(chunks, self._parts.knowledge.last_replaced)
         return chunks
 
@@ -325,7 +337,7 @@ class PerCache:
         """
         self._ensure_open()
         return self._parts.knowledge.retrieve(
-            validated_question(question), positive_override("k", k, self.config.top_k)
+            validated_question(question), positive_override("k", k, self.config.retrieval.top_k)
         )
 
     # -- answering ------------------------------------------------------------------------
@@ -367,9 +379,9 @@ class PerCache:
         """
         self._ensure_open()
         question = validated_question(question)
-        threshold = similarity_override(similarity_threshold, self.config.similarity_threshold)
-        top_k = positive_override("top_k", top_k, self.config.top_k)
-        max_new_tokens = positive_override("max_new_tokens", max_new_tokens, self.config.max_new_tokens)
+        threshold = similarity_override(similarity_threshold, self.config.tiers.similarity_threshold)
+        top_k = positive_override("top_k", top_k, self.config.retrieval.top_k)
+        max_new_tokens = positive_override("max_new_tokens", max_new_tokens, self.config.engine.max_new_tokens)
         scope_dict = validated_scope(scope)
         events = self._request_path.answer(
             question,
@@ -467,8 +479,7 @@ class PerCache:
             return self._worker
         self._worker = IdleWorker(
             self._scheduler,
-            self._parts.activity,
-            idle_after_s=self.config.idle_after_s if idle_after_s is None else idle_after_s,
+            idle_after_s=self.config.idle.idle_after_s if idle_after_s is None else idle_after_s,
             should_run=should_run,
             round_seconds=round_seconds,
             answer=answer,
@@ -510,12 +521,8 @@ class PerCache:
                 "(close it and open it again with the new config)"
             )
         config = self.config.replace(**changes)
-        self._parts.config = config
-        self._parts.runtime.configure(config)
-        self._parts.qa_bank.budget_bytes = config.qa_bank_budget_bytes
-        self._parts.prompt_answers.budget_bytes = config.qa_bank_budget_bytes
-        self._parts.knowledge.configure(chunk_words=config.chunk_words, rrf_k=config.rrf_k)
-        self._scheduler.configure(config)
+        self._parts.reconfigure(config)
+        self._parts.runtime.forget_recorded_model()  # the model's settings may have changed
         return config
 
     # -- reporting ------------------------------------------------------------------------
@@ -554,13 +561,13 @@ class PerCache:
 def _for_server(config: PerCacheConfig, server: LlamaServer) -> PerCacheConfig:
     """*config* as it runs on *server*: without chunk states where the server cannot hold
     them exactly (with a warning that says why); composed chunk states refused."""
-    if config.reuse == "approximate":
+    if state_policy(config).approximate and not server.features.composed_states:
         raise ValueError(
             'reuse="approximate" composes chunk states token by token: it needs the in-process '
             "engine (a LlamaEngine), not a llama-server"
         )
-    problem = server.chunk_state_problem if config.chunk_states else None
+    problem = server.chunk_state_problem if config.tiers.chunk_states else None
     if problem is not None:
         warnings.warn(f"no chunk states on the llama-server at {server.url}: {problem}; stored answers still work", stacklevel=3)
-        return dataclasses.replace(config, chunk_states=False)
+        return config.replace(chunk_states=False)
     return config

@@ -77,6 +77,32 @@ class Record:
 
 
 @dataclass(frozen=True)
+class Bookkeeping:
+    """What a write tells the eviction order beside the value: the record its record
+    depends on (*parent*: evicted after it), its *size* in bytes (default: the value's
+    JSON) and its use count *hits* (default: kept, or 0)."""
+
+    parent: str | None = None
+    size: int | None = None
+    hits: int | None = None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The bytes the records whose keys start with *prefix* may take: beyond *limit_bytes*
+    the least frequently used are removed (leaves before the records they depend on),
+    never the written key nor *protected* ones.
+
+    >>> Budget("qa:", 1000).protected
+    frozenset()
+    """
+
+    prefix: str
+    limit_bytes: int
+    protected: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Changes:
     """What changed since a version: records written and keys removed. ``complete`` is
     False when tombstones that old were pruned (then reload everything)."""
@@ -254,25 +280,37 @@ class Store:
         value: Any,
         *,
         vector: np.ndarray | None = None,
-        parent: str | None = None,
-        size: int | None = None,
-        hits: int | None = None,
+        bookkeeping: Bookkeeping | None = None,
         keep_if: Callable[[Record | None], bool] | None = None,
-        budget: tuple[str, int] | None = None,
-        protected: Iterable[str] = (),
+        budget: Budget | None = None,
     ) -> list[str] | None:
         """Store *value* (JSON) under *key*, replacing what was there, in one transaction.
 
-        *keep_if* sees the record stored now and may refuse the write (returns None).
-        *budget* ``(prefix, bytes)``: then the least frequently used records with that
-        prefix (leaves before records others name as their *parent*) are removed until the
-        total fits, never *key* nor *protected* keys; their keys are returned.
+        Args:
+            key: the record's key.
+            value: a JSON value.
+            vector: an embedding stored beside it.
+            bookkeeping: its parent, size and use count for the eviction order.
+            keep_if: sees the record stored now and may refuse the write.
+            budget: the budget the write is held to (records evicted to fit it).
+
+        Returns:
+            The keys evicted to fit *budget* (``[]`` without one), or None when *keep_if*
+            refused the write.
+
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> store.put("r:a", 1, bookkeeping=Bookkeeping(size=10)), store.put("r:b", 2, budget=Budget("r:", 10))
+        ([], ['r:a'])
         """
+        info = bookkeeping or Bookkeeping()
         with self.transaction():
             if keep_if is not None and not keep_if(self._record(key)):
                 return None
-            self._upsert(key, value, vector, parent, size, hits)
-            return self._enforce(budget, {key, *protected}) if budget else []
+            self._upsert(key, value, vector, info.parent, info.size, info.hits)
+            if budget is None:
+                return []
+            return self._enforce((budget.prefix, budget.limit_bytes), {key, *budget.protected})
 
     def trim(self, prefix: str, budget_bytes: int, protected: Iterable[str] = ()) -> list[str]:
         """Remove least frequently used records with *prefix* until their total fits

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -176,3 +177,20 @@ class Answer:
         True
         """
         return self.source in ANSWERED_BEFORE
+
+
+T = TypeVar("T")
+
+
+def live(setting: T | Callable[[], T]) -> Callable[[], T]:
+    """A setting read when it is needed: *setting* itself when it is a function (a cache
+    passes ``lambda: live_config.current.budgets.qa_bank_budget_bytes``), else a function
+    that returns the fixed value (a part used on its own). Parts that read their settings
+    this way need nothing pushed into them when the configuration changes.
+
+    >>> live(3)(), live(lambda: 4)()
+    (3, 4)
+    """
+    if callable(setting):
+        return setting
+    return lambda: setting

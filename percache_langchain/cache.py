@@ -48,7 +48,7 @@ class PerCacheLLMCache(BaseCache):
         """(the text stored as the question, its binding, the user's question as the
         retriever recorded it or None)."""
         question = recorder_for(self._percache).question_in(prompt)
-        if self._percache.config.qa_mode == "exact" or not question:
+        if not self._percache.answer_policy.approximate or not question:
             return prompt, _digest("prompt", llm_string), question
         return question, _digest("question", llm_string, prompt.replace(question, "\x00")), question
 

@@ -30,7 +30,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from percache_core import Answer, AnswerStream, ChatPrompt, chat_prompt
 
-from .llm import complete, generation_settings
+from .llm import complete, decoding_of, generation_settings
 from .recorder import as_percache
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
@@ -128,9 +128,8 @@ class PerCacheChatModel(BaseChatModel):
         # of its own, so a cut after every message would slow long chats down.
         pairs = message_pairs(messages)
         contents = [text for role, text in pairs[:1] if role == "system"] + [text for _, text in pairs[-2:-1]]
-        return complete(
-            self.percache, chat.text, self._identifying_params, stops, keep_after=contents, add_bos=chat.add_bos
-        )
+        decoding = decoding_of(self._identifying_params, stops)
+        return complete(self.percache, chat.text, decoding, keep_after=contents, add_bos=chat.add_bos)
 
     def _generate(
         self,

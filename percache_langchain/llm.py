@@ -17,7 +17,7 @@ from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import GenerationChunk
 from pydantic import ConfigDict, Field, field_validator
 
-from percache_core import AnswerStream, PerCache, Sampling
+from percache_core import AnswerStream, Decoding, PerCache, Sampling
 
 from .recorder import as_percache, recorder_for
 
@@ -28,40 +28,33 @@ def generation_settings(percache: PerCache, max_new_tokens: int | None, temperat
     config = percache.config
     return {
         "model": percache.caller.model_id(),
-        "max_new_tokens": max_new_tokens or config.max_new_tokens,
-        "temperature": config.temperature if temperature is None else temperature,
-        "top_p": config.top_p,
-        "seed": config.seed,
+        "max_new_tokens": max_new_tokens or config.engine.max_new_tokens,
+        "temperature": config.engine.temperature if temperature is None else temperature,
+        "top_p": config.engine.top_p,
+        "seed": config.engine.seed,
     }
 
 
+def decoding_of(settings: dict[str, Any], stop: list[str] | None, trim: bool = False) -> Decoding:
+    """The :class:`~percache_core.Decoding` of :func:`generation_settings`' *settings* with
+    *stop* (None: the configured stop strings) and *trim* (drop the white space around the
+    answer, for chat replies; without it the text is llama.cpp's as decoded)."""
+    sampling = Sampling(settings["temperature"], settings["top_p"], settings["seed"])
+    return Decoding(settings["max_new_tokens"], sampling, stop, trim=trim)
+
+
 def complete(
-    percache: PerCache,
-    prompt: str,
-    settings: dict[str, Any],
-    stop: list[str] | None,
-    keep_after: Sequence[str] = (),
-    trim: bool = False,
-    add_bos: bool | None = None,
+    percache: PerCache, prompt: str, decoding: Decoding, keep_after: Sequence[str] = (), add_bos: bool | None = None
 ) -> AnswerStream:
-    """*prompt* continued through *percache*'s chunk states with *settings*: the text
+    """*prompt* continued through *percache*'s chunk states with *decoding*: the text
     pieces (joined, they are the text ``invoke`` returns), then ``.answer``. States are
     kept after the documents a retriever of *percache* returned and after the texts
-    *keep_after* (a chat's messages). *trim* drops the white space around the answer
-    (chat replies); without it the text is llama.cpp's as decoded. *add_bos*: see
-    ``pc.caller.complete``."""
+    *keep_after* (a chat's messages). *add_bos*: see ``pc.caller.complete``."""
     documents = [d.page_content for d in recorder_for(percache).documents_in(prompt)]
     documents += [text for text in keep_after if text.strip()]
-    return percache.caller.complete(
-        prompt,
-        documents=documents,
-        max_new_tokens=settings["max_new_tokens"],
-        sampling=Sampling(settings["temperature"], settings["top_p"], settings["seed"]),
-        stop=stop,
-        trim=trim,
-        add_bos=add_bos,
-        stream=True,
-    )  # type: ignore[return-value]
+    stream = percache.caller.complete(prompt, documents=documents, decoding=decoding, add_bos=add_bos, stream=True)
+    assert isinstance(stream, AnswerStream)
+    return stream
 
 
 class PerCacheLLM(LLM):
@@ -99,7 +92,7 @@ class PerCacheLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> str:
-        return "".join(complete(self.percache, prompt, self._identifying_params, stop))
+        return "".join(complete(self.percache, prompt, decoding_of(self._identifying_params, stop)))
 
     def _stream(
         self,
@@ -108,7 +101,7 @@ class PerCacheLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for piece in complete(self.percache, prompt, self._identifying_params, stop):
+        for piece in complete(self.percache, prompt, decoding_of(self._identifying_params, stop)):
             chunk = GenerationChunk(text=piece)
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)

@@ -39,6 +39,7 @@ from percache_core import (
     Answer,
     AnswerStream,
     ChatPrompt,
+    Decoding,
     Engine,
     PerCache,
     PerCacheConfig,
@@ -199,15 +200,9 @@ class PerCacheLlamaCPP(CustomLLM):
         add_bos = None if chat is None else chat.add_bos
         stop = self.stop + ([] if chat is None else list(chat.stop))
         if scope is not None and scope.percache.caller.runs_on(self.engine):
+            decoding = Decoding(self.max_new_tokens, sampling, stop, prompt_lookup=self.prompt_lookup)
             stream = scope.percache.caller.complete(
-                prompt,
-                documents=scope.documents,
-                max_new_tokens=self.max_new_tokens,
-                sampling=sampling,
-                stop=stop,
-                prompt_lookup=self.prompt_lookup,
-                add_bos=add_bos,
-                stream=True,
+                prompt, documents=scope.documents, decoding=decoding, add_bos=add_bos, stream=True
             )  # llama.cpp's text as decoded (trim=False), as stock LlamaCPP gives it
             assert isinstance(stream, AnswerStream)
             yield from stream

@@ -230,7 +230,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         inner = self._current_engine()
         bundle = QueryBundle(question)
         nodes = inner.retrieve(bundle)
-        if not nodes or not self._percache.config.qa_bank:
+        if not nodes or not self._percache.config.tiers.qa_bank:
             return False
         chunks = node_chunks(nodes)
         binding = self._binding(chunks)
@@ -325,7 +325,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return self._with_info(response, info)
 
     def _remember(self, question: str, text: str | None, nodes: list[NodeWithScore], binding: str) -> None:
-        if self._percache.config.qa_bank and text and text.strip():
+        if self._percache.config.tiers.qa_bank and text and text.strip():
             ids = [n.node.node_id for n in nodes]
             self._percache.caller.remember(question, text, chunk_ids=ids, binding=binding)
 

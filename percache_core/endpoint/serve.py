@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..config import PerCacheConfig
 from ..errors import PerCacheError
-from ..kv.llama_server import LlamaServer, free_port
+from ..kv.llama_server import LlamaServer, ServerLaunch, free_port
 from ..pipeline import PerCache
 from .app import EndpointSettings, create_app
 
@@ -34,7 +34,7 @@ def open_server(upstream: str | None, model: str | None, slot_save_path: str | N
         raise PerCacheError("give either --upstream URL (a running llama-server) or --model GGUF")
     if upstream is not None:
         return LlamaServer(upstream, slot_save_path=slot_save_path, api_key=os.environ.get("LLAMA_API_KEY"))
-    return LlamaServer.start(model, slot_save_path=slot_save_path)
+    return LlamaServer.start(model, ServerLaunch(slot_save_path=slot_save_path))
 
 
 def checked_api_key(host: str, api_key: str | None) -> str | None:
@@ -58,19 +58,26 @@ def serve(
     cache: str | Path,
     server: LlamaServer,
     *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
+    address: tuple[str, int] = ("127.0.0.1", 8080),
     settings: EndpointSettings = EndpointSettings(),
     config: PerCacheConfig | None = None,
     idle: bool = False,
 ) -> None:
-    """Serve *cache* (opened with *config*) over *server* at http://host:port/v1 until
-    interrupted; *idle*: run idle prediction between requests.
+    """Serve *cache* over *server* at ``http://host:port/v1`` until interrupted.
+
+    Args:
+        cache: the cache folder.
+        server: the llama-server the cache runs on (closed at the end if it was started).
+        address: (host, port) to listen on.
+        settings: the API key and the largest request body.
+        config: the cache's settings (None: the defaults).
+        idle: run idle prediction between requests.
 
     >>> serve("~/.percache/me", LlamaServer("http://127.0.0.1:8081"))   # doctest: +SKIP
     """
     import uvicorn  # the serve extra; loaded only to serve
 
+    host, port = address
     pc = PerCache.open(Path(cache).expanduser(), config=config, engine=server)
     try:
         pc.preload()

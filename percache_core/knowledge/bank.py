@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import InvalidDocumentError, StorageWriteError
 from ..storage import Record, Store, json_text
-from ..types import Chunk, RetrievedChunk
+from ..types import Chunk, RetrievedChunk, live
 from .bm25 import bm25_tokens
 from .chunking import split_into_chunks
 from .embedding import Embedder
@@ -109,14 +109,14 @@ class KnowledgeBank:
         store: Store,
         embedder: Embedder,
         *,
-        chunk_words: int = 100,
-        rrf_k: int = 60,
+        chunk_words: int | Callable[[], int] = 100,
+        rrf_k: int | Callable[[], int] = 60,
         snapshot_min_chunks: int = SNAPSHOT_MIN_CHUNKS,
     ) -> None:
         self._store = store
         self._embedder = embedder
-        self._chunk_words = chunk_words
-        self._rrf_k = rrf_k
+        self._chunk_words = live(chunk_words)
+        self._rrf_k = live(rrf_k)
         self._lock = threading.RLock()
         self._index = ChunkIndex()
         self._documents: dict[str, dict[str, Any]] = {}  # doc id -> {"digest", "chunks"}
@@ -127,11 +127,6 @@ class KnowledgeBank:
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
         self.full_reads = 0  # times every record was read (no usable snapshot, or a removal)
         self.sync()
-
-    def configure(self, *, chunk_words: int, rrf_k: int) -> None:
-        """Use new chunking (for documents added from now on) and fusion settings."""
-        with self._lock:
-            self._chunk_words, self._rrf_k = chunk_words, rrf_k
 
     def sync(self) -> None:
         """Take in what any process changed since the last sync: new chunks are appended;
@@ -263,7 +258,7 @@ class KnowledgeBank:
                 if self._documents.get(document.id, {}).get("digest") == digest:
                     continue
                 texts = (
-                    split_into_chunks(document.text, self._chunk_words) if split else [document.text.strip()]
+                    split_into_chunks(document.text, self._chunk_words()) if split else [document.text.strip()]
                 )
                 metadata = json.loads(json_text(document.metadata))  # as a reread record has it
                 chunks = [
@@ -362,7 +357,7 @@ class KnowledgeBank:
                 return []
             if question_embedding is None:
                 question_embedding = self._embedder.embed([question])[0]
-            best = self._index.search(bm25_tokens(question), question_embedding, k, where=where, rrf_k=self._rrf_k)
+            best = self._index.search(bm25_tokens(question), question_embedding, k, where=where, rrf_k=self._rrf_k())
             return [RetrievedChunk(self._index.chunks[row], score) for row, score in best]
 
     def similarities(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .engine import Engine, EngineVerdicts
+from .engine import Decoding, Engine, EngineVerdicts
 
 if TYPE_CHECKING:
     from .llama_server import LlamaServer
@@ -242,12 +242,10 @@ def _server_logprobs(server: LlamaServer, prompt: list[int], piece_lengths: list
     try:
         for length in piece_lengths:
             end += length
-            for _ in server.complete(
-                prompt[:end], max_new_tokens=0, cache_prompt=end > length, expected_cached=end - length
-            ):
+            for _ in server.complete(prompt[:end], Decoding(0), cache_prompt=end > length, expected_cached=end - length):
                 pass
         for _ in server.complete(
-            prompt, max_new_tokens=1, cache_prompt=bool(end), n_probs=_PROBE_LOGPROBS, expected_cached=end
+            prompt, Decoding(1), cache_prompt=bool(end), n_probs=_PROBE_LOGPROBS, expected_cached=end
         ):
             pass
     except UnexpectedReuse as error:

@@ -11,6 +11,7 @@ must not interleave (restore, prefill, decode).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -101,25 +102,33 @@ class EngineVerdicts(Generic[T]):
 class EngineFeatures:
     """What an engine can do, read once when it is opened (never tested call by call).
 
-    *token_level*: evals, logits and states in the process (draft verification, state
-    slices, composed chunk states, the engine's own self-checks); *chunk_states*: stored
-    prefix states restored exactly (for a server, where it runs with a slot-save folder
-    PerCache can read and its start-up check held).
+    Attributes:
+        chunk_states: stored prefix states are restored exactly (for a server, where it runs
+            with a slot-save folder PerCache can read and its start-up check held).
+        drafts: logits of a batch of tokens, so that stored answers and prompt phrases are
+            verified as drafts while decoding (in the process).
+        slices: a state can be saved and loaded as one segment's positions (in the process;
+            whether this build's layout allows it is checked when the states open).
+        composed_states: independent chunk states can be moved to new positions and
+            composed (``reuse="approximate"``; in the process).
 
-    >>> EngineFeatures(token_level=False, chunk_states=True).describe()
+    >>> EngineFeatures(chunk_states=True).describe()
     'chunk states'
     """
 
-    token_level: bool
     chunk_states: bool
+    drafts: bool = False
+    slices: bool = False
+    composed_states: bool = False
 
     def describe(self) -> str:
-        names = [name for name, on in (("token level", self.token_level), ("chunk states", self.chunk_states)) if on]
+        """The features that are on, in words ("stored answers only" when none is)."""
+        names = [f.name.replace("_", " ") for f in dataclasses.fields(self) if getattr(self, f.name)]
         return ", ".join(names) or "stored answers only"
 
 
 
-TOKEN_LEVEL = EngineFeatures(token_level=True, chunk_states=True)  # an in-process engine's
+TOKEN_LEVEL = EngineFeatures(chunk_states=True, drafts=True, slices=True, composed_states=True)  # in the process
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,31 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one call decodes, where it differs from the configured settings.
+
+    Attributes:
+        max_new_tokens: the longest answer (None: the configured; 0: prefill only, where
+            the call allows it).
+        sampling: temperature, top_p and seed (None: the configured; greedy where there
+            is no configuration).
+        stop: strings that end the answer, replacing the configured ones (None: those).
+        prompt_lookup: verify drafts taken from the prompt (in-process engines).
+        trim: drop the white space around the answer (a chat reply); off, the text is
+            llama.cpp's as decoded.
+
+    >>> Decoding(max_new_tokens=24, stop=["."]).trim
+    False
+    """
+
+    max_new_tokens: int | None = None
+    sampling: Sampling | None = None
+    stop: Sequence[str] | None = None
+    prompt_lookup: bool = False
+    trim: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ answer's text is what the same server gives the same prompt with nothing reused.
 Start a server from the build ``make llama-server`` made (``.venv/bin/llama-server``, or
 ``$PERCACHE_LLAMA_SERVER``), or attach to one you run::
 
-    server = LlamaServer.start(model_path="model.gguf")         # owns the process
+    server = LlamaServer.start("model.gguf")                    # owns the process
     server = LlamaServer(url="http://127.0.0.1:8080",           # yours, started with
                          slot_save_path="/var/cache/slots")     # --slot-save-path
     pc = PerCache.open("cache", engine=server)
@@ -49,7 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import PerCacheError
-from .engine import ChatPrompt, EngineFeatures, Sampling
+from .engine import ChatPrompt, Decoding, EngineFeatures, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,42 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class ServerLaunch:
+    """How :meth:`LlamaServer.start` launches a server.
+
+    Attributes:
+        n_ctx: the context length (``-c``).
+        n_batch: the logical and physical batch (``-b``, ``-ub``).
+        n_threads: threads (``-t``, ``-tb``; None: all cores).
+        host: the address it listens on.
+        port: its port (None: a free one).
+        slot_save_path: where it saves slot files (None: a temporary folder).
+        extra_args: more flags, added as given.
+        binary: the llama-server executable (None: found as :func:`find_server_binary` does).
+        startup_timeout_s: how long to wait for it to answer.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+    slot_save_path: str | os.PathLike[str] | None = None
+    extra_args: Sequence[str] = ()
+    binary: str | os.PathLike[str] | None = None
+    startup_timeout_s: float = 180.0
+
+    def flags(self) -> tuple[str, ...]:
+        """The arithmetic and slot flags the server runs with (where it listens aside)."""
+        threads = self.n_threads or max(1, os.cpu_count() or 1)
+        return (
+            "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", "1",
+            "-t", str(threads), "-tb", str(threads),
+            "--swa-full", "--cache-ram", "0", "--no-webui", *self.extra_args,
+        )  # fmt: skip
+
+
 class LlamaServer:
     """A llama-server, started by :meth:`start` or attached to by its *url*.
 
@@ -206,50 +242,42 @@ class LlamaServer:
     # -- starting and stopping --------------------------------------------------------------
 
     @classmethod
-    def start(
-        cls,
-        model_path: str | os.PathLike[str] | None = None,
-        *,
-        n_ctx: int = 4096,
-        n_batch: int = 512,
-        n_threads: int | None = None,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        slot_save_path: str | os.PathLike[str] | None = None,
-        extra_args: Sequence[str] = (),
-        binary: str | os.PathLike[str] | None = None,
-        startup_timeout_s: float = 180.0,
-    ) -> LlamaServer:
-        """Start a llama-server on *model_path* (None: the bundled model) and wait until it
-        answers. It runs with the flags exact chunk states need: one slot, ``-b``/``-ub``
-        *n_batch*, ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states),
-        ``--slot-save-path`` (*slot_save_path*, or a temporary folder removed on
-        :meth:`close`). *extra_args* are added as given.
+    def start(cls, model_path: str | os.PathLike[str] | None = None, launch: ServerLaunch | None = None) -> LlamaServer:
+        """Start a llama-server on *model_path* and wait until it answers. It runs with the
+        flags exact chunk states need: one slot, ``-b``/``-ub`` ``n_batch``,
+        ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states), ``--slot-save-path``
+        (the launch's, or a temporary folder removed on :meth:`close`).
 
-        >>> server = LlamaServer.start()                    # doctest: +SKIP
-        >>> server.close()                                  # doctest: +SKIP
+        Args:
+            model_path: a GGUF file (None: the bundled model).
+            launch: the context, batch, threads, address, slot folder and extra flags
+                (default: :class:`ServerLaunch`'s).
+
+        Returns:
+            The started server (close it, or use it as a context manager).
 
         Raises:
+            ValueError: a context under 64 tokens or a batch under 32.
             ServerError: no binary, or the server exited or did not answer in time.
+
+        >>> server = LlamaServer.start(None, ServerLaunch(n_ctx=2048))   # doctest: +SKIP
+        >>> server.close()                                               # doctest: +SKIP
         """
         from ..models import resolve_model_path
 
-        if n_ctx < 64 or n_batch < 32:
-            raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {n_ctx}, {n_batch})")
-        executable = Path(binary) if binary is not None else find_server_binary()
+        launch = launch or ServerLaunch()
+        if launch.n_ctx < 64 or launch.n_batch < 32:
+            raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
+        executable = Path(launch.binary) if launch.binary is not None else find_server_binary()
         model = Path(resolve_model_path(None if model_path is None else str(model_path)))
-        owned = None
+        owned, slot_save_path = None, launch.slot_save_path
         if slot_save_path is None:
             owned = tempfile.TemporaryDirectory(prefix="percache-slots-")
             slot_save_path = owned.name
         Path(slot_save_path).mkdir(parents=True, exist_ok=True)
-        port = port or free_port(host)
-        threads = n_threads or max(1, os.cpu_count() or 1)
-        flags = (
-            "-c", str(n_ctx), "-b", str(n_batch), "-ub", str(n_batch), "-np", "1",
-            "-t", str(threads), "-tb", str(threads),
-            "--swa-full", "--cache-ram", "0", "--no-webui", *extra_args,
-        )
+        host = launch.host
+        port = launch.port or free_port(host)
+        flags = launch.flags()
         where = ("-m", str(model), "--host", host, "--port", str(port), "--slot-save-path", str(slot_save_path))
         # its log goes to a file (a pipe nobody reads fills up and stops the server); the
         # server dies with this process (Linux: the parent-death signal)
@@ -262,7 +290,7 @@ class LlamaServer:
         server._finalizer = weakref.finalize(server, _stop, process, log)
         server.launch_flags, server.model_path = flags, model
         try:
-            server._wait_until_ready(startup_timeout_s)
+            server._wait_until_ready(launch.startup_timeout_s)
         except BaseException:
             server.close()
             raise
@@ -454,7 +482,7 @@ class LlamaServer:
     @property
     def features(self) -> EngineFeatures:
         """What PerCache can do on this server (read once per server)."""
-        return EngineFeatures(token_level=False, chunk_states=self.chunk_state_problem is None)
+        return EngineFeatures(chunk_states=self.chunk_state_problem is None)
 
     @property
     def verdict_key(self) -> str | None:
@@ -541,16 +569,16 @@ class LlamaServer:
     def complete(
         self,
         tokens: Sequence[int],
+        decoding: Decoding,
         *,
-        max_new_tokens: int,
         cache_prompt: bool,
-        sampling: Sampling = Sampling(),
-        stop: Sequence[str] = (),
         n_probs: int = 0,
         expected_cached: int | None = None,
     ) -> Iterator[str]:
-        """Stream the completion of *tokens* in slot 0: yields text pieces; the request's
-        :class:`Completion` is :attr:`last` (read it once the iterator is done).
+        """Stream the completion of *tokens* in slot 0 with *decoding* (its
+        ``max_new_tokens`` set, 0 to prefill only; greedy and no stop strings unless it
+        says): yields text pieces; the request's :class:`Completion` is :attr:`last` (read
+        it once the iterator is done).
 
         With *cache_prompt* the server reuses the longest common prefix of its slot's tokens
         (at least one token is always prefilled again); without, it prefills everything.
@@ -558,9 +586,12 @@ class LlamaServer:
         text, the request is cancelled and :class:`UnexpectedReuse` raised (no text was
         yielded). Closing the iterator early cancels the request (the connection is closed).
         """
+        if decoding.max_new_tokens is None:
+            raise ValueError("a server completion needs max_new_tokens")
+        sampling = decoding.sampling or Sampling()
         body: dict[str, Any] = {
             "prompt": list(tokens),
-            "n_predict": max_new_tokens,
+            "n_predict": decoding.max_new_tokens,
             "cache_prompt": cache_prompt,
             "id_slot": SLOT,
             "stream": True,
@@ -569,7 +600,7 @@ class LlamaServer:
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "seed": sampling.seed,
-            "stop": list(stop),
+            "stop": list(decoding.stop or ()),
             "n_probs": n_probs,
         }
         completion = self.last = Completion()

@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import StorageWriteError
-from ..storage import DATABASE_NAME, Changes, Store
+from ..storage import DATABASE_NAME, Bookkeeping, Budget, Changes, Store
+from ..types import live
 from .tree import ChunkStateTree, StateNode
 
 logger = logging.getLogger(__name__)
@@ -44,9 +46,11 @@ def blob_digest(data: bytes) -> str:
 class StateStore:
     """Node records and state files of one fingerprint under *folder*."""
 
-    def __init__(self, folder: str | Path, fingerprint: str, *, min_free_bytes: int = 0) -> None:
+    def __init__(
+        self, folder: str | Path, fingerprint: str, *, min_free_bytes: int | Callable[[], int] = 0
+    ) -> None:
         self.fingerprint = fingerprint
-        self.min_free_bytes = min_free_bytes
+        self._min_free_bytes = live(min_free_bytes)
         self._store = Store(Path(folder) / fingerprint[:24])
         self.corrupt_dropped = 0
 
@@ -83,13 +87,15 @@ class StateStore:
             if not _valid_node(value, self.fingerprint):
                 continue
             node = tree.insert(
-                value["key"],
-                value["parent_key"],
-                depth=value["depth"],
-                n_tokens=value["n_tokens"],
-                label=value["label"],
-                size=record.size,
-                idle=bool(value.get("idle", False)),
+                StateNode(
+                    value["key"],
+                    value["parent_key"],
+                    depth=value["depth"],
+                    n_tokens=value["n_tokens"],
+                    label=value["label"],
+                    size=record.size,
+                    idle=bool(value.get("idle", False)),
+                )
             )
             node.hits = max(node.hits, record.hits)
             node.last_used_at = max(node.last_used_at, record.last_used)
@@ -103,9 +109,10 @@ class StateStore:
             free = shutil.disk_usage(self._store.folder).free
         except OSError as error:
             raise StorageWriteError(f"cannot check free space: {error}") from error
-        if free - len(data) < self.min_free_bytes:
+        min_free = self._min_free_bytes()
+        if free - len(data) < min_free:
             raise StorageWriteError(
-                f"not storing a {len(data):,}-byte chunk state: {free:,} bytes free, reserve {self.min_free_bytes:,}"
+                f"not storing a {len(data):,}-byte chunk state: {free:,} bytes free, reserve {min_free:,}"
             )
         self._store.write_file(node.key, data)
         value = {
@@ -122,10 +129,8 @@ class StateStore:
             evicted = self._store.put(
                 _NODE + node.key,
                 value,
-                parent=_NODE + node.parent_key,
-                size=len(data),
-                budget=(_NODE, budget_bytes),
-                protected={_NODE + key for key in protected},
+                bookkeeping=Bookkeeping(parent=_NODE + node.parent_key, size=len(data)),
+                budget=Budget(_NODE, budget_bytes, frozenset(_NODE + key for key in protected)),
             )
         except (StorageWriteError, TypeError):
             self._store.delete_file(node.key)

@@ -137,15 +137,7 @@ class TieredStateStore:
 
     def _put_local(self, node: StateNode, data: bytes, budget_bytes: int) -> None:
         evicted = self.local.put(node, data, budget_bytes=budget_bytes, protected=self.tree.pinned_keys())
-        self.tree.insert(
-            node.key,
-            node.parent_key,
-            depth=node.depth,
-            n_tokens=node.n_tokens,
-            label=node.label,
-            size=node.size,
-            idle=node.idle,
-        )
+        self.tree.insert(node)
         self._forget(evicted)
 
     def _read_through(self, keys: Sequence[str], budget_bytes: int) -> None:

@@ -110,8 +110,8 @@ class ChunkStateTree:
 
     >>> tree = ChunkStateTree("root")
     >>> keys = path_keys("root", [[1], [2, 3], [4]])
-    >>> _ = tree.insert(keys[0], "root", depth=1, n_tokens=1, label="system", size=10)
-    >>> _ = tree.insert(keys[1], keys[0], depth=2, n_tokens=3, label="c1", size=30)
+    >>> _ = tree.insert(StateNode(keys[0], "root", depth=1, n_tokens=1, label="system", size=10))
+    >>> _ = tree.insert(StateNode(keys[1], keys[0], depth=2, n_tokens=3, label="c1", size=30))
     >>> [node.label for node in tree.match(keys)]
     ['c1', 'system']
     """
@@ -151,8 +151,8 @@ class ChunkStateTree:
         or None when one of them is missing.
 
         >>> tree = ChunkStateTree("root")
-        >>> a = tree.insert("a", "root", depth=1, n_tokens=2, label="system", size=1)
-        >>> b = tree.insert("b", "a", depth=3, n_tokens=9, label="c2", size=1)
+        >>> a = tree.insert(StateNode("a", "root", depth=1, n_tokens=2, label="system", size=1))
+        >>> b = tree.insert(StateNode("b", "a", depth=3, n_tokens=9, label="c2", size=1))
         >>> [n.key for n in tree.chain(b)], tree.remove("a") is a, tree.chain(b)
         (['a', 'b'], True, None)
         """
@@ -165,17 +165,14 @@ class ChunkStateTree:
                 nodes.append(parent)
             return nodes[::-1]
 
-    def insert(
-        self, key: str, parent_key: str, *, depth: int, n_tokens: int, label: str, size: int, idle: bool = False
-    ) -> StateNode:
-        """Add a node (or return the existing one with that key)."""
+    def insert(self, node: StateNode) -> StateNode:
+        """Add *node* (or return the node already stored under its key)."""
         with self._lock:
-            if key in self._nodes:
-                return self._nodes[key]
-            node = StateNode(key, parent_key, depth, n_tokens, label, size, idle=idle)
-            self._nodes[key] = node
-            self.bytes += size
-            parent = self._nodes.get(parent_key)
+            if node.key in self._nodes:
+                return self._nodes[node.key]
+            self._nodes[node.key] = node
+            self.bytes += node.size
+            parent = self._nodes.get(node.parent_key)
             if parent is not None:
                 parent.children += 1
             return node

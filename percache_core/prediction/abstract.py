@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..kv.engine import Decoding, Sampling
 from ..storage import Store
-from ..types import Chunk
+from ..types import Chunk, live
 from .predictor import Complete, parse_list
+
+SUMMARY_DECODING = Decoding(96, Sampling(0.0, 1.0, 0), ("\n\n",))  # one list of facts, greedy
 
 _KEY = "abstract"
 MAX_FACT_WORDS = 30
@@ -36,14 +39,21 @@ def _clean_fact(line: str) -> str | None:
 class KnowledgeAbstract:
     """A persistent, LLM-written summary of the knowledge bank."""
 
-    def __init__(self, store: Store, *, max_lines: int = 40, batch_chunks: int = 3) -> None:
+    def __init__(
+        self, store: Store, *, max_lines: int | Callable[[], int] = 40, batch_chunks: int | Callable[[], int] = 3
+    ) -> None:
         self._store = store
-        self.max_lines = max_lines
-        self.batch_chunks = batch_chunks
+        self._max_lines = live(max_lines)
+        self._batch_chunks = live(batch_chunks)
         saved = store.get(_KEY) or {}
         self.lines: list[str] = list(saved.get("lines", []))
         self.summarized: set[str] = set(saved.get("summarized", []))
         self.version: int = saved.get("version", 0)
+
+    @property
+    def max_lines(self) -> int:
+        """Lines kept before the abstract is condensed (``abstract_max_lines``)."""
+        return self._max_lines()
 
     def _save(self) -> None:
         self._store.put(
@@ -65,7 +75,8 @@ class KnowledgeAbstract:
         """Summarise *chunks* batch by batch (each batch is saved when done); return the
         number of fact lines added."""
         added = 0
-        batches = [chunks[i : i + self.batch_chunks] for i in range(0, len(chunks), self.batch_chunks)]
+        size = self._batch_chunks()
+        batches = [chunks[i : i + size] for i in range(0, len(chunks), size)]
         for batch in batches[:max_batches]:
             notes = "\n\n".join(chunk.text.strip() for chunk in batch)
             if chat_format is not None:
@@ -77,7 +88,7 @@ class KnowledgeAbstract:
             else:
                 prompt = f"Notes:\n{notes}\n\nThe key topics, names, dates and facts in these notes:\n-"
                 open_item = True
-            text = complete(prompt, max_new_tokens=96, temperature=0.0, seed=0, stop=("\n\n",))
+            text = complete(prompt, SUMMARY_DECODING)
             known = {line.lower() for line in self.lines}
             for item in parse_list(text, first_item_open=open_item):
                 fact = _clean_fact(item)
@@ -86,7 +97,7 @@ class KnowledgeAbstract:
                     known.add(fact.lower())
                     added += 1
             self.summarized.update(chunk.id for chunk in batch)
-            if len(self.lines) > self.max_lines:
+            if len(self.lines) > self._max_lines():
                 self._condense(complete, chat_format)
             self.version += 1
             self._save()
@@ -102,10 +113,10 @@ class KnowledgeAbstract:
         else:
             prompt = f"Facts:\n{facts}\n\nThe same facts in fewer, shorter lines:\n-"
             open_item = True
-        text = complete(prompt, max_new_tokens=96, temperature=0.0, seed=0, stop=("\n\n",))
+        text = complete(prompt, SUMMARY_DECODING)
         condensed = [f for f in (_clean_fact(i) for i in parse_list(text, first_item_open=open_item)) if f]
         condensed = condensed[: max(1, half // 2)]
-        self.lines = (condensed + recent)[-self.max_lines :]
+        self.lines = (condensed + recent)[-self._max_lines() :]
 
     def clear(self) -> None:
         """Forget the abstract (every chunk becomes pending again)."""

@@ -26,9 +26,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..policies import recompute_ladder
 from ..qa.calibration import COMPOSED, Label
 from ..serving.parts import CacheParts
-from ..serving.request_path import RequestPath, recompute_ladder
+from ..serving.request import IdleQuestion
+from ..serving.request_path import RequestPath
 from ..serving.state_runner import RunOptions
 from ..serving.streaming import drain
 from ..types import QAEntry
@@ -85,26 +87,25 @@ class CalibrationWork:
 
     def due(self) -> bool:
         """Whether an approximate tier is on, under a bound, with a budget for labels."""
-        config = self.parts.config
-        if not config.bounded or config.calibration_answers_per_round == 0:
+        parts = self.parts
+        if parts.config.bound.calibration_answers_per_round == 0:
             return False
-        return (config.qa_mode == "semantic" and config.qa_bank) or config.reuse == "approximate"
+        return parts.answers.calibrates or parts.states.calibrates
 
     def run(self, should_stop: Callable[[], bool], spend: CalibrationSpend) -> None:
         """Label until the round's budget is spent, nothing is left, or *should_stop*."""
-        config = self.parts.config
         if not self.due():
             return
-        if config.reuse == "approximate" and config.chunk_states:
+        if self.parts.states.calibrates:
             self._composed_runs(should_stop, spend)
-        if config.qa_mode == "semantic" and config.qa_bank:
+        if self.parts.answers.calibrates:
             self._variants(should_stop, spend)
 
     # -- variants of stored questions -----------------------------------------------------
 
     def _variants(self, should_stop: Callable[[], bool], spend: CalibrationSpend) -> None:
         parts = self.parts
-        budget = parts.config.calibration_answers_per_round
+        budget = parts.config.bound.calibration_answers_per_round
         binding = parts.binding()
         entries = [
             e
@@ -125,29 +126,28 @@ class CalibrationWork:
     ) -> None:
         parts = self.parts
         embedding = parts.embed_question(variant)
-        result = self.request_path.populate(
-            variant, embedding, scope=entry.scope, decode=True, origin="variant", should_stop=should_stop, store=False
-        )
+        item = IdleQuestion(variant, embedding, "variant", scope=entry.scope, store=False)
+        result = self.request_path.populate(item, should_stop)
         spend.answers += 1
         self._mark_done(entry.id, variant)
         if not result.text:
             return
         offered = parts.qa_bank.search(
             embedding,
-            top_n=parts.config.verifier_candidates,
+            top_n=parts.config.tiers.verifier_candidates,
             similarity_threshold=-1.0,
             scope=entry.scope,
             binding=entry.binding,
         )
-        spend.labels += self.request_path.label_offered(variant, offered, result, "variant")
+        spend.labels += self.request_path.records.label_offered(variant, offered, result, "variant")
 
     # -- composed chunk states of asked questions -----------------------------------------
 
     def _composed_runs(self, should_stop: Callable[[], bool], spend: CalibrationSpend) -> None:
         parts, config = self.parts, self.parts.config
-        budget = config.calibration_answers_per_round
+        budget = config.bound.calibration_answers_per_round
         runner = parts.runtime.runner
-        ladder = recompute_ladder(config)
+        ladder = recompute_ladder(config.tiers)
         for asked in reversed(list(parts.activity.asked)):  # the latest first
             if spend.answers + len(ladder) > budget or should_stop():
                 return
@@ -158,10 +158,10 @@ class CalibrationWork:
             chunks = [parts.knowledge.get_chunk(chunk_id) for chunk_id in asked.chunk_ids]
             if entry is None or not entry.answer or entry.remembered or any(c is None for c in chunks):
                 continue
-            layout = runner.lay_out(asked.text, [c for c in chunks if c is not None], max_new_tokens=config.max_new_tokens)
+            layout = runner.lay_out(asked.text, [c for c in chunks if c is not None], max_new_tokens=config.engine.max_new_tokens)
             for tokens in ladder:
                 options = RunOptions(
-                    config.max_new_tokens, approximate=True, recompute_tokens=tokens, restore_depth=2, idle=True
+                    config.engine.max_new_tokens, approximate=True, recompute_tokens=tokens, restore_depth=2, idle=True
                 )
                 result = drain(runner.run(layout, options, should_stop=should_stop))
                 spend.answers += 1

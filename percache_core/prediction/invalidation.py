@@ -46,7 +46,7 @@ class Invalidation:
             return 0
         new_ids = {c.id for c in new_chunks}
         new_columns = [i for i, c in enumerate(chunks) if c.id in new_ids]
-        k = min(parts.config.top_k, matrix.shape[0])
+        k = min(parts.config.retrieval.top_k, matrix.shape[0])
         marked = 0
         for start in range(0, len(entries), _STALE_CHECK_ROWS):  # bounded memory at any bank size
             block = entries[start : start + _STALE_CHECK_ROWS]

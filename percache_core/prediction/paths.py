@@ -26,7 +26,7 @@ def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) 
     same order, then for the second nearest, up to ``knowledge_prefill_neighbours``
     (``KnowledgeBank.neighbours``, within the fields of *scope*: the latest question's)."""
     config = parts.config
-    if not (config.chunk_states and config.knowledge_prefill) or not len(parts.knowledge):
+    if not (config.tiers.chunk_states and config.idle.knowledge_prefill) or not len(parts.knowledge):
         return
     chunks = parts.knowledge.chunks
     if not parts.runtime.knowledge_prefill_fits(chunks):
@@ -45,7 +45,7 @@ def knowledge_prefill_paths(parts: CacheParts, scope: Mapping[str, Any] | None) 
             return
         if not runner.path_is_stored("", [chunk], 1):
             yield [chunk]
-    count = config.knowledge_prefill_neighbours
+    count = config.idle.knowledge_prefill_neighbours
     scope_fields = list(scope or {})
     nearest: dict[str, list[Chunk]] = {}  # each chunk's neighbours, retrieved once per walk
     for rank in range(count):

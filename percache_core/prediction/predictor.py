@@ -24,7 +24,9 @@ import numpy as np
 
 from ..config import PerCacheConfig
 from ..knowledge.embedding import Embedder
+from ..kv.engine import Decoding, Sampling
 from ..serving.parts import CacheParts
+from ..types import live
 
 START_TEMPERATURE = 0.7
 MAX_TEMPERATURE = 1.0
@@ -40,8 +42,8 @@ _QUESTION_WORDS = frozenset(
     "should would will has have had may might shall".split()
 )
 
-# complete(prompt, max_new_tokens=..., temperature=..., seed=..., stop=...) -> text
-Complete = Callable[..., str]
+# complete(prompt, decoding) -> text
+Complete = Callable[[str, Decoding], str]
 # token_count(text) -> number of tokens
 TokenCount = Callable[[str], int]
 # known_similarity(embedding) -> highest similarity to any known question
@@ -122,8 +124,8 @@ def use_chat_template(config: PerCacheConfig, model_name: str, has_chat_template
     >>> use_chat_template(PerCacheConfig(), "qwen2.5-0.5b-instruct-q4.gguf", True)
     True
     """
-    if config.prediction_template != "auto":
-        return config.prediction_template == "chat"
+    if config.idle.prediction_template != "auto":
+        return config.idle.prediction_template == "chat"
     name = model_name.lower()
     tuned = any(mark in name for mark in ("-it", "_it", "instruct", "chat"))
     return tuned and has_chat_template
@@ -149,14 +151,14 @@ class QueryPredictor:
         count_tokens: TokenCount,
         embedder: Embedder,
         known_similarity: KnownSimilarity,
-        config: PerCacheConfig,
+        config: PerCacheConfig | Callable[[], PerCacheConfig],
         chat_format: Callable[[str], str] | None = None,
     ) -> None:
         self._complete = complete
         self._count_tokens = count_tokens
         self._embedder = embedder
         self._known_similarity = known_similarity
-        self._config = config
+        self._config = live(config)
         self._chat_format = chat_format
         self.temperature = START_TEMPERATURE
         self.recent: deque[str] = deque(maxlen=64)
@@ -178,7 +180,7 @@ class QueryPredictor:
 
     def knowledge_prompt(self, abstract: Sequence[str], n: int) -> tuple[str, bool]:
         """The knowledge-based prompt and whether its last list item is left open."""
-        kind = self._config.knowledge_kind
+        kind = self._config().idle.knowledge_kind
         facts = "\n".join(f"- {line}" for line in abstract) or "- (no summary yet)"
         if self._chat_format is not None:
             avoid = self._masked(PROMPT_TOKEN_BUDGET - self._count_tokens(facts) - 80)
@@ -205,7 +207,7 @@ class QueryPredictor:
 
     def history_prompt(self, history: Sequence[str], n: int) -> tuple[str, bool]:
         """The history-based prompt and whether its last list item is left open."""
-        kind = self._config.knowledge_kind
+        kind = self._config().idle.knowledge_kind
         asked = "\n".join(f"{i}. {q}" for i, q in enumerate(history, 1))
         if self._chat_format is not None:
             avoid = self._masked(PROMPT_TOKEN_BUDGET - self._count_tokens(asked) - 80)
@@ -251,13 +253,8 @@ class QueryPredictor:
             prompt, open_item = build_prompt()
             self._calls += 1
             tally.llm_calls += 1
-            text = self._complete(
-                prompt,
-                max_new_tokens=min(48 * n, 320),
-                temperature=self.temperature,
-                seed=self._config.seed + self._calls,
-                stop=("\n\n",),
-            )
+            sampling = Sampling(self.temperature, 1.0, self._config().engine.seed + self._calls)
+            text = self._complete(prompt, Decoding(min(48 * n, 320), sampling, ("\n\n",)))
             lines = parse_list(text, first_item_open=open_item)
             tally.candidates += len(lines)
             for line in lines:
@@ -278,7 +275,7 @@ class QueryPredictor:
         return accepted, tally
 
     def _is_duplicate(self, embedding: np.ndarray, accepted: list[PredictedQuestion]) -> bool:
-        threshold = self._config.dedup_similarity
+        threshold = self._config().idle.dedup_similarity
         if self._known_similarity(embedding) >= threshold:
             return True
         return any(float(p.embedding @ embedding) >= threshold for p in accepted)
@@ -295,11 +292,11 @@ def predictor_for(parts: CacheParts, complete: Complete, chat_format: Callable[[
             (
                 h.similarity
                 for h in parts.qa_bank.search(
-                    embedding, top_n=1, similarity_threshold=-1.0, servable_only=False, everywhere=True
+                    embedding, top_n=1, similarity_threshold=-1.0, everywhere=True
                 )
             ),
             default=-1.0,
         ),
-        config=parts.config,
+        config=lambda: parts.config,
         chat_format=chat_format,
     )

@@ -12,7 +12,6 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ..serving.activity import UserActivity
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ class IdleWorker:
     def __init__(
         self,
         scheduler: Scheduler,
-        activity: UserActivity,
         *,
         idle_after_s: float,
         should_run: Callable[[], bool] | None = None,
@@ -38,7 +36,7 @@ class IdleWorker:
     ) -> None:
         self._scheduler = scheduler
         self._answer = answer  # predicted questions go to the caller's pipeline (Scheduler.warm)
-        self._activity = activity
+        self._activity = scheduler.activity  # the user's questions, which it waits out
         self.idle_after_s = idle_after_s
         self._should_run = should_run or (lambda: True)
         self._poll_s = poll_s

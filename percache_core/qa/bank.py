@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..storage import Record, Store
-from ..types import QAEntry, QAHit
+from ..storage import Bookkeeping, Budget, Record, Store
+from ..types import QAEntry, QAHit, live
 
 _PREFIX = "qa:"
 logger = logging.getLogger(__name__)
@@ -151,10 +151,10 @@ class QABank:
     True
     """
 
-    def __init__(self, store: Store, *, dimension: int, budget_bytes: int = 100 * 1024 * 1024):
+    def __init__(self, store: Store, *, dimension: int, budget_bytes: int | Callable[[], int] = 100 * 1024 * 1024):
         self._store = store
         self._dimension = dimension
-        self.budget_bytes = budget_bytes
+        self._budget_bytes = live(budget_bytes)
         self._lock = threading.RLock()
         self._entries: list[QAEntry] = []
         self._sizes: list[int] = []
@@ -170,6 +170,11 @@ class QABank:
         self.evictions = 0
         self.listener: Callable[[QAEntry], None] | None = None  # told of each stored answer
         self.sync()
+
+    @property
+    def budget_bytes(self) -> int:
+        """The byte budget in force (read from the configuration when it is a setting)."""
+        return self._budget_bytes()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -293,16 +298,16 @@ class QABank:
         *,
         top_n: int = 1,
         similarity_threshold: float = 0.0,
-        servable_only: bool = True,
         scope: Mapping[str, Any] | None = None,
         binding: str | None = None,
         everywhere: bool = False,
     ) -> list[QAHit]:
         """The *top_n* most similar entries at or above *similarity_threshold*, best first.
 
-        Only entries stored with exactly this *scope* (``metadata["scope"]``; None: entries
-        without one) and *binding* (``metadata["binding"]``) are searched, unless
-        *everywhere* (for checks of what is known at all, never for serving).
+        Only servable entries stored with exactly this *scope* (``metadata["scope"]``; None:
+        entries without one) and *binding* (``metadata["binding"]``) are searched, unless
+        *everywhere*: then every entry, pending and stale ones too (for checks of what is
+        known at all, never for serving).
         """
         vector = self._check_embedding(embedding)
         with self._lock:
@@ -315,7 +320,7 @@ class QABank:
             allowed = None  # every row (no mask is built when one partition holds them all)
             if not everywhere and self._partition_rows[code] != count:
                 allowed = self._partition[:count] == code
-            if servable_only and self._unservable_rows:
+            if not everywhere and self._unservable_rows:
                 allowed = self._servable[:count] if allowed is None else allowed & self._servable[:count]
             if allowed is not None:
                 scores[~allowed] = -np.inf
@@ -418,7 +423,7 @@ class QABank:
                 _value(entry),
                 vector=entry.embedding,
                 keep_if=replaceable,
-                budget=(_PREFIX, self.budget_bytes),
+                budget=Budget(_PREFIX, self.budget_bytes),
             )
             self.sync()
             if evicted is None:
@@ -461,8 +466,8 @@ class QABank:
                     _PREFIX + new_id,
                     _value(entry),
                     vector=entry.embedding,
-                    hits=old.hits if new_id != entry_id else None,
-                    budget=(_PREFIX, self.budget_bytes),
+                    bookkeeping=Bookkeeping(hits=old.hits if new_id != entry_id else None),
+                    budget=Budget(_PREFIX, self.budget_bytes),
                 )
             self.evictions += len(evicted or ())
             self.sync()

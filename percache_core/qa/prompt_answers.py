@@ -12,7 +12,7 @@ so an old answer can never be served for a new prompt.
 
 A question asked of the cache's own pipeline is also kept as an *asked* record (prefix
 ``asked:``): a digest of the question and everything that decides its prompt (the knowledge's
-version, the retrieval and answer settings, the model; :func:`~percache_core.serving.request_path.asked_key`)
+version, the retrieval and answer settings, the model; :func:`~percache_core.serving.request.asked_key`)
 -> the key of its prompt's answer. The same question asked again finds its answer through it
 before anything is embedded or loaded (:meth:`PromptAnswers.find_asked`).
 
@@ -38,12 +38,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import StorageWriteError
-from ..storage import Store
+from ..storage import Budget, Store
+from ..types import live
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +93,16 @@ class PromptAnswers:
     """Stored answers of whole prompts, by :func:`prompt_key`; *shared* (optional) is asked
     when this folder has no answer, and given every answer stored here."""
 
-    def __init__(self, store: Store, *, budget_bytes: int, shared: SharedPromptAnswers | None = None) -> None:
+    def __init__(self, store: Store, *, budget_bytes: int | Callable[[], int], shared: SharedPromptAnswers | None = None) -> None:
         self._store = store
         self.shared = shared
-        self.budget_bytes = budget_bytes
+        self._budget_bytes = live(budget_bytes)
         self.evictions = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        """The byte budget in force (read from the configuration when it is a setting)."""
+        return self._budget_bytes()
 
     def find(self, key: str) -> PromptAnswer | None:
         """The stored answer of the prompt with *key* (counted as a use), or None."""
@@ -131,7 +137,7 @@ class PromptAnswers:
             "idle": answer.idle,
             "finish_reason": answer.finish_reason,
         }
-        evicted = self._store.put(PREFIX + key, value, budget=(PREFIX, self.budget_bytes))
+        evicted = self._store.put(PREFIX + key, value, budget=Budget(PREFIX, self.budget_bytes))
         self.evictions += len(evicted or ())
         return value
 
@@ -141,7 +147,7 @@ class PromptAnswers:
         record = ASKED_PREFIX + asked_key
         if self._store.get(record) == {"prompt": key}:
             return
-        self._store.put(record, {"prompt": key}, budget=(ASKED_PREFIX, max(self.budget_bytes // ASKED_SHARE, 1)))
+        self._store.put(record, {"prompt": key}, budget=Budget(ASKED_PREFIX, max(self.budget_bytes // ASKED_SHARE, 1)))
 
     def find_asked(self, asked_key: str) -> tuple[str, PromptAnswer] | None:
         """The prompt key and stored answer of the question with *asked_key*, or None (this

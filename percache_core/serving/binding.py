@@ -32,16 +32,16 @@ def answer_binding(config: PerCacheConfig, model: str, *, top_k: int, max_new_to
     """
     payload = {
         "model": model,
-        "template": [TEMPLATE_VERSION, config.system_prompt],
+        "template": [TEMPLATE_VERSION, config.retrieval.system_prompt],
         "top_k": top_k,
         "max_new_tokens": max_new_tokens,
-        "temperature": config.temperature,
-        "top_p": config.top_p,
-        "seed": config.seed,
-        "stop": list(config.stop),
+        "temperature": config.engine.temperature,
+        "top_p": config.engine.top_p,
+        "seed": config.engine.seed,
+        "stop": list(config.engine.stop),
     }
-    if config.context != "fixed":  # the prompt's chunks depend on the policy
-        payload["context"] = [config.context, config.adaptive_signal, config.adaptive_threshold]
+    if config.retrieval.adaptive:  # the prompt's chunks depend on the policy
+        payload["context"] = [config.retrieval.context, config.retrieval.adaptive_signal, config.retrieval.adaptive_threshold]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ..config import PerCacheConfig
-from ..kv.engine import Engine, Sampling
+from ..kv.engine import Decoding, Engine, Sampling
 from ..kv.llama_server import LlamaServer
 from ..kv.stopping import StopStringFilter
 from .generation import PromptRunner, decode_text
@@ -58,23 +58,17 @@ class UncachedCompletion:
 
 
 def complete_plain(
-    engine: Engine,
-    prompt: str,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    stop: Sequence[str] = (),
-    chat: bool = False,
-    should_stop: StopCheck | None = None,
+    engine: Engine, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
 ) -> tuple[str, int, int]:
-    """Complete *prompt* on *engine* without chunk states or stored answers (idle work's
-    plain LLM calls: the predictor's and the abstract's): (text, prompt tokens, generated
-    tokens). The prompt keeps its last ``n_ctx - max_new_tokens`` tokens.
+    """Complete *prompt* on *engine* with *decoding* (its tokens, sampling and stop strings
+    set) without chunk states or stored answers (idle work's plain LLM calls: the
+    predictor's and the abstract's): (text, prompt tokens, generated tokens). The prompt
+    keeps its last ``n_ctx - max_new_tokens`` tokens.
 
     With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
     tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
     """
+    max_new_tokens, sampling = plain_settings(decoding)
     with engine.lock:
         tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
         tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
@@ -89,8 +83,7 @@ def complete_plain(
             if not engine.is_end_of_generation(token):
                 generated += 1
 
-        sampling = Sampling(temperature, 1.0, seed)
-        stops = StopStringFilter(stop)
+        stops = StopStringFilter(decoding.stop or ())
         text = "".join(
             decode_text(
                 engine,
@@ -101,3 +94,10 @@ def complete_plain(
             )
         )
         return text, len(tokens), generated
+
+
+def plain_settings(decoding: Decoding) -> tuple[int, Sampling]:
+    """The tokens and sampling of a plain completion's *decoding* (greedy by default)."""
+    if decoding.max_new_tokens is None:
+        raise ValueError("a plain completion needs max_new_tokens")
+    return decoding.max_new_tokens, decoding.sampling or Sampling()

@@ -16,14 +16,18 @@ mode is off by default.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import numpy as np
 
-from ..config import CONTEXT_MODES, SIGNALS
+from ..config import ContextMode, Signal
 from ..types import Chunk
 from .generation import PromptRunner
 from .state_runner import RunOptions, StopCheck
 from .streaming import drain
+
+CONTEXT_MODES = get_args(ContextMode)
+SIGNALS = get_args(Signal)
 
 __all__ = ["CONTEXT_MODES", "SIGNALS", "confidence_signals", "context_chunks", "is_confident"]
 _HIGHER_IS_CONFIDENT = {"top_probability": True, "margin": True, "entropy": False}
@@ -71,7 +75,7 @@ def context_chunks(
     question; the choice depends on the logits only, so it is the same with or without a
     cache."""
     config = runner.config
-    if config.context != "adaptive":
+    if not config.retrieval.adaptive:
         return list(chunks)
     for count in range(1, len(chunks)):
         layout = runner.lay_out(question, chunks[:count], max_new_tokens=max_new_tokens)
@@ -79,6 +83,6 @@ def context_chunks(
         events = runner.run(layout, options, should_stop=should_stop)
         logits = drain(events).next_token_logits
         assert logits is not None
-        if is_confident(confidence_signals(logits), config.adaptive_signal, config.adaptive_threshold):
+        if is_confident(confidence_signals(logits), config.retrieval.adaptive_signal, config.retrieval.adaptive_threshold):
             return list(chunks[:count])
     return list(chunks)

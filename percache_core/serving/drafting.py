@@ -203,7 +203,7 @@ def drafts_pay(engine: Engine) -> bool:
         engine.reset()
         engine.eval(prompt)
         started = time.perf_counter()
-        tokens = list(greedy_tokens(engine, max_new_tokens=_SELF_CHECK_TOKENS, drafts=drafts, bound=bound))
+        tokens = list(greedy_tokens(engine, DraftPlan(_SELF_CHECK_TOKENS, drafts, bound)))
         timings.append(time.perf_counter() - started)
         answer[:] = answer or tokens
     engine.reset()
@@ -224,89 +224,119 @@ class SequenceLost(Exception):
     reused); the caller rebuilds the prompt's state and calls again with the tokens so far."""
 
 
-def greedy_tokens(
-    engine: Engine,
-    *,
-    max_new_tokens: int,
-    drafts: Sequence[DraftSource],
-    bound: float,
-    should_stop: Callable[[], bool] | None = None,
-    stats: DraftStats | None = None,
-    replay: Sequence[int] = (),
-) -> Iterator[int]:
+@dataclass(frozen=True)
+class DraftPlan:
+    """How :func:`greedy_tokens` decodes.
+
+    Attributes:
+        max_new_tokens: the most tokens that are not end of generation.
+        drafts: where draft tokens come from, tried in order.
+        bound: the lead a batched logit needs for its token to be taken.
+        should_stop: stops decoding when it turns true.
+        stats: counts batches, proposed and accepted tokens, replays (default: a new one).
+        replay: tokens already produced (after :class:`SequenceLost`): fed one at a time,
+            not yielded again; decoding goes on after them without drafts.
+    """
+
+    max_new_tokens: int
+    drafts: Sequence[DraftSource]
+    bound: float
+    should_stop: Callable[[], bool] | None = None
+    stats: DraftStats | None = None
+    replay: Sequence[int] = ()
+
+
+def greedy_tokens(engine: Engine, plan: DraftPlan) -> Iterator[int]:
     """Greedy decoding after the evaluated prompt, with drafts verified in batches.
 
     Yields the tokens one-at-a-time greedy decoding yields (the end-of-generation token
-    too, then stops), at most *max_new_tokens* that are not end of generation.
-    *replay* (after :class:`SequenceLost`) are tokens already produced: they are fed one
-    at a time, not yielded again, and decoding goes on after them without drafts.
+    too, then stops), at most ``plan.max_new_tokens`` that are not end of generation.
     """
-    stats = stats if stats is not None else DraftStats()
-    start = engine.n_past
-    produced: list[int] = []
-    for token in replay:  # the reference schedule: one token at a time
-        produced.append(token)
-        engine.eval([token])
-    if replay:
-        drafts = ()
-    exact_upto = len(produced)  # produced[:exact_upto] were fed one at a time
-    logits = engine.last_logits().copy()
-    exact = True  # logits are the one-at-a-time logits
-    pending: list[int] = []  # accepted draft tokens not yet yielded (already evaluated)
+    decoder = _GreedyDecoder(engine, plan)
     while True:
-        if pending:
-            token = pending.pop(0)
-        else:
-            token = int(np.argmax(logits))
-            if not exact and not _leads(logits, token, bound):
-                if not engine.truncate(start + exact_upto):
-                    raise SequenceLost()
-                for earlier in produced[exact_upto:]:
-                    engine.eval([earlier])
-                exact_upto = len(produced)
-                logits = engine.last_logits().copy()
-                exact = True
-                stats.replays += 1
-                drafts = ()  # near ties here: the rest decodes one at a time (bounded cost)
-                token = int(np.argmax(logits))
-        produced.append(token)
+        token = decoder.next_token()
+        decoder.produced.append(token)
         yield token
         # Past this check every produced token counts towards max_new_tokens (an end of
         # generation has returned), so len(produced) is the answer's length.
-        if engine.is_end_of_generation(token) or len(produced) >= max_new_tokens:
+        if engine.is_end_of_generation(token) or len(decoder.produced) >= plan.max_new_tokens:
             return
-        if pending:
+        if decoder.pending:
             continue
-        if engine.n_past >= engine.n_ctx or (should_stop is not None and should_stop()):
+        if engine.n_past >= engine.n_ctx or (plan.should_stop is not None and plan.should_stop()):
             return
-        room = min(max_new_tokens - len(produced), engine.n_ctx - engine.n_past - 1, PAYING_BATCH)
-        draft = next((d for d in (s.propose(produced, room) for s in drafts) if d), [])
-        if not draft:
-            all_exact = exact_upto == len(produced) - 1
+        decoder.advance(token)
+
+
+class _GreedyDecoder:
+    """The state of one :func:`greedy_tokens` run: the tokens produced, how many were fed
+    one at a time, the logits in hand (and whether they are the one-at-a-time logits), and
+    accepted draft tokens not yet yielded."""
+
+    def __init__(self, engine: Engine, plan: DraftPlan) -> None:
+        self.engine, self.plan = engine, plan
+        self.stats = plan.stats if plan.stats is not None else DraftStats()
+        self.start = engine.n_past
+        self.produced: list[int] = []
+        for token in plan.replay:  # the reference schedule: one token at a time
+            self.produced.append(token)
             engine.eval([token])
-            logits = engine.last_logits().copy()
-            exact = all_exact
-            if all_exact:
-                exact_upto += 1
-            continue
+        self.drafts: Sequence[DraftSource] = () if plan.replay else plan.drafts
+        self.exact_upto = len(self.produced)  # produced[:exact_upto] were fed one at a time
+        self.logits = engine.last_logits().copy()
+        self.exact = True  # logits are the one-at-a-time logits
+        self.pending: list[int] = []  # accepted draft tokens not yet yielded (already evaluated)
+
+    def next_token(self) -> int:
+        """The next token: an accepted draft's, or the logits' top one where it leads by the
+        bound (else the tokens since the last exact position are fed again one at a time)."""
+        if self.pending:
+            return self.pending.pop(0)
+        token = int(np.argmax(self.logits))
+        if self.exact or _leads(self.logits, token, self.plan.bound):
+            return token
+        engine = self.engine
+        if not engine.truncate(self.start + self.exact_upto):
+            raise SequenceLost()
+        for earlier in self.produced[self.exact_upto :]:
+            engine.eval([earlier])
+        self.exact_upto = len(self.produced)
+        self.logits = engine.last_logits().copy()
+        self.exact = True
+        self.stats.replays += 1
+        self.drafts = ()  # near ties here: the rest decodes one at a time (bounded cost)
+        return int(np.argmax(self.logits))
+
+    def advance(self, token: int) -> None:
+        """Feed *token*: alone, or with a draft of the next tokens in one batch whose
+        leading tokens are taken where their logits lead by the bound."""
+        engine, plan = self.engine, self.plan
+        room = min(plan.max_new_tokens - len(self.produced), engine.n_ctx - engine.n_past - 1, PAYING_BATCH)
+        draft = next((d for d in (s.propose(self.produced, room) for s in self.drafts) if d), [])
+        if not draft:
+            all_exact = self.exact_upto == len(self.produced) - 1
+            engine.eval([token])
+            self.logits = engine.last_logits().copy()
+            self.exact = all_exact
+            self.exact_upto += all_exact
+            return
         rows = engine.eval_with_logits([token, *draft])
-        stats.batches += 1
-        stats.proposed += len(draft)
+        self.stats.batches += 1
+        self.stats.proposed += len(draft)
         accepted = 0
         for i, guess in enumerate(draft):
-            if not _leads(rows[i], guess, bound):
+            if not _leads(rows[i], guess, plan.bound):
                 break
             accepted += 1
             if engine.is_end_of_generation(guess):
                 break
-        stats.accepted += accepted
+        self.stats.accepted += accepted
         if accepted < len(draft):
-            drafts = ()  # a wrong guess: the rest decodes one at a time (at most one batch lost)
-        pending = list(draft[:accepted])
-        keep = start + len(produced) + accepted
-        if not engine.truncate(keep):
+            self.drafts = ()  # a wrong guess: the rest decodes one at a time (at most one batch lost)
+        self.pending = list(draft[:accepted])
+        if not engine.truncate(self.start + len(self.produced) + accepted):
             # Cutting off the rejected tail never needs cells the window had left: the
             # reused cells were outside the window of the batch's first position.
             raise SequenceLost()
-        logits = rows[accepted]
-        exact = False
+        self.logits = rows[accepted]
+        self.exact = False

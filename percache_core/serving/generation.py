@@ -16,20 +16,20 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
-from ..config import PerCacheConfig
+from ..config import LiveConfig, PerCacheConfig
 from ..errors import PerCacheError
 from ..kv.cuts import CutRule, batch_bounds, known_cut_rule, measure_cut_rule
-from ..kv.engine import Engine
+from ..kv.engine import Decoding, Engine
 from ..kv.stopping import StopStringFilter
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
 from ..types import Chunk
 from .drafting import (
     AnswerDraft,
+    DraftPlan,
     DraftSource,
     PromptLookup,
     SequenceLost,
@@ -58,8 +58,15 @@ class PromptRunner(StateRunner):
 
     engine: Engine
 
-    def __init__(self, engine: Engine, states: TieredStateStore | None, config: PerCacheConfig) -> None:
-        super().__init__(engine, states, config)
+    def __init__(
+        self,
+        engine: Engine,
+        states: TieredStateStore | None,
+        config: PerCacheConfig | LiveConfig,
+        *,
+        budget: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(engine, states, config, budget=budget)
         self._live: LiveContext | None = None  # the prompt this runner left in the engine
 
     def run(
@@ -85,15 +92,15 @@ class PromptRunner(StateRunner):
         if options.relay is not None:
             raise PerCacheError("an OpenAI request is relayed by a llama-server engine only")
         started = time.perf_counter() if started is None else started
-        states = self.states if self.config.chunk_states else None
+        states = self.states if self.config.tiers.chunk_states else None
         engine = self.engine
         config = self.config
         options = replace(
             options,
-            sampling=options.sampling or config.sampling,
-            prompt_lookup=config.prompt_lookup if options.prompt_lookup is None else options.prompt_lookup,
+            sampling=options.sampling or config.engine.sampling,
+            prompt_lookup=config.engine.prompt_lookup if options.prompt_lookup is None else options.prompt_lookup,
             approximate=options.approximate and states is not None,
-            recompute_tokens=config.recompute_tokens if options.recompute_tokens is None else options.recompute_tokens,
+            recompute_tokens=config.tiers.recompute_tokens if options.recompute_tokens is None else options.recompute_tokens,
             decode=options.decode and not options.prefix_only,
         )
         with engine.lock:
@@ -161,13 +168,13 @@ class PromptRunner(StateRunner):
         keeping, within the cuts that leave the engine's prefill unchanged (measured once,
         see :func:`~percache_core.kv.cuts.measure_cut_rule`)."""
         engine = self.engine
-        spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
+        spec = spec or rag_prompt(self.config.retrieval.system_prompt, chunks, question)
         max_prompt_tokens = engine.n_ctx - max_new_tokens
         if isinstance(spec, TextPrompt):
             # a cut is a call: only where a state is kept. The self-check (seconds, once per
             # engine) runs here only for such a prompt; otherwise preload() or an idle round
             # runs it, and until then the context is kept only where the calls were the same
-            cut = bool(spec.documents) and self.config.chunk_states
+            cut = bool(spec.documents) and self.config.tiers.chunk_states
             rule = measure_cut_rule(engine) if cut else None
             return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
         # PerCache's own prompt runs in stock's calls where the engine has a cut rule (the
@@ -175,19 +182,21 @@ class PromptRunner(StateRunner):
         rule = measure_cut_rule(engine)
         return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
 
-    def complete_plain(self, prompt: str, **options: Any) -> tuple[str, int, int]:
+    def complete_plain(
+        self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
+    ) -> tuple[str, int, int]:
         """Idle work's free-form completion on the engine (see
         :func:`~percache_core.serving.completion.complete_plain`)."""
         from .completion import complete_plain  # completion builds on this module
 
-        return complete_plain(self.engine, prompt, **options)
+        return complete_plain(self.engine, prompt, decoding, chat=chat, should_stop=should_stop)
 
     def _draft_bound(self, options: RunOptions) -> float | None:
         """The lead a batched logit needs for drafts to be verified (None: decode one token
         at a time). ``draft_decoding="auto"`` drafts only where the engine's self-check
         (run by ``preload()`` and idle rounds, never inside an answer) measured the bound
         and found that batches pay; "on" measures the bound on first use; "off" never."""
-        mode = self.config.draft_decoding
+        mode = self.config.engine.draft_decoding
         if not options.drafting or mode == "off":
             return None
         if mode == "on":
@@ -471,7 +480,7 @@ class PromptRunner(StateRunner):
         rebuild: Callable[[], None],
     ) -> Generator[str, None, None]:
         clock = time.perf_counter()
-        stop = StopStringFilter(self.config.stop if options.stop is None else options.stop, strip=options.trim)
+        stop = StopStringFilter(self.config.engine.stop if options.stop is None else options.stop, strip=options.trim)
         max_new_tokens = options.max_new_tokens
 
         def count_token(token: int) -> None:
@@ -508,15 +517,8 @@ class PromptRunner(StateRunner):
         replay: list[int] = []
         while True:
             try:
-                for token in greedy_tokens(
-                    self.engine,
-                    max_new_tokens=max_new_tokens,
-                    drafts=sources,
-                    bound=bound,
-                    should_stop=should_stop,
-                    stats=result.drafts,
-                    replay=replay,
-                ):
+                plan = DraftPlan(max_new_tokens, sources, bound, should_stop, result.drafts, replay)
+                for token in greedy_tokens(self.engine, plan):
                     produced.append(token)
                     yield token
                 return

@@ -1,10 +1,10 @@
 """The parts of one cache, as the request path, the scheduler and the idle worker see them.
 
 :class:`~percache_core.pipeline.PerCache` builds a ``CacheParts`` and hands it to each of
-them; none of them sees the facade. ``config`` is the one current configuration:
-``PerCache.configure`` replaces it here and hands it to the parts that keep settings of
-their own (the runtime and its runner, the knowledge bank's chunking and fusion, the QA
-bank's budgets, the scheduler's abstract and predictor).
+them; none of them sees the facade. ``live`` holds the one current configuration:
+``PerCache.configure`` replaces it there, and every part (these and the runtime, the
+runner, the knowledge bank's chunking and fusion, the QA bank's budgets, the abstract)
+reads the section it needs from it when it needs it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import PerCacheConfig
+from ..config import LiveConfig, PerCacheConfig
 from ..knowledge.bank import KnowledgeBank
 from ..knowledge.embedding import Embedder
+from ..policies import AnswerPolicy, StatePolicy, answer_policy, state_policy
 from ..qa.bank import QABank
 from ..qa.calibration import Calibration, equivalent
 from ..qa.prompt_answers import PromptAnswers
@@ -34,7 +35,7 @@ QUESTION_EMBEDDINGS_KEPT = 64
 class CacheParts:
     """Everything a cache is made of, wired once at open."""
 
-    config: PerCacheConfig
+    live: LiveConfig  # the configuration in force (PerCache.configure replaces it)
     embedder: Embedder
     knowledge: KnowledgeBank
     qa_bank: QABank
@@ -44,8 +45,25 @@ class CacheParts:
     usage: UsageCounters
     meta: Store  # small records: the embedder's name, the knowledge abstract, calibration labels
     calibration: Calibration  # how often approximate answers are wrong (qa/calibration.py)
+    answers: AnswerPolicy = field(init=False)  # how stored answers may be served
+    states: StatePolicy = field(init=False)  # how chunk states may be reused
     _question_embeddings: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict, repr=False)
     _embedding_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.reconfigure(self.live.current)
+
+    @property
+    def config(self) -> PerCacheConfig:
+        """The configuration in force now."""
+        return self.live.current
+
+    def reconfigure(self, config: PerCacheConfig) -> None:
+        """Put *config* in force: every part reads its sections from ``live``, and the
+        reuse policies are chosen again (once, here)."""
+        self.live.current = config
+        self.answers = answer_policy(config, self.qa_bank, self.calibration, self.usage)
+        self.states = state_policy(config)
 
     def embed_question(self, question: str) -> np.ndarray:
         """*question*'s embedding, computed once for the last ``QUESTION_EMBEDDINGS_KEPT``
@@ -66,9 +84,9 @@ class CacheParts:
 
     def answers_agree(self, answer: str, own: str) -> bool:
         """Whether an approximate *answer* counts as right against the model's *own*
-        answer to the question's prompt (``config.answer_equivalence``)."""
+        answer to the question's prompt (``config.bound.answer_equivalence``)."""
         config = self.config
-        return equivalent(answer, own, equivalence=config.answer_equivalence, min_f1=config.equivalence_min_f1)
+        return equivalent(answer, own, equivalence=config.bound.answer_equivalence, min_f1=config.bound.equivalence_min_f1)
 
     def binding(self, *, top_k: int | None = None, max_new_tokens: int | None = None) -> str:
         """The binding of answers the cache's own pipeline gives with these settings (see
@@ -77,6 +95,6 @@ class CacheParts:
         return answer_binding(
             config,
             self.runtime.model_id(),
-            top_k=top_k or config.top_k,
-            max_new_tokens=max_new_tokens or config.max_new_tokens,
+            top_k=top_k or config.retrieval.top_k,
+            max_new_tokens=max_new_tokens or config.engine.max_new_tokens,
         )

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import PerCacheConfig
+from ..config import LiveConfig, PerCacheConfig
 from ..kv.budget import (
     BUDGET_FLOOR_BYTES,
     PREFILL_BUDGET_SHARE,
@@ -60,10 +60,10 @@ def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbos
 
     return LlamaEngine(
         resolve_model_path(None if model_path is None else str(model_path)),
-        n_ctx=config.n_ctx,
-        n_batch=config.n_batch,
-        n_threads=config.n_threads,
-        repack_weights=config.repack_weights,
+        n_ctx=config.engine.n_ctx,
+        n_batch=config.engine.n_batch,
+        n_threads=config.engine.n_threads,
+        repack_weights=config.engine.repack_weights,
         verbose=verbose,
     )
 
@@ -74,7 +74,7 @@ class ModelRuntime:
     def __init__(
         self,
         folder: Path,
-        config: PerCacheConfig,
+        config: PerCacheConfig | LiveConfig,
         *,
         engine: Engine | LlamaServer | None,
         model_path: Path | None,
@@ -84,7 +84,7 @@ class ModelRuntime:
         if engine is None and model_path is None:
             raise ValueError("give an engine or a model path")
         self._folder = folder
-        self.config = config
+        self._live = config if isinstance(config, LiveConfig) else LiveConfig(config)
         self._engine = engine
         self._model_path = model_path
         self._shared = shared
@@ -98,6 +98,11 @@ class ModelRuntime:
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
         self._model_id: tuple[Engine, str] | None = None  # (engine, its fingerprint)
         self._recorded_id: str | None = None  # the fingerprint recorded for the engine it would load
+
+    @property
+    def config(self) -> PerCacheConfig:
+        """The configuration in force now."""
+        return self._live.current
 
     @property
     def engine(self) -> Any:
@@ -158,10 +163,10 @@ class ModelRuntime:
         config = self.config
         return load_identity(
             self._model_path,
-            n_ctx=config.n_ctx,
-            n_batch=config.n_batch,
-            n_threads=config.n_threads,
-            repack_weights=config.repack_weights,
+            n_ctx=config.engine.n_ctx,
+            n_batch=config.engine.n_batch,
+            n_threads=config.engine.n_threads,
+            repack_weights=config.engine.repack_weights,
             extra=TEMPLATE_VERSION,
         )
 
@@ -176,7 +181,7 @@ class ModelRuntime:
     def state_budget_bytes(self) -> int:
         """The chunk-state budget in force: ``chunk_state_budget_bytes``, or (None) the one
         :meth:`size_state_budget` sized from the knowledge (1 GiB until then)."""
-        return self.config.chunk_state_budget_bytes or self._sized_budget
+        return self.config.budgets.chunk_state_budget_bytes or self._sized_budget
 
     def size_state_budget(self, chunks: Sequence[Chunk]) -> int:
         """Size the budget from the knowledge's *chunks* when none is configured (see
@@ -184,22 +189,20 @@ class ModelRuntime:
         for this). Called by ``preload()`` and at the start of each idle round (where the
         knowledge prefill fills the budget), never on a user's path. Returns the budget
         in force."""
-        if self.config.chunk_state_budget_bytes is None and self.engine_loaded and self.config.chunk_states:
+        if self.config.budgets.chunk_state_budget_bytes is None and self.engine_loaded and self.config.tiers.chunk_states:
             needed = self.knowledge_prefill_bytes(chunks)
             try:
                 free = shutil.disk_usage(self._folder / "states").free + self.states.bytes
             except OSError:
                 free = 0
             self._sized_budget = sized_state_budget(needed_bytes=needed, free_disk_bytes=free)
-        if self._runner is not None:
-            self._runner.budget_bytes = self.state_budget_bytes
         return self.state_budget_bytes
 
     def knowledge_prefill_bytes(self, chunks: Sequence[Chunk]) -> int:
         """The bytes the bulk knowledge prefill's states of *chunks* take on the loaded
         engine (every [system, chunk] and ``knowledge_prefill_neighbours`` pairs of each)."""
         config = self.config
-        return self._prefill_bytes(chunks, config.knowledge_prefill_neighbours if config.knowledge_prefill else 0)
+        return self._prefill_bytes(chunks, config.idle.knowledge_prefill_neighbours if config.idle.knowledge_prefill else 0)
 
     def _prefill_bytes(self, chunks: Sequence[Chunk], neighbours: int) -> int:
         """The bytes of every [system, chunk] state of *chunks* and *neighbours* pairs of
@@ -262,43 +265,37 @@ class ModelRuntime:
         rule = measure_cut_rule(engine)
         with self._lock:
             if self._states is None:
-                slices = self.config.chunk_state_slices and slices_work(engine)
+                slices = self.config.tiers.chunk_state_slices and self.features.slices and slices_work(engine)
                 calls = "segment-calls" if rule is None else f"stock-calls-{rule.min_tokens}-{rule.multiple}"
                 fingerprint = engine.fingerprint(f"{TEMPLATE_VERSION}|{'slices' if slices else 'whole'}|{calls}")
-                local = StateStore(
-                    self._folder / "states", fingerprint, min_free_bytes=self.config.min_free_disk_bytes
-                )
+                local = StateStore(self._folder / "states", fingerprint, min_free_bytes=self._min_free_bytes)
                 states = TieredStateStore(local, self._shared, slices=slices)
-                self._runner = PromptRunner(engine, states, self.config)
-                self._runner.budget_bytes = self.state_budget_bytes
+                self._runner = PromptRunner(engine, states, self._live, budget=lambda: self.state_budget_bytes)
                 self._states = states
 
     def _open_server_states(self, server: LlamaServer) -> None:
         """The runner and stored states of a llama-server: whole slot files, at the state
         points of the server's own cut rule (measured through it once); no chunk-state tier
         where the server cannot hold exact states (``PerCache.open`` said why)."""
-        chunk_states = self.features.chunk_states and self.config.chunk_states
+        chunk_states = self.features.chunk_states and self.config.tiers.chunk_states
         rule = measure_server_cut_rule(server) if chunk_states else None
         with self._lock:
             if self._states is not None:
                 return
             calls = "no-cuts" if rule is None else f"server-calls-{rule.min_tokens}-{rule.multiple}"
             fingerprint = server.fingerprint(f"{TEMPLATE_VERSION}|whole|{calls}")
-            local = StateStore(self._folder / "states", fingerprint, min_free_bytes=self.config.min_free_disk_bytes)
+            local = StateStore(self._folder / "states", fingerprint, min_free_bytes=self._min_free_bytes)
             states = TieredStateStore(local, self._shared, slices=False)
-            self._runner = ServerRunner(server, states, self.config, rule=rule)
-            self._runner.budget_bytes = self.state_budget_bytes
+            self._runner = ServerRunner(server, states, self._live, rule=rule, budget=lambda: self.state_budget_bytes)
             self._states = states
 
-    def configure(self, config: PerCacheConfig) -> None:
-        """Use new settings from the next prompt on."""
-        self.config = config
-        self._recorded_id = None  # the model's settings may have changed before it loaded
-        if self._runner is not None:
-            self._runner.config = config
-            self._runner.budget_bytes = self.state_budget_bytes
-        if self._states is not None:
-            self._states.local.min_free_bytes = config.min_free_disk_bytes
+    def _min_free_bytes(self) -> int:
+        return self.config.budgets.min_free_disk_bytes
+
+    def forget_recorded_model(self) -> None:
+        """Look the model's recorded fingerprint up again (the settings it is loaded with
+        may have changed before it loaded)."""
+        self._recorded_id = None
 
     def delete_chunk_states(self, chunk_ids: set[str]) -> int:
         """Delete the stored states that may hold these chunks' text, of every fingerprint
@@ -322,7 +319,7 @@ class ModelRuntime:
         (:mod:`percache_core.serving.drafting`)."""
         engine = self.engine
         if self.server is not None:
-            if self.features.chunk_states and self.config.chunk_states:
+            if self.features.chunk_states and self.config.tiers.chunk_states:
                 measure_server_cut_rule(self.server)
             return
         measure_cut_rule(engine)
@@ -351,14 +348,14 @@ class ModelRuntime:
             "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
             "draft_bound_logits": known_bound(engine),
             "drafts_pay": known_drafts_pay(engine),
-            "repack_weights": self.config.repack_weights,
+            "repack_weights": self.config.engine.repack_weights,
         }
 
     def stats(self) -> dict[str, Any]:
         """Nodes, bytes, budget and failures of the chunk-state tier."""
         budget = {
             "budget_bytes": self.state_budget_bytes,
-            "budget": "configured" if self.config.chunk_state_budget_bytes else "sized from the knowledge",
+            "budget": "configured" if self.config.budgets.chunk_state_budget_bytes else "sized from the knowledge",
             "bytes_per_token": self._bytes_per_token,
         }
         if self._states is None or self._runner is None:

@@ -29,16 +29,16 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import PerCacheConfig
+from ..config import LiveConfig, PerCacheConfig
 from ..errors import ContextOverflowError
 from ..kv.cuts import CutRule
-from ..kv.engine import Sampling
+from ..kv.engine import Decoding
 from ..kv.llama_server import LlamaServer, ServerError, UnexpectedReuse
 from ..kv.stopping import StopStringFilter, stop_strings
 from ..kv.tiers import TieredStateStore
@@ -192,12 +192,13 @@ class ServerRunner(StateRunner):
         self,
         server: LlamaServer,
         states: TieredStateStore | None,
-        config: PerCacheConfig,
+        config: PerCacheConfig | LiveConfig,
         *,
         rule: CutRule | None,
         n_ubatch: int = 512,
+        budget: Callable[[], int] | None = None,
     ) -> None:
-        super().__init__(server, states, config)
+        super().__init__(server, states, config, budget=budget)
         self.rule = rule
         self.n_ubatch = n_ubatch
         # On a sliding-window model a state restores exactly only within the window
@@ -224,7 +225,7 @@ class ServerRunner(StateRunner):
         """The prompt's pieces: PerCache's own [system, *chunks, question] with states at the
         rule's state points, or a caller's *spec* cut after its documents."""
         server = self.engine
-        spec = spec or rag_prompt(self.config.system_prompt, chunks, question)
+        spec = spec or rag_prompt(self.config.retrieval.system_prompt, chunks, question)
         max_prompt_tokens = server.n_ctx - max_new_tokens
         if max_prompt_tokens <= 0:
             raise ContextOverflowError(f"max_new_tokens {max_new_tokens} leaves no room in the server's n_ctx {server.n_ctx}")
@@ -314,11 +315,11 @@ class ServerRunner(StateRunner):
         config = self.config
         options = replace(
             options,
-            sampling=options.sampling or config.sampling,
+            sampling=options.sampling or config.engine.sampling,
             decode=options.decode and not options.prefix_only,
             approximate=False,
         )
-        states = self.states if config.chunk_states and self.rule is not None else None
+        states = self.states if config.tiers.chunk_states and self.rule is not None else None
         server = self.engine
         with server.lock:
             self.flush()
@@ -347,7 +348,7 @@ class ServerRunner(StateRunner):
     ) -> Generator[str, None, None]:
         tokens = layout.tokens
         clock = time.perf_counter()
-        fresh = options.restore_depth is not None or not self.config.chunk_states  # caches off: nothing reused
+        fresh = options.restore_depth is not None or not self.config.tiers.chunk_states  # caches off: nothing reused
         point, depth = self._start(layout, keys, end, fresh=fresh)
         result.depth, result.reused_tokens = depth, point
         if self.states is not None and self.rule is not None and layout.caller_prompt and options.decode:
@@ -636,7 +637,7 @@ class ServerRunner(StateRunner):
         if should_stop is not None and should_stop():
             raise Preempted("prefill pre-empted by a user question")
         self._slot = None
-        for _ in self.engine.complete(tokens, max_new_tokens=0, cache_prompt=point > 0, expected_cached=point):
+        for _ in self.engine.complete(tokens, Decoding(0), cache_prompt=point > 0, expected_cached=point):
             pass
         self._slot = SlotContent(tuple(tokens), self.valid_end(point, len(tokens)) if self.rule else 0)
 
@@ -675,21 +676,15 @@ class ServerRunner(StateRunner):
         Returns where its prefill started."""
         assert options.sampling is not None
         relay = options.relay
-        stops = stop_strings(self.config.stop if options.stop is None else options.stop) if relay is None else ()
+        stops = stop_strings(self.config.engine.stop if options.stop is None else options.stop) if relay is None else ()
         stop = StopStringFilter(stops, strip=options.trim and relay is None)
         server = self.engine
         clock = time.perf_counter()
         for attempt in (0, 1):
             self._slot = None
             if relay is None:
-                pieces = server.complete(
-                    tokens,
-                    max_new_tokens=options.max_new_tokens,
-                    cache_prompt=point > 0,
-                    sampling=options.sampling,
-                    stop=list(stops),
-                    expected_cached=point,
-                )
+                decoding = Decoding(options.max_new_tokens, options.sampling, list(stops))
+                pieces = server.complete(tokens, decoding, cache_prompt=point > 0, expected_cached=point)
             else:  # the server's own endpoint lays out, stops and parses the reply
                 relay.chunks.clear()
                 pieces = server.relay(
@@ -778,19 +773,15 @@ class ServerRunner(StateRunner):
     # -- idle work's plain completions -------------------------------------------------------
 
     def complete_plain(
-        self,
-        prompt: str,
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop: Sequence[str] = (),
-        chat: bool = False,
-        should_stop: StopCheck | None = None,
+        self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
     ) -> tuple[str, int, int]:
-        """Complete *prompt* on the server with nothing reused (idle work's LLM calls):
-        (text, prompt tokens, generated tokens). The prompt keeps its last ``n_ctx -
-        max_new_tokens`` tokens. Raises :class:`Preempted` when *should_stop* turns true."""
+        """Complete *prompt* on the server with *decoding* and nothing reused (idle work's
+        LLM calls): (text, prompt tokens, generated tokens). The prompt keeps its last
+        ``n_ctx - max_new_tokens`` tokens. Raises :class:`Preempted` when *should_stop*
+        turns true."""
+        if decoding.max_new_tokens is None:
+            raise ValueError("a plain completion needs max_new_tokens")
+        max_new_tokens, stop = decoding.max_new_tokens, list(decoding.stop or ())
         server = self.engine
         with server.lock:
             if should_stop is not None and should_stop():
@@ -799,10 +790,7 @@ class ServerRunner(StateRunner):
             tokens = tokens[-(server.n_ctx - max_new_tokens) :]
             self._slot = None
             filter_ = StopStringFilter(stop, strip=False)
-            pieces = server.complete(
-                tokens, max_new_tokens=max_new_tokens, cache_prompt=False,
-                sampling=Sampling(temperature, 1.0, seed), stop=list(stop),
-            )
+            pieces = server.complete(tokens, decoding, cache_prompt=False)
             try:
                 for piece in pieces:
                     filter_.feed(piece)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import PerCacheConfig
+from ..config import LiveConfig, PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.budget import BUDGET_FLOOR_BYTES
 from ..kv.engine import Sampling
@@ -131,15 +131,32 @@ class StateRunner:
     chunk-state tier is off for this engine). Subclasses give ``run``, ``lay_out`` and
     ``complete_plain``."""
 
-    def __init__(self, engine: Any, states: TieredStateStore | None, config: PerCacheConfig) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        states: TieredStateStore | None,
+        config: PerCacheConfig | LiveConfig,
+        *,
+        budget: Callable[[], int] | None = None,
+    ) -> None:
         self.engine = engine
         self.states = states
-        self.config = config
+        self._settings = config if isinstance(config, LiveConfig) else LiveConfig(config)
         # the chunk-state budget in force (the configured one, or the one ModelRuntime
         # sized from the knowledge)
-        self.budget_bytes = config.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES
+        self._budget = budget or (lambda: self.config.budgets.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES)
         self.restore_failures = 0
         self.storage_failures = 0
+
+    @property
+    def config(self) -> PerCacheConfig:
+        """The configuration in force now."""
+        return self._settings.current
+
+    @property
+    def budget_bytes(self) -> int:
+        """The chunk-state budget in force."""
+        return self._budget()
 
     def run(
         self,
@@ -196,7 +213,7 @@ class StateRunner:
         """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
         position, a chunk whose prefix state is stored comes first; the rest keep their order."""
         tokenize = self.engine.tokenize
-        parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.system_prompt), True)])[0]
+        parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.retrieval.system_prompt), True)])[0]
         remaining = list(chunks)
         ordered: list[Chunk] = []
         while remaining and parent in self.states:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import PerCacheConfig
+from ..config import PerCacheConfig, SharedSettings
 from ..errors import missing_dependency
 from ..kv.tree import StateNode
 from ..qa.bank import QABank
@@ -120,33 +120,34 @@ class SharedTier:
     """One client's view of the shared tier.
 
     Args:
-        url: ``redis://host:port/db`` or ``redis+cluster://host:port``.
-        namespace: a tenant or user; entries of other namespaces are invisible.
-        secret: the HMAC key; entries not signed with it are dropped.
-        write: also write local additions to the shared tier.
+        settings: the URL (``redis://host:port/db`` or ``redis+cluster://host:port``), the
+            namespace (entries of other namespaces are invisible), the HMAC secret (entries
+            not signed with it are dropped), whether local additions are written, the
+            per-call timeout and the sync interval.
+        bloom_capacity: keys the catalog's Bloom filter is sized for.
+        bloom_false_positive_rate: its false-positive rate at that size.
+        breaker_cooldown_s: how long failures switch the tier off.
+
+    Raises:
+        ValueError: no URL or no secret.
     """
 
     def __init__(
         self,
-        url: str,
+        settings: SharedSettings,
         *,
-        namespace: str,
-        secret: str,
-        write: bool = True,
-        timeout_s: float = 0.1,
-        sync_interval_s: float = 0.5,
         bloom_capacity: int = 200_000,
         bloom_false_positive_rate: float = 0.01,
         breaker_cooldown_s: float = 5.0,
     ) -> None:
-        if not secret:
-            raise ValueError("a shared tier needs a secret to sign its entries")
-        self.url = url
-        self.namespace = namespace
-        self._secret = secret.encode("utf-8")
-        self.write = write
-        self._timeout_s = timeout_s
-        self._sync_interval_s = sync_interval_s
+        if not settings.shared_url or not settings.shared_secret:
+            raise ValueError("a shared tier needs a URL and a secret to sign its entries")
+        self.url = settings.shared_url
+        self.namespace = settings.shared_namespace
+        self._secret = settings.shared_secret.encode("utf-8")
+        self.write = settings.shared_write
+        self._timeout_s = settings.shared_timeout_s
+        self._sync_interval_s = settings.shared_sync_interval_s
         self._bloom_capacity = bloom_capacity
         self.bloom = BloomFilter(bloom_capacity, bloom_false_positive_rate)
         self.breaker = CircuitBreaker(threshold=3, cooldown_s=breaker_cooldown_s)
@@ -466,15 +467,8 @@ class SharedTier:
 
 def open_shared_tier(config: PerCacheConfig, qa_bank: QABank, embedder_name: str) -> SharedTier | None:
     """The Redis tier behind the local ones, when ``shared_url`` is set."""
-    if config.shared_url is None:
+    if config.shared.shared_url is None:
         return None
-    shared = SharedTier(
-        config.shared_url,
-        namespace=config.shared_namespace,
-        secret=config.shared_secret or "",
-        write=config.shared_write,
-        timeout_s=config.shared_timeout_s,
-        sync_interval_s=config.shared_sync_interval_s,
-    )
+    shared = SharedTier(config.shared)
     shared.serve_qa_bank(qa_bank, embedder_name)
     return shared.start()

@@ -18,7 +18,7 @@ def test_a_moved_chunk_state_continues_the_sequence(make_cache, engine):
     pc = make_cache("moved", qa_bank=False)
     prefill_each_chunk(pc, QUESTION)
     chunks = [r.chunk for r in pc.retrieve(QUESTION)]
-    spec = rag_prompt(pc.config.system_prompt, chunks, QUESTION)
+    spec = rag_prompt(pc.config.retrieval.system_prompt, chunks, QUESTION)
     segments = [list(s.tokens) for s in lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=1900).segments]
     system, first, second = segments[0], segments[1], segments[2]
     node = internals(pc).tree.get(path_keys(internals(pc).states.root_key, [system, second])[1])  # [system, chunk 2]

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from percache_core import LlamaServer, PerCache
+from percache_core import LlamaServer, PerCache, ServerLaunch
 from percache_core.endpoint import EndpointSettings
 from percache_core.endpoint import serving_in_thread as serving
 from percache_core.inspection import internals
@@ -36,14 +36,14 @@ NO_REUSE = {"cache_prompt": False}
 
 @pytest.fixture(scope="module")
 def server(model_path: Path) -> Iterator[LlamaServer]:
-    with LlamaServer.start(model_path, n_ctx=2048) as started:
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048)) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def alone(model_path: Path) -> Iterator[openai.OpenAI]:
     """The same model on a llama-server of its own, as a user runs it without PerCache."""
-    with LlamaServer.start(model_path, n_ctx=2048) as started:
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048)) as started:
         yield openai.OpenAI(base_url=started.url + "/v1", api_key="none")
 
 
@@ -223,7 +223,7 @@ def test_a_dead_server_fails_requests_cleanly_and_loses_nothing_stored(
     def ask(client: openai.OpenAI, question: str) -> Any:
         return client.chat.completions.create(model=model, messages=chat(question), temperature=0, max_tokens=32)
 
-    server = LlamaServer.start(model_path, n_ctx=2048)
+    server = LlamaServer.start(model_path, ServerLaunch(n_ctx=2048))
     pc = PerCache.open(tmp_path / "cache", engine=server, embedder=embedder)
     try:
         with serving(pc, server) as url:
@@ -238,7 +238,7 @@ def test_a_dead_server_fails_requests_cleanly_and_loses_nothing_stored(
     finally:
         pc.close()
         server.close()
-    with LlamaServer.start(model_path, n_ctx=2048) as again:  # back: what was stored is there
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048)) as again:  # back: what was stored is there
         pc = PerCache.open(tmp_path / "cache", engine=again, embedder=embedder)
         try:
             with serving(pc, again) as url:

@@ -15,7 +15,13 @@ import pytest
 
 from percache_core.config import DEFAULT_SYSTEM_PROMPT
 from percache_core.inspection import internals
-from percache_core.serving.drafting import AnswerDraft, PromptLookup, deviation_bound, greedy_tokens
+from percache_core.serving.drafting import (
+    AnswerDraft,
+    DraftPlan,
+    PromptLookup,
+    deviation_bound,
+    greedy_tokens,
+)
 
 # (stored question, paraphrases, near misses) over the demo corpus; written for this
 # test, apart from tests/data/verify_pairs.jsonl.
@@ -64,7 +70,7 @@ def reference(make_cache):
 
 def test_default_mode_gives_the_cache_off_answer_for_paraphrases_and_near_misses(make_cache, reference):
     pc = make_cache("exact", max_new_tokens=32)
-    assert pc.config.qa_mode == "exact"
+    assert pc.config.tiers.qa_mode == "exact"
     served = 0
     for stored, paraphrases, near_misses in FAMILIES:
         for question in [stored, *paraphrases, *near_misses, stored]:
@@ -185,7 +191,7 @@ def test_drafts_right_or_wrong_give_the_one_at_a_time_tokens(engine):
         for drafts in ([AnswerDraft([reference])], [AnswerDraft([wrong])], [PromptLookup(prompt)]):
             engine.reset()
             engine.eval(prompt)
-            assert list(greedy_tokens(engine, max_new_tokens=24, drafts=drafts, bound=bound)) == reference
+            assert list(greedy_tokens(engine, DraftPlan(24, drafts, bound))) == reference
         engine.reset()
     assert bound > 0
 

@@ -50,7 +50,7 @@ def test_restoring_any_depth_gives_bit_identical_logits(make_cache, engine):
     question = QUESTIONS[5]
     chunks = [r.chunk for r in pc.retrieve(question, 3)]
     layout = lay_out(
-        rag_prompt(pc.config.system_prompt, chunks, question),
+        rag_prompt(pc.config.retrieval.system_prompt, chunks, question),
         tokenize=engine.tokenize,
         max_prompt_tokens=1500,
     )

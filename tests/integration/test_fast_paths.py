@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
+from percache_core import Decoding
 from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
 from percache_langchain import PerCacheChatModel
@@ -59,7 +60,7 @@ def test_framework_prompts_answer_as_stock_llama_cpp_with_and_without_states(mak
     texts = [d["text"] for d in corpus["documents"]]
     prompts = [framework_prompt(texts[i : i + 2], q) for i, q in zip((0, 1, 0, 2), QUESTIONS)]
     expected = [stock_text(stock, p) for p in prompts]
-    first = [pc.caller.complete(p, documents=texts, max_new_tokens=24, stop=["\n"]) for p in prompts]
+    first = [pc.caller.complete(p, documents=texts, decoding=Decoding(max_new_tokens=24, stop=["\n"])) for p in prompts]
     assert [a.text for a in first] == [e.strip() for e in expected]
     # the third prompt shares its context with the first: the states kept after it are restored
     assert first[2].reused_tokens > 0 and first[2].source == "chunk_states"
@@ -73,14 +74,14 @@ def test_an_identical_prompt_is_answered_without_the_model(make_cache, engine, m
     expected = off.answer(question).text
     first = pc.answer(question)
     prompt = framework_prompt(["Lunch is at noon in the Birch room on Fridays."], "Where is lunch?")
-    completed = pc.caller.complete(prompt, max_new_tokens=24, stop=["\n"])
+    completed = pc.caller.complete(prompt, decoding=Decoding(max_new_tokens=24, stop=["\n"]))
     for name in ("eval", "eval_with_logits", "load_state", "generate"):
         monkeypatch.setattr(engine, name, _refuse)
     repeat = pc.answer(question)
     streamed = pc.answer_stream(question)
     assert first.text == expected == repeat.text == "".join(streamed)
     assert repeat.source == "prompt_answer" and not repeat.approximate and repeat.generated_tokens == first.generated_tokens
-    again = pc.caller.complete(prompt, max_new_tokens=24, stop=["\n"])
+    again = pc.caller.complete(prompt, decoding=Decoding(max_new_tokens=24, stop=["\n"]))
     assert again.text == completed.text and again.source == "prompt_answer"
     monkeypatch.undo()
     # another token limit is another prompt run: the model answers it

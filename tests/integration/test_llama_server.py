@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from percache_core import LlamaServer, PerCache, PerCacheConfig, TextPrompt
+from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
 from percache_core.inspection import internals
 from percache_core.kv.cuts import CutRule
 from percache_core.serving.server_runner import ServerRunner, SlotContent
@@ -32,13 +32,13 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def server(model_path: Path) -> Iterator[LlamaServer]:
-    with LlamaServer.start(model_path, n_ctx=2048) as started:
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048)) as started:
         yield started
 
 
 def fresh_text(server: LlamaServer, tokens: Sequence[int], *, max_new_tokens: int, stop: Sequence[str]) -> str:
     """The server's text for *tokens* with nothing reused."""
-    return "".join(server.complete(tokens, max_new_tokens=max_new_tokens, cache_prompt=False, stop=list(stop)))
+    return "".join(server.complete(tokens, Decoding(max_new_tokens, stop=list(stop)), cache_prompt=False))
 
 
 def open_on(folder: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any], **settings: Any) -> PerCache:
@@ -53,8 +53,8 @@ def open_on(folder: Path, server: LlamaServer, embedder: Any, corpus: dict[str, 
 def own_prompt_reference(pc: PerCache, server: LlamaServer, question: str, chunk_ids: Sequence[str]) -> str:
     runner = internals(pc).runtime.runner
     chunks = [pc.caller.chunk(chunk_id) for chunk_id in chunk_ids]
-    layout = runner.lay_out(question, chunks, max_new_tokens=pc.config.max_new_tokens)
-    return fresh_text(server, layout.tokens, max_new_tokens=pc.config.max_new_tokens, stop=pc.config.stop).strip()
+    layout = runner.lay_out(question, chunks, max_new_tokens=pc.config.engine.max_new_tokens)
+    return fresh_text(server, layout.tokens, max_new_tokens=pc.config.engine.max_new_tokens, stop=pc.config.engine.stop).strip()
 
 
 def test_answers_are_the_servers_fresh_text_with_states_restored(
@@ -79,11 +79,11 @@ def test_a_restart_of_server_and_cache_restores_states_from_disk(
     tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
 ) -> None:
     folder = tmp_path / "cache"
-    with LlamaServer.start(model_path, n_ctx=2048) as first:
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048)) as first:
         pc = open_on(folder, first, embedder, corpus)
         before = pc.answer(QUESTIONS[0])
         pc.close()
-    with LlamaServer.start(model_path, n_ctx=2048) as second:  # a new process, a new slot folder
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048)) as second:  # a new process, a new slot folder
         pc = open_on(folder, second, embedder, corpus)
         try:
             followup = pc.answer("At what time is the rehearsal of the launch talk?")
@@ -110,7 +110,7 @@ def test_a_reuse_other_than_planned_is_a_miss(
         runner._slot = SlotContent(tuple(layout.tokens[:128]), 128)
         result = drain(runner.run(layout, RunOptions(max_new_tokens=24)))
         assert runner.unexpected_reuse == 1 and result.reused_tokens == 0
-        reference = fresh_text(server, layout.tokens, max_new_tokens=24, stop=pc.config.stop).strip()
+        reference = fresh_text(server, layout.tokens, max_new_tokens=24, stop=pc.config.engine.stop).strip()
         assert result.text == reference
     finally:
         pc.close()
@@ -130,15 +130,15 @@ def test_caller_prompts_and_the_adapters_give_the_servers_text(
         notes = [document["text"] for document in corpus["documents"][:3]]
         prompt = "Notes:\n" + "\n".join(notes) + "\nQuestion: When is the rehearsal?\nAnswer:"
         tokens = runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=24).tokens
-        reference = fresh_text(server, tokens, max_new_tokens=24, stop=pc.config.stop)
-        answer = pc.caller.complete(prompt, documents=notes, max_new_tokens=24, trim=False)
+        reference = fresh_text(server, tokens, max_new_tokens=24, stop=pc.config.engine.stop)
+        answer = pc.caller.complete(prompt, documents=notes, decoding=Decoding(max_new_tokens=24, trim=False))
         assert answer.text == reference
-        assert pc.caller.complete(prompt, documents=notes, max_new_tokens=24).source == "prompt_answer"
+        assert pc.caller.complete(prompt, documents=notes, decoding=Decoding(max_new_tokens=24)).source == "prompt_answer"
         other = prompt.replace("When is the rehearsal?", "How much did finance approve?")
-        answer = pc.caller.complete(other, documents=notes, max_new_tokens=24)  # restores the notes' state
+        answer = pc.caller.complete(other, documents=notes, decoding=Decoding(max_new_tokens=24))  # restores the notes' state
         assert answer.reused_tokens >= 64
         other_tokens = runner.lay_out("", [], spec=TextPrompt(other), max_new_tokens=24).tokens
-        assert answer.text == fresh_text(server, other_tokens, max_new_tokens=24, stop=pc.config.stop)
+        assert answer.text == fresh_text(server, other_tokens, max_new_tokens=24, stop=pc.config.engine.stop)
 
         llm = PerCacheLLM(percache=pc, max_new_tokens=24)
         assert llm.invoke(prompt) == reference
@@ -153,7 +153,7 @@ def test_caller_prompts_and_the_adapters_give_the_servers_text(
         assert chat.invoke(messages).content == expected
         assert chat.invoke(messages).content == expected  # a stored prompt answer, or a restore
 
-        index_llm = PerCacheLlamaCPP(engine=server, max_new_tokens=24, stop=list(pc.config.stop))
+        index_llm = PerCacheLlamaCPP(engine=server, max_new_tokens=24, stop=list(pc.config.engine.stop))
         assert index_llm.complete(prompt, formatted=True).text == reference  # outside a cache: fresh
     finally:
         pc.close()
@@ -219,9 +219,9 @@ def test_long_prompts_and_a_chats_next_turn_restore_only_exact_states(
         )
         for question in ("When is the rehearsal?", "How much did finance approve?"):
             prompt, tokens = rag(notes, question)
-            answer = pc.caller.complete(prompt, documents=notes, max_new_tokens=24)
+            answer = pc.caller.complete(prompt, documents=notes, decoding=Decoding(max_new_tokens=24))
             assert answer.reused_tokens <= 512
-            assert answer.text == fresh_text(server, tokens, max_new_tokens=24, stop=pc.config.stop)
+            assert answer.text == fresh_text(server, tokens, max_new_tokens=24, stop=pc.config.engine.stop)
         assert answer.reused_tokens >= 64  # the second restored a state of the first's notes
 
         chat = PerCacheChatModel(percache=pc, max_new_tokens=16)
@@ -245,16 +245,16 @@ def test_the_slot_is_cut_back_to_an_allowed_start(
     try:
         runner = internals(pc).runtime.runner
         notes = "Notes:\n" + "\n".join(document["text"] for document in corpus["documents"][:3])
-        first = pc.caller.complete(notes + "\nQuestion: When is the rehearsal?\nAnswer:", max_new_tokens=16)
+        first = pc.caller.complete(notes + "\nQuestion: When is the rehearsal?\nAnswer:", decoding=Decoding(max_new_tokens=16))
         assert first.reused_tokens == 0
         # the same notes and another question: what the slot holds diverges inside the
         # question, where no state was kept; the slot is cut back to a start the rule allows
         prompt = notes + "\nQuestion: How much did finance approve?\nAnswer:"
         tokens = runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=16).tokens
         assert len(tokens) < 500  # within the window: the saved slot holds every cell
-        second = pc.caller.complete(prompt, max_new_tokens=16)
+        second = pc.caller.complete(prompt, decoding=Decoding(max_new_tokens=16))
         assert second.reused_tokens >= 128 and second.reused_tokens % 4 == 0
-        assert second.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.stop)
+        assert second.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
     finally:
         pc.close()
 
@@ -280,13 +280,13 @@ def test_an_idle_round_on_the_server_fills_states_and_predicts(
 def test_a_started_server_keeps_answering_and_stops_with_its_owner(model_path: Path) -> None:
     import gc
 
-    server = LlamaServer.start(model_path, n_ctx=512)
+    server = LlamaServer.start(model_path, ServerLaunch(n_ctx=512))
     process = server._process
     assert process is not None
     client = LlamaServer(url=server.url, timeout_s=30)  # a server blocked on its log would time out
     tokens = client.tokenize("Hello there", True)
     for _ in range(200):  # its log grows past what an unread pipe holds
-        assert "".join(client.complete(tokens, max_new_tokens=1, cache_prompt=False)) is not None
+        assert "".join(client.complete(tokens, Decoding(1), cache_prompt=False)) is not None
     del server
     gc.collect()
     assert process.wait(timeout=15) is not None  # stopped when the object went

@@ -199,7 +199,7 @@ def test_other_llms_get_the_qa_bank_only(index, tmp_path):
     )
     first = engine.query(QUESTION)
     assert first.metadata["percache"]["source"] == "full"
-    assert not engine.percache.config.chunk_states
+    assert not engine.percache.config.tiers.chunk_states
     assert engine.query(QUESTION).metadata["percache"]["source"] == "qa_bank"
     assert engine.query(PARAPHRASE).metadata["percache"]["source"] == "full"  # exact: same question only
     report = engine.warm(progress=False)  # idle prediction would answer with another model

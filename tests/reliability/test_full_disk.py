@@ -71,4 +71,4 @@ def test_the_state_tier_keeps_its_free_space_reserve(small_disk, engine, embedde
             assert pc.answer(question).text == reference.answer(question).text
         assert pc.stats()["chunk_states"]["storage_failures"] >= 1  # some states would cross it
         # the states kept stay out of the reserve (QA and knowledge records are small)
-        assert shutil.disk_usage(small_disk).free >= config.min_free_disk_bytes - 1024 * 1024
+        assert shutil.disk_usage(small_disk).free >= config.budgets.min_free_disk_bytes - 1024 * 1024

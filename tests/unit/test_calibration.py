@@ -58,7 +58,7 @@ def test_settings_of_the_bound_are_checked():
         PerCacheConfig(answer_equivalence="cosine")
     with pytest.raises(ValueError, match="calibration_answers_per_round"):
         PerCacheConfig(calibration_answers_per_round=-1)
-    assert PerCacheConfig().bounded and not PerCacheConfig(max_error_rate=1.0).bounded
+    assert PerCacheConfig().bound.bounded and not PerCacheConfig(max_error_rate=1.0).bound.bounded
 
 
 def test_semantic_mode_serves_nothing_its_labels_do_not_support(fake_cache):

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from percache_core import Decoding
 from percache_core.inspection import internals
 from percache_core.kv.engine import Engine
 from percache_core.prediction.predictor import PredictedQuestion, PredictionTally
@@ -369,9 +370,9 @@ def test_idle_work_stores_its_answers_through_the_request_path(fake_cache, monke
     stored: list[str] = []
     populate = internals(pc).request_path.populate
 
-    def recording(question, *args, **kwargs):
-        stored.append(question)
-        return populate(question, *args, **kwargs)
+    def recording(item, should_stop):
+        stored.append(item.question)
+        return populate(item, should_stop)
 
     internals(pc).request_path.populate = recording
     pc.configure(similarity_threshold=0.5, strategy_cutoff=0.9)  # prefill and decode
@@ -438,7 +439,7 @@ def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_d
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 1000 * GIB))
     pc.warm(progress=False, max_predictions=0)
-    neighbours = pc.config.knowledge_prefill_neighbours
+    neighbours = pc.config.idle.knowledge_prefill_neighbours
     wanted = tokens * (1 + neighbours) * 1_000_000 / 0.8  # singles and pairs, slices, over the 80% share
     stats = pc.stats()["chunk_states"]
     assert stats["budget_bytes"] == internals(pc).runner.budget_bytes == int(wanted)
@@ -463,10 +464,10 @@ def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_c
     for prompt in prompts:
         with internals(reference).engine.lock:
             internals(reference).engine.reset()  # nothing kept: each prompt from an empty context
-        expected.append(reference.caller.complete(prompt, stop=[]).text)
+        expected.append(reference.caller.complete(prompt, decoding=Decoding(stop=[])).text)
     pc = fake_cache("kept", qa_bank=False, engine=FakeEngine(name="fake"))
     pc.preload()  # the self-check's rule says where a caller's prompt may be cut
-    first, second = (pc.caller.complete(p, stop=[]) for p in prompts)
+    first, second = (pc.caller.complete(p, decoding=Decoding(stop=[])) for p in prompts)
     assert [first.text, second.text] == expected
     assert first.reused_tokens == 0
     common = len(os.path.commonprefix(prompts)) + 1  # with BOS
@@ -474,4 +475,4 @@ def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_c
     # a change of the sequence by anything else (here a reset) and nothing is kept
     with internals(pc).engine.lock:
         internals(pc).engine.reset()
-    assert pc.caller.complete(prompts[0] + " ", stop=[]).reused_tokens == 0
+    assert pc.caller.complete(prompts[0] + " ", decoding=Decoding(stop=[])).reused_tokens == 0

@@ -10,6 +10,8 @@ The layers, lowest first (parts in one layer do not import each other):
 3. ``kv``: llama.cpp engines, their text model, chunk states and their budget;
 4. ``config``: the settings (they name the engine's sampling and stop strings);
 5. ``knowledge``, ``qa``: the documents with retrieval; the QA bank and prompt answers;
+5b. ``policies``: how stored answers and chunk states may be reused, chosen once per
+   configuration (the only place a mode is compared);
 6. ``serving``, ``shared``: answering a request (the runner, the request path, the runtime
    and the parts a cache is made of); the Redis tier behind the local ones;
 7. ``prediction``: idle work (the demand estimate, the predictor, the scheduler, the worker);
@@ -31,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"kv"},
     {"config"},
     {"knowledge", "qa"},
+    {"policies"},
     {"serving", "shared"},
     {"prediction"},
     {"callers"},

@@ -28,9 +28,9 @@ class ScriptedLLM:
         self.prompts = []
         self.temperatures = []
 
-    def __call__(self, prompt, **options):
+    def __call__(self, prompt, decoding):
         self.prompts.append(prompt)
-        self.temperatures.append(options["temperature"])
+        self.temperatures.append(decoding.sampling.temperature)
         return self.outputs.pop(0) if self.outputs else ""
 
 

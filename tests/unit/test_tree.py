@@ -9,7 +9,7 @@ def build(sizes: list[int]) -> tuple[ChunkStateTree, list[str]]:
     keys = path_keys("root", [[i] for i in range(len(sizes))])
     parent = "root"
     for depth, (key, size) in enumerate(zip(keys, sizes), 1):
-        tree.insert(key, parent, depth=depth, n_tokens=depth * 10, label=f"s{depth}", size=size)
+        tree.insert(StateNode(key, parent, depth=depth, n_tokens=depth * 10, label=f"s{depth}", size=size))
         parent = key
     return tree, keys
 
@@ -85,15 +85,15 @@ def test_remove_keeps_children_reachable_by_key():
 
 def test_the_eviction_policy_is_one_object_the_store_orders_by(tmp_path):
     from percache_core.eviction import LRU
-    from percache_core.storage import Store
+    from percache_core.storage import Bookkeeping, Budget, Store
 
     lfu, lru = Store(tmp_path / "lfu"), Store(tmp_path / "lru", policy=LRU)
     for store in (lfu, lru):
-        store.put("r:often", 1, size=10)
-        store.put("r:once", 2, size=10)
+        store.put("r:often", 1, bookkeeping=Bookkeeping(size=10))
+        store.put("r:once", 2, bookkeeping=Bookkeeping(size=10))
         for _ in range(3):
             store.note_use("r:often", when=100.0)
         store.note_use("r:once", when=200.0)  # used last, but once
-        evicted = store.put("r:new", 3, size=10, budget=("r:", 20))
+        evicted = store.put("r:new", 3, bookkeeping=Bookkeeping(size=10), budget=Budget("r:", 20))
         assert evicted == (["r:once"] if store is lfu else ["r:often"])
         store.close()
