@@ -183,6 +183,7 @@ class Store:
 
     def __init__(self, folder: str | os.PathLike[str], *, policy: EvictionPolicy = LFU) -> None:
         self.folder = Path(folder)
+        self.files = StoreFiles(self.folder / BLOB_FOLDER)  # byte files beside the records
         self.policy = policy  # the order in which records over a budget go
         self._uses = UseCounts()  # uses noted and not yet written
         self.path = self.folder / DATABASE_NAME
@@ -472,70 +473,6 @@ class Store:
                 ).fetchone()[0]
             )
 
-    # -- byte files -----------------------------------------------------------------------
-
-    def file_path(self, name: str) -> Path:
-        """Where the file *name* (letters, digits, ``-`` and ``_``) lives."""
-        if not name or not all(ch.isalnum() or ch in "-_" for ch in name):
-            raise ValueError(f"bad file name {name!r}")
-        return self.folder / BLOB_FOLDER / f"{name}.bin"
-
-    def write_file(self, name: str, data: bytes | Callable[[BinaryIO], None]) -> None:
-        """Write *data* to file *name* whole or not at all (temporary file, then rename);
-        *data* may be a function that writes into the open file (large files)."""
-        path = self.file_path(name)
-        temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            private_folder(path.parent)
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(descriptor, "wb") as handle:
-                if callable(data):
-                    data(handle)
-                else:
-                    handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except OSError as error:
-            temporary.unlink(missing_ok=True)
-            raise StorageWriteError(f"cannot write {path}: {error}") from error
-
-    def read_file(self, name: str) -> bytes | None:
-        """The bytes of file *name*, or None when absent or unreadable."""
-        try:
-            return self.file_path(name).read_bytes()
-        except OSError:
-            return None
-
-    def delete_file(self, name: str) -> None:
-        """Remove file *name* if present."""
-        try:
-            self.file_path(name).unlink(missing_ok=True)
-        except OSError:
-            pass
-
-    def file_names(self, older_than_s: float = 0.0) -> list[str]:
-        """Names of the files stored (those last written more than *older_than_s* ago);
-        leftover temporary files of that age are removed."""
-        folder = self.folder / BLOB_FOLDER
-        now = time.time()
-        names: list[str] = []
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            return names
-        for entry in entries:
-            try:
-                old = now - entry.stat().st_mtime >= older_than_s
-            except OSError:
-                continue
-            if entry.name.endswith(".tmp"):
-                if old:
-                    Path(entry.path).unlink(missing_ok=True)
-            elif entry.name.endswith(".bin") and old:
-                names.append(entry.name.removesuffix(".bin"))
-        return names
-
     def prune_tombstones(self) -> None:
         """Forget the oldest removals when there are many (a process that synced before
         them reloads everything instead)."""
@@ -622,3 +559,74 @@ def _as_record_or_none(row: tuple[Any, ...]) -> Record | None:
         return _as_record(row)
     except (ValueError, TypeError):
         return None  # damaged row: skipped (readers treat it as absent)
+
+
+class StoreFiles:
+    """Byte files beside a store's records (chunk states, the index snapshot), in *folder*:
+    :meth:`write` (whole or not at all), :meth:`read`, :meth:`delete`, :meth:`names` and
+    :meth:`path`."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, name: str) -> Path:
+        """Where the file *name* (letters, digits, ``-`` and ``_``) lives."""
+        if not name or not all(ch.isalnum() or ch in "-_" for ch in name):
+            raise ValueError(f"bad file name {name!r}")
+        return self.folder / f"{name}.bin"
+
+    def write(self, name: str, data: bytes | Callable[[BinaryIO], None]) -> None:
+        """Write *data* to file *name* whole or not at all (temporary file, then rename);
+        *data* may be a function that writes into the open file (large files)."""
+        path = self.path(name)
+        temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            private_folder(path.parent)
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
+                if callable(data):
+                    data(handle)
+                else:
+                    handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            raise StorageWriteError(f"cannot write {path}: {error}") from error
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of file *name*, or None when absent or unreadable."""
+        try:
+            return self.path(name).read_bytes()
+        except OSError:
+            return None
+
+    def delete(self, name: str) -> None:
+        """Remove file *name* if present."""
+        try:
+            self.path(name).unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def names(self, older_than_s: float = 0.0) -> list[str]:
+        """Names of the files stored (those last written more than *older_than_s* ago);
+        leftover temporary files of that age are removed."""
+        folder = self.folder
+        now = time.time()
+        names: list[str] = []
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return names
+        for entry in entries:
+            try:
+                old = now - entry.stat().st_mtime >= older_than_s
+            except OSError:
+                continue
+            if entry.name.endswith(".tmp"):
+                if old:
+                    Path(entry.path).unlink(missing_ok=True)
+            elif entry.name.endswith(".bin") and old:
+                names.append(entry.name.removesuffix(".bin"))
+        return names

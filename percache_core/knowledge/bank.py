@@ -94,6 +94,26 @@ def validated_document_ids(doc_ids: Iterable[str]) -> set[str]:
     return set(ids)
 
 
+def _parsed_documents(documents: Iterable[DocumentInput]) -> list[_Document]:
+    """Every document of an ``add_documents`` call, checked before any work.
+
+    Raises:
+        TypeError: a single document instead of a list, or not a list.
+        InvalidDocumentError: a bad document, or one id twice.
+    """
+    if isinstance(documents, (str, bytes, Mapping)):
+        raise TypeError("add_documents takes a list of documents, not a single document")
+    if not isinstance(documents, Iterable):
+        raise TypeError(f"add_documents takes a list of documents, got {type(documents).__name__}")
+    parsed = [_as_document(item) for item in documents]
+    seen: set[str] = set()
+    for document in parsed:
+        if document.id in seen:
+            raise InvalidDocumentError(f"document id {document.id!r} appears twice in one call")
+        seen.add(document.id)
+    return parsed
+
+
 class KnowledgeBank:
     """Chunks of the user's documents with BM25 and dense retrieval.
 
@@ -240,32 +260,10 @@ class KnowledgeBank:
         the new chunks are written in one transaction: a call that fails (or a process
         killed in it) leaves the bank as it was, so a retry does the whole work.
         """
-        if isinstance(documents, (str, bytes, Mapping)):
-            raise TypeError("add_documents takes a list of documents, not a single document")
-        if not isinstance(documents, Iterable):
-            raise TypeError(f"add_documents takes a list of documents, got {type(documents).__name__}")
-        parsed = [_as_document(item) for item in documents]  # validate all before writing
-        seen: set[str] = set()
-        for document in parsed:
-            if document.id in seen:
-                raise InvalidDocumentError(f"document id {document.id!r} appears twice in one call")
-            seen.add(document.id)
+        parsed = _parsed_documents(documents)  # validate all before writing
         with self._lock:
             self.sync()
-            changed: list[tuple[_Document, str, list[Chunk]]] = []
-            for document in parsed:
-                digest = hashlib.sha1(document.text.encode("utf-8")).hexdigest()
-                if self._documents.get(document.id, {}).get("digest") == digest:
-                    continue
-                texts = (
-                    split_into_chunks(document.text, self._chunk_words()) if split else [document.text.strip()]
-                )
-                metadata = json.loads(json_text(document.metadata))  # as a reread record has it
-                chunks = [
-                    Chunk(f"{document.id}#c{index:03d}", document.id, text, metadata)
-                    for index, text in enumerate(texts)
-                ]
-                changed.append((document, digest, chunks))
+            changed = [item for item in (self._chunked(document, split) for document in parsed) if item is not None]
             new_chunks = [chunk for _, _, chunks in changed for chunk in chunks]
             if not new_chunks:
                 self.last_replaced = set()
@@ -293,6 +291,17 @@ class KnowledgeBank:
             if old_keys or not self._take_own_writes(version, items, new_chunks, embeddings):
                 self.sync()
         return new_chunks
+
+    def _chunked(self, document: _Document, split: bool) -> tuple[_Document, str, list[Chunk]] | None:
+        """*document*, the digest of its text and its chunks; None when it is stored with
+        the same text already."""
+        digest = hashlib.sha1(document.text.encode("utf-8")).hexdigest()
+        if self._documents.get(document.id, {}).get("digest") == digest:
+            return None
+        texts = split_into_chunks(document.text, self._chunk_words()) if split else [document.text.strip()]
+        metadata = json.loads(json_text(document.metadata))  # as a reread record has it
+        chunks = [Chunk(f"{document.id}#c{index:03d}", document.id, text, metadata) for index, text in enumerate(texts)]
+        return document, digest, chunks
 
     def _take_own_writes(
         self, since: int, items: list[tuple[str, Any, np.ndarray | None]], chunks: list[Chunk], embeddings: np.ndarray

@@ -65,12 +65,12 @@ def write_snapshot(store: Store, snapshot: Snapshot) -> None:
             bm25_lengths=bm25["lengths"],
         )
 
-    store.write_file(FILE_NAME, write)
+    store.files.write(FILE_NAME, write)
 
 
 def read_snapshot(store: Store) -> Snapshot | None:
     """The snapshot beside *store*, or None when there is none or it cannot be used."""
-    path = store.file_path(FILE_NAME)
+    path = store.files.path(FILE_NAME)
     if not path.is_file():
         return None
     try:

@@ -26,6 +26,7 @@ import platform
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -103,6 +104,66 @@ def _init_backend(lc, verbose: bool) -> None:
             _backend_ready = True
 
 
+def _context_params(lc: Any, n_ctx: int, n_batch: int, threads: int) -> Any:
+    """The llama.cpp context parameters of an engine: one physical batch of *n_batch*,
+    two sequences (sequence 1 is scratch space for state slices) in one unified cell
+    buffer (so cells can be shared between them), no flash attention, no perf counters."""
+    params = lc.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_batch
+    params.n_seq_max = 2
+    params.kv_unified = True
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    params.no_perf = True
+    return params
+
+
+def _state_settings(lc: Any, params: Any, repack_weights: bool, n_ctx: int) -> dict[str, Any]:
+    """Everything of the build and the context that changes state bytes (part of the
+    engine's fingerprint)."""
+    return {
+        "llama_cpp_python": getattr(lc, "__version__", "unknown"),
+        "system_info": lc.llama_print_system_info().decode("utf-8", "replace"),
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn_type": int(params.flash_attn_type),
+        "use_extra_bufts": repack_weights,
+        "n_seq_max": int(params.n_seq_max),
+        "kv_unified": bool(params.kv_unified),
+        "swa_full": bool(params.swa_full),
+        "n_ctx": n_ctx,
+        "n_batch": int(params.n_batch),
+        "n_ubatch": int(params.n_ubatch),
+        "batch_split": "even, cut at multiples of 16",  # batch_bounds: calls decide logits
+    }
+
+
+def pick_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """The next token from *logits*: the top one when greedy, else sampled at the
+    temperature from the top-p nucleus with *rng*.
+
+    >>> pick_token(np.array([0.1, 2.0, 0.3]), Sampling(), np.random.default_rng(0))
+    1
+    """
+    if sampling.temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / sampling.temperature
+    scaled -= scaled.max()
+    probabilities = np.exp(scaled)
+    probabilities /= probabilities.sum()
+    if sampling.top_p < 1.0:
+        order = np.argsort(-probabilities)
+        cumulative = np.cumsum(probabilities[order])
+        keep = order[: int(np.searchsorted(cumulative, sampling.top_p)) + 1]
+        mask = np.zeros_like(probabilities)
+        mask[keep] = probabilities[keep]
+        probabilities = mask / mask.sum()
+    return int(rng.choice(len(probabilities), p=probabilities))
+
+
 class LlamaEngine(LlamaTextModel):
     """A GGUF model in a llama.cpp context with a single sequence (id 0): the
     :class:`~percache_core.kv.engine.Engine` that PerCache runs on. Its text side
@@ -149,17 +210,7 @@ class LlamaEngine(LlamaTextModel):
             raise ModelNotFoundError(f"llama.cpp could not load the model file {self.model_path}")
         super().__init__(lc, self._model, self.model_path)
 
-        threads = n_threads or os.cpu_count() or 1
-        context_params = lc.llama_context_default_params()
-        context_params.n_ctx = n_ctx
-        context_params.n_batch = n_batch
-        context_params.n_ubatch = n_batch
-        context_params.n_seq_max = 2  # sequence 1 is scratch space for state slices
-        context_params.kv_unified = True  # one cell buffer, so cells can be shared between sequences
-        context_params.n_threads = threads
-        context_params.n_threads_batch = threads
-        context_params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        context_params.no_perf = True
+        context_params = _context_params(lc, n_ctx, n_batch, n_threads or os.cpu_count() or 1)
         self._ctx = lc.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             lc.llama_model_free(self._model)
@@ -171,21 +222,7 @@ class LlamaEngine(LlamaTextModel):
         self.n_batch = n_batch
         self.n_past = 0
         self.changes = 0  # bumped by every call that changes the sequence
-        self._settings = {
-            "llama_cpp_python": getattr(lc, "__version__", "unknown"),
-            "system_info": lc.llama_print_system_info().decode("utf-8", "replace"),
-            "type_k": int(context_params.type_k),
-            "type_v": int(context_params.type_v),
-            "flash_attn_type": int(context_params.flash_attn_type),
-            "use_extra_bufts": repack_weights,
-            "n_seq_max": 2,
-            "kv_unified": bool(context_params.kv_unified),
-            "swa_full": bool(context_params.swa_full),
-            "n_ctx": self.n_ctx,
-            "n_batch": n_batch,
-            "n_ubatch": n_batch,
-            "batch_split": "even, cut at multiples of 16",  # batch_bounds: calls decide logits
-        }
+        self._settings = _state_settings(lc, context_params, repack_weights, self.n_ctx)
         self._model_sha256: str | None = None
         self._verdict_key: str | None = None
         self._closed = False
@@ -426,22 +463,6 @@ class LlamaEngine(LlamaTextModel):
         pointer = self._lc.llama_get_logits_ith(self._ctx, -1)
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
 
-    def _pick(self, logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-        if sampling.temperature <= 0:
-            return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / sampling.temperature
-        scaled -= scaled.max()
-        probabilities = np.exp(scaled)
-        probabilities /= probabilities.sum()
-        if sampling.top_p < 1.0:
-            order = np.argsort(-probabilities)
-            cumulative = np.cumsum(probabilities[order])
-            keep = order[: int(np.searchsorted(cumulative, sampling.top_p)) + 1]
-            mask = np.zeros_like(probabilities)
-            mask[keep] = probabilities[keep]
-            probabilities = mask / mask.sum()
-        return int(rng.choice(len(probabilities), p=probabilities))
-
     def generate(
         self,
         *,
@@ -462,7 +483,7 @@ class LlamaEngine(LlamaTextModel):
                 if self.n_past >= self.n_ctx or (should_stop is not None and should_stop()):
                     break
                 self.eval([previous])
-            token = self._pick(self.last_logits(), sampling, rng)
+            token = pick_token(self.last_logits(), sampling, rng)
             yield token
             if self.is_end_of_generation(token):
                 break

@@ -32,71 +32,34 @@ import http.client
 import json
 import logging
 import os
-import shutil
-import signal
-import socket
 import struct
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import PerCacheError
 from .engine import ChatPrompt, Decoding, EngineFeatures, Sampling
+from .server_http import ServerError, ServerHTTP, ServerUnreachable
+from .server_process import ServerLaunch, ServerProcess, find_server_binary, free_port
+from .server_streams import Completion, UnexpectedReuse, completion_events, relay_events
 
 logger = logging.getLogger(__name__)
 
-BINARY_ENV = "PERCACHE_LLAMA_SERVER"
+__all__ = [
+    "Completion",
+    "LlamaServer",
+    "ServerError",
+    "ServerLaunch",
+    "ServerUnreachable",
+    "UnexpectedReuse",
+    "find_server_binary",
+    "free_port",
+    "gguf_sliding_window",
+]
+
 SLOT = 0  # the one slot PerCache uses (a started server runs with -np 1)
-
-
-class ServerError(PerCacheError):
-    """The llama-server answered with an error, or could not be reached or started."""
-
-
-class ServerUnreachable(ServerError):
-    """The llama-server could not be reached (stopped, or not there)."""
-
-
-@dataclass
-class Completion:
-    """What one :meth:`LlamaServer.complete` request did (filled in as it streams)."""
-
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)  # generated ids (the server's, without stop text trimming)
-    cached: int | None = None  # prompt tokens the server reused (prompt_progress.cache / timings.cache_n)
-    prompt_tokens: int = 0  # tokens it prefilled
-    stop_type: str = ""  # "eos", "limit", "word", or "" while streaming
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # first token's, with n_probs
-    timings: dict[str, float] = field(default_factory=dict)
-    finish_reason: str = ""  # a relayed OpenAI request's: "stop" or "length"
-    usage: dict[str, Any] = field(default_factory=dict)  # a relayed OpenAI request's, as the server sent it
-    plain: bool = True  # a relayed chat's deltas held nothing but its text (no reasoning, no tool calls)
-
-
-def find_server_binary() -> Path:
-    """The llama-server to start: ``$PERCACHE_LLAMA_SERVER``, the one ``make llama-server``
-    installed beside this Python (``.venv/bin``), or one on ``PATH``."""
-    named = os.environ.get(BINARY_ENV)
-    candidates = [Path(named)] if named else []
-    candidates.append(Path(sys.prefix) / "bin" / "llama-server")
-    found = shutil.which("llama-server")
-    if found:
-        candidates.append(Path(found))
-    for candidate in candidates:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    raise ServerError(
-        "no llama-server binary: run `make llama-server` (builds it from the llama-cpp-python "
-        f"sdist into .venv/bin), or set {BINARY_ENV} to one"
-    )
 
 
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -134,69 +97,6 @@ def gguf_sliding_window(path: str | os.PathLike[str]) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """In the child before it runs the server: ask Linux to stop it when its parent dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _stop(process: subprocess.Popen[bytes], log: Any) -> None:
-    """Stop a started server (politely, then by force) and close its log."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    log.close()
-
-
-def free_port(host: str) -> int:
-    """A port of *host* that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class ServerLaunch:
-    """How :meth:`LlamaServer.start` launches a server.
-
-    Attributes:
-        n_ctx: the context length (``-c``).
-        n_batch: the logical and physical batch (``-b``, ``-ub``).
-        n_threads: threads (``-t``, ``-tb``; None: all cores).
-        host: the address it listens on.
-        port: its port (None: a free one).
-        slot_save_path: where it saves slot files (None: a temporary folder).
-        extra_args: more flags, added as given.
-        binary: the llama-server executable (None: found as :func:`find_server_binary` does).
-        startup_timeout_s: how long to wait for it to answer.
-    """
-
-    n_ctx: int = 4096
-    n_batch: int = 512
-    n_threads: int | None = None
-    host: str = "127.0.0.1"
-    port: int | None = None
-    slot_save_path: str | os.PathLike[str] | None = None
-    extra_args: Sequence[str] = ()
-    binary: str | os.PathLike[str] | None = None
-    startup_timeout_s: float = 180.0
-
-    def flags(self) -> tuple[str, ...]:
-        """The arithmetic and slot flags the server runs with (where it listens aside)."""
-        threads = self.n_threads or max(1, os.cpu_count() or 1)
-        return (
-            "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", "1",
-            "-t", str(threads), "-tb", str(threads),
-            "--swa-full", "--cache-ram", "0", "--no-webui", *self.extra_args,
-        )  # fmt: skip
-
-
 class LlamaServer:
     """A llama-server, started by :meth:`start` or attached to by its *url*.
 
@@ -222,20 +122,14 @@ class LlamaServer:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"give the server's http:// address, e.g. http://127.0.0.1:8080 (got {url!r})")
-        self.url = f"http://{parts.hostname}:{parts.port or 80}"
-        self._host, self._port = parts.hostname, parts.port or 80
+        self.http = ServerHTTP(parts.hostname, parts.port or 80, api_key=api_key, timeout_s=timeout_s)
+        self.url = self.http.url
         self.slot_save_path = Path(slot_save_path) if slot_save_path is not None else None
-        self._api_key = api_key
-        self._timeout_s = timeout_s
         self.lock = threading.RLock()  # one request chain at a time: the slot is shared state
-        self._local = threading.local()
         self._props: dict[str, Any] | None = None
         self._pieces: dict[int, bytes] = {}  # token id -> bytes, from /tokenize
         self._sliding_window: int | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: Any = None  # a started server's log file
-        self._finalizer: Any = None
-        self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
+        self._process: ServerProcess | None = None  # a started server's
         self.launch_flags: tuple[str, ...] = ()  # the flags a started server runs with (but where)
         self.model_path: Path | None = None  # the GGUF (a started server's, or /props' when readable)
 
@@ -265,52 +159,26 @@ class LlamaServer:
         """
         from ..models import resolve_model_path
 
-        launch = launch or ServerLaunch()
-        if launch.n_ctx < 64 or launch.n_batch < 32:
-            raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
-        executable = Path(launch.binary) if launch.binary is not None else find_server_binary()
         model = Path(resolve_model_path(None if model_path is None else str(model_path)))
-        owned, slot_save_path = None, launch.slot_save_path
-        if slot_save_path is None:
-            owned = tempfile.TemporaryDirectory(prefix="percache-slots-")
-            slot_save_path = owned.name
-        Path(slot_save_path).mkdir(parents=True, exist_ok=True)
-        host = launch.host
-        port = launch.port or free_port(host)
-        flags = launch.flags()
-        where = ("-m", str(model), "--host", host, "--port", str(port), "--slot-save-path", str(slot_save_path))
-        # its log goes to a file (a pipe nobody reads fills up and stops the server); the
-        # server dies with this process (Linux: the parent-death signal)
-        log = tempfile.TemporaryFile(prefix="percache-llama-server-")
-        process = subprocess.Popen(
-            [str(executable), *where, *flags], stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent
-        )
-        server = cls(f"http://{host}:{port}", slot_save_path=slot_save_path)
-        server._process, server._owned_folder, server._log = process, owned, log
-        server._finalizer = weakref.finalize(server, _stop, process, log)
-        server.launch_flags, server.model_path = flags, model
+        process = ServerProcess(model, launch or ServerLaunch())
+        server = cls(process.url, slot_save_path=process.slot_save_path)
+        server._process, server.launch_flags, server.model_path = process, process.flags, model
         try:
-            server._wait_until_ready(launch.startup_timeout_s)
+            server._wait_until_ready((launch or ServerLaunch()).startup_timeout_s)
         except BaseException:
             server.close()
             raise
         return server
 
-    def _log_tail(self, size: int = 2000) -> str:
-        """The end of a started server's log."""
-        if self._log is None:
-            return ""
-        self._log.seek(0, os.SEEK_END)
-        self._log.seek(max(0, self._log.tell() - size))
-        return self._log.read().decode(errors="replace")
-
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._process is not None and self._process.poll() is not None:
-                raise ServerError(f"llama-server exited with code {self._process.returncode}:\n{self._log_tail()}")
+            code = self._process.exit_code() if self._process is not None else None
+            if code is not None:
+                assert self._process is not None
+                raise ServerError(f"llama-server exited with code {code}:\n{self._process.log_tail()}")
             try:
-                status, _ = self._request("GET", "/health", timeout_s=2.0)
+                status, _ = self.http.request("GET", "/health", timeout_s=2.0)
                 if status == 200:
                     return
             except (OSError, http.client.HTTPException):
@@ -325,16 +193,10 @@ class LlamaServer:
 
     def close(self) -> None:
         """Stop a server this object started (an attached one keeps running)."""
-        connection = getattr(self._local, "connection", None)
-        if connection is not None:
-            connection.close()
-            self._local.connection = None
+        self.http.drop_connection()
         process, self._process = self._process, None
         if process is not None:
-            self._finalizer()  # stops it and closes its log
-        if self._owned_folder is not None:
-            self._owned_folder.cleanup()
-            self._owned_folder = None
+            process.stop()
 
     def __enter__(self) -> LlamaServer:
         return self
@@ -344,90 +206,13 @@ class LlamaServer:
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    def _connection(self, timeout_s: float | None = None) -> http.client.HTTPConnection:
-        connection = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s or self._timeout_s)
-            self._local.connection = connection
-        connection.timeout = timeout_s or self._timeout_s
-        if connection.sock is not None:
-            connection.sock.settimeout(connection.timeout)
-        return connection
-
-    def _drop_connection(self) -> None:
-        connection = getattr(self._local, "connection", None)
-        if connection is not None:
-            connection.close()
-        self._local.connection = None
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        return headers
-
-    def _send(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None
-    ) -> http.client.HTTPResponse:
-        """Send one request on this thread's kept-alive connection (opened again once when
-        the server had closed it); the response, its body not read."""
-        payload = None if body is None else json.dumps(body).encode()
-        for attempt in (0, 1):
-            connection = self._connection(timeout_s)
-            try:
-                connection.request(method, path, body=payload, headers=self._headers())
-                return connection.getresponse()
-            except (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest):
-                self._drop_connection()
-                if attempt:
-                    raise
-            except BaseException:
-                self._drop_connection()
-                raise
-        raise AssertionError("unreachable")
-
-    def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None
-    ) -> tuple[int, Any]:
-        """One request and its decoded JSON body: (status, body)."""
-        response = self._send(method, path, body, timeout_s=timeout_s)
-        try:
-            raw = response.read()
-        except BaseException:
-            self._drop_connection()
-            raise
-        if response.will_close:
-            self._drop_connection()
-        return response.status, _json(raw) if raw else None
-
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._call("POST", path, body)
-
-    def _get(self, path: str) -> dict[str, Any]:
-        """The JSON object the server answers a GET of *path* with."""
-        decoded = self._call("GET", path)
-        if not isinstance(decoded, dict):
-            raise ServerError(f"llama-server {path}: not a JSON object")
-        return decoded
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """One request's decoded JSON answer (:class:`ServerUnreachable` when the server
-        cannot be reached, :class:`ServerError` on another status than 200)."""
-        try:
-            status, decoded = self._request(method, path, body)
-        except (OSError, http.client.HTTPException) as error:
-            raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
-        if status != 200:
-            raise ServerError(f"llama-server {path}: HTTP {status}: {_error_text(decoded)}")
-        return decoded
-
     # -- what the server is -----------------------------------------------------------------
 
     @property
     def props(self) -> dict[str, Any]:
         """The server's ``/props`` (read once)."""
         if self._props is None:
-            decoded = self._props = self._get("/props")
+            decoded = self._props = self.http.get("/props")
             if self.model_path is None:
                 path = Path(str(decoded.get("model_path", "")))
                 self.model_path = path if path.is_file() else None
@@ -446,11 +231,11 @@ class LlamaServer:
     @property
     def api_key(self) -> str | None:
         """The key the server asks for (None: none)."""
-        return self._api_key
+        return self.http.api_key
 
     def models(self) -> dict[str, Any]:
         """The server's ``/v1/models`` list."""
-        return self._get("/v1/models")
+        return self.http.get("/v1/models")
 
     @property
     def chat_template(self) -> str | None:
@@ -525,7 +310,7 @@ class LlamaServer:
         their bytes are kept for :meth:`token_bytes`."""
         body = {"content": text, "add_special": add_bos, "parse_special": special, "with_pieces": True}
         tokens: list[int] = []
-        for item in self._post("/tokenize", body)["tokens"]:
+        for item in self.http.call("POST", "/tokenize", body)["tokens"]:
             token, piece = int(item["id"]), item["piece"]
             self._pieces[token] = bytes(piece) if isinstance(piece, list) else str(piece).encode("utf-8")
             tokens.append(token)
@@ -539,19 +324,19 @@ class LlamaServer:
         return piece
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(self._post("/detokenize", {"tokens": list(tokens)})["content"])
+        return str(self.http.call("POST", "/detokenize", {"tokens": list(tokens)})["content"])
 
     def stock_chat(self, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
         """The chat laid out as the server's ``/v1/chat/completions`` lays it out (its own
         template, tokenized with special tokens and the model's BOS rule)."""
         body = {"messages": [{"role": role, "content": content} for role, content in messages]}
-        prompt = str(self._post("/apply-template", body)["prompt"])
+        prompt = str(self.http.call("POST", "/apply-template", body)["prompt"])
         return ChatPrompt(prompt, add_bos=True)
 
     def apply_template(self, body: dict[str, Any]) -> str:
         """The prompt the server's ``/v1/chat/completions`` lays out for the OpenAI request
         *body* (its messages, tools and template settings), without running it."""
-        return str(self._post("/apply-template", body)["prompt"])
+        return str(self.http.call("POST", "/apply-template", body)["prompt"])
 
     def format_chat(self, messages: Sequence[tuple[str, str]], *, template: str | None = None) -> str:
         if template is not None:
@@ -604,62 +389,9 @@ class LlamaServer:
             "n_probs": n_probs,
         }
         completion = self.last = Completion()
-        yield from self._stream(body, completion, expected_cached)
+        yield from completion_events(self.http, body, completion, expected_cached)
 
     last: Completion = Completion()
-
-    def _event_stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The events of a streamed POST to *path*, read on to the stream's end (so the
-        connection can be reused) unless the caller stops early; an error event raised."""
-        try:
-            response = self._send("POST", path, body)
-        except (OSError, http.client.HTTPException) as error:
-            raise ServerUnreachable(f"llama-server at {self.url} unreachable: {error}") from error
-        if response.status != 200:
-            raise ServerError(f"llama-server {path}: HTTP {response.status}: {_error_text(_json(response.read()))}")
-        for event in _events(response):
-            if "error" in event:
-                raise ServerError(f"llama-server {path}: {_error_text(event)}")
-            yield event
-        response.read()
-        if response.will_close:
-            self._drop_connection()
-
-    def _stream(self, body: dict[str, Any], completion: Completion, expected_cached: int | None) -> Iterator[str]:
-        finished = False
-        try:
-            for event in self._event_stream("/completion", body):
-                progress = event.get("prompt_progress")
-                if progress is not None and completion.cached is None:
-                    completion.cached = int(progress.get("cache", 0))
-                    if expected_cached is not None and completion.cached != expected_cached:
-                        raise UnexpectedReuse(expected_cached, completion.cached)
-                self._absorb(event, completion)
-                if event.get("content"):
-                    yield event["content"]
-                finished = finished or bool(event.get("stop"))  # (the stream ends after it)
-            if not finished:
-                raise ServerError("llama-server closed the stream before the end of the completion")
-        finally:
-            if not finished:
-                self._drop_connection()  # the server cancels the request when the client goes
-
-    @staticmethod
-    def _absorb(event: dict[str, Any], completion: Completion) -> None:
-        completion.text += event.get("content") or ""
-        if event.get("prompt_progress") is None:  # progress events carry a placeholder token
-            completion.tokens.extend(int(t) for t in event.get("tokens") or ())
-        probabilities = event.get("completion_probabilities")
-        if probabilities and not completion.top_logprobs:
-            completion.top_logprobs = [(int(p["id"]), float(p["logprob"])) for p in probabilities[0]["top_logprobs"]]
-        timings = event.get("timings")
-        if timings:
-            completion.timings = {k: float(v) for k, v in timings.items() if isinstance(v, (int, float))}
-            completion.prompt_tokens = int(timings.get("prompt_n", completion.prompt_tokens))
-            if completion.cached is None:
-                completion.cached = int(timings.get("cache_n", 0))
-        if event.get("stop"):
-            completion.stop_type = str(event.get("stop_type", ""))
 
     def relay(
         self,
@@ -690,112 +422,17 @@ class LlamaServer:
             return_progress=True,
         )
         completion = self.last = Completion()
-        yield from self._relay_stream(path, request, completion, (expected_cached, expected_total), chunks)
-
-    def _relay_stream(
-        self,
-        path: str,
-        body: dict[str, Any],
-        completion: Completion,
-        expected: tuple[int, int],
-        chunks: list[dict[str, Any]],
-    ) -> Iterator[str]:
-        finished = False
-        try:
-            for event in self._event_stream(path, body):
-                progress = event.get("prompt_progress")
-                if progress is not None:
-                    if completion.cached is None:
-                        completion.cached = int(progress.get("cache", 0))
-                        total = int(progress.get("total", 0))
-                        if (completion.cached, total) != expected:
-                            raise UnexpectedReuse(expected[0], completion.cached, expected[1], total)
-                    continue  # progress is PerCache's, not the client's
-                if completion.cached is None:
-                    raise ServerError(f"llama-server {path} reported no prompt progress: its reuse is unknown")
-                if event.get("usage"):
-                    completion.usage = dict(event["usage"])
-                if event.get("timings"):
-                    completion.timings = {k: float(v) for k, v in event["timings"].items() if isinstance(v, (int, float))}
-                    event = {k: v for k, v in event.items() if k != "timings"}
-                chunks.append(event)
-                text = _absorb_choice(event, completion)
-                if text:
-                    yield text
-            finished = True
-        finally:
-            if not finished:
-                self._drop_connection()  # the server cancels the request when the client goes
+        yield from relay_events(self.http, path, request, completion, (expected_cached, expected_total), chunks)
 
     def save_slot(self, filename: str) -> int:
         """Save slot 0's tokens and KV cells as *filename* in the slot-save folder; the
         tokens saved."""
-        return int(self._post(f"/slots/{SLOT}?action=save", {"filename": filename})["n_saved"])
+        return int(self.http.call("POST", f"/slots/{SLOT}?action=save", {"filename": filename})["n_saved"])
 
     def restore_slot(self, filename: str) -> int:
         """Load *filename* from the slot-save folder into slot 0; the tokens restored
         (:class:`ServerError` when the server refuses the file)."""
-        return int(self._post(f"/slots/{SLOT}?action=restore", {"filename": filename})["n_restored"])
+        return int(self.http.call("POST", f"/slots/{SLOT}?action=restore", {"filename": filename})["n_restored"])
 
     def erase_slot(self) -> None:
-        self._post(f"/slots/{SLOT}?action=erase", {})
-
-
-class UnexpectedReuse(ServerError):
-    """The server reused another number of prompt tokens than the request counted on (or,
-    for a relayed request, laid out a prompt of another length)."""
-
-    def __init__(self, expected: int, cached: int, expected_total: int = 0, total: int = 0) -> None:
-        other_prompt = f" of a {total}-token prompt, not {expected_total}" if total != expected_total else ""
-        super().__init__(f"the server reused {cached} prompt tokens{other_prompt}, not {expected}")
-        self.expected, self.cached = expected, cached
-
-
-def _absorb_choice(event: dict[str, Any], completion: Completion) -> str:
-    """The text one OpenAI chunk adds (a chat delta's content, a completion's text); its
-    finish reason and whether it holds more than text are noted on *completion*."""
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if choice.get("finish_reason"):
-        completion.finish_reason = str(choice["finish_reason"])
-    delta = choice.get("delta")
-    if delta is None:  # /v1/completions
-        text = choice.get("text") or ""
-    else:
-        text = delta.get("content") or ""
-        if any(value for key, value in delta.items() if key not in ("role", "content")):
-            completion.plain = False  # reasoning or tool calls: relayed, not kept as an answer
-    completion.text += text
-    return text
-
-
-def _events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a server-sent event stream."""
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        event = _json(data)
-        if isinstance(event, dict):
-            yield event
-
-
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw.decode(errors="replace")
-
-
-def _error_text(decoded: Any) -> str:
-    if isinstance(decoded, dict):
-        error = decoded.get("error", decoded)
-        if isinstance(error, dict):
-            return str(error.get("message", error))
-        return str(error)
-    return str(decoded)[:500]
+        self.http.call("POST", f"/slots/{SLOT}?action=erase", {})

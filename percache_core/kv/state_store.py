@@ -58,9 +58,9 @@ class StateStore:
         """Delete state files that no record names (left by a crash between the two writes);
         files younger than a few minutes may be another process's write in progress."""
         try:
-            for name in self._store.file_names(older_than_s=_ORPHAN_AGE_S):
+            for name in self._store.files.names(older_than_s=_ORPHAN_AGE_S):
                 if name not in tree and self._store.get_record(_NODE + name) is None:
-                    self._store.delete_file(name)
+                    self._store.files.delete(name)
         except (OSError, StorageWriteError):
             pass
 
@@ -114,7 +114,7 @@ class StateStore:
             raise StorageWriteError(
                 f"not storing a {len(data):,}-byte chunk state: {free:,} bytes free, reserve {min_free:,}"
             )
-        self._store.write_file(node.key, data)
+        self._store.files.write(node.key, data)
         value = {
             "key": node.key,
             "parent_key": node.parent_key,
@@ -133,18 +133,18 @@ class StateStore:
                 budget=Budget(_NODE, budget_bytes, frozenset(_NODE + key for key in protected)),
             )
         except (StorageWriteError, TypeError):
-            self._store.delete_file(node.key)
+            self._store.files.delete(node.key)
             raise
         keys = [key.removeprefix(_NODE) for key in evicted or ()]
         for key in keys:
-            self._store.delete_file(key)
+            self._store.files.delete(key)
         return keys
 
     def trim(self, budget_bytes: int, protected: set[str]) -> list[str]:
         """Evict down to *budget_bytes* (e.g. after the budget was lowered); the keys."""
         keys = [key.removeprefix(_NODE) for key in self._store.trim(_NODE, budget_bytes, {_NODE + k for k in protected})]
         for key in keys:
-            self._store.delete_file(key)
+            self._store.files.delete(key)
         return keys
 
     def get(self, key: str) -> bytes | None:
@@ -152,7 +152,7 @@ class StateStore:
         record = self._store.get_record(_NODE + key)
         if record is None:
             return None
-        data = self._store.read_file(key)
+        data = self._store.files.read(key)
         value = record.value
         problem = None
         if not _valid_node(value, self.fingerprint):
@@ -180,7 +180,7 @@ class StateStore:
 
     def blob_path(self, key: str) -> Path | None:
         """Where the state file of *key* is (for tests and tools), or None."""
-        path = self._store.file_path(key)
+        path = self._store.files.path(key)
         return path if path.exists() else None
 
     def close(self) -> None:
@@ -233,7 +233,7 @@ def _delete_node(store: Store, key: str) -> None:
     try:
         store.delete(_NODE + key)
     finally:
-        store.delete_file(key)
+        store.files.delete(key)
 
 
 def _depth(value: Any) -> int:

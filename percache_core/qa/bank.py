@@ -132,6 +132,32 @@ def keeps_existing(old: QAEntry, answer: str | None, metadata: Mapping[str, Any]
     return old.servable and old.origin == "user" and metadata.get("origin") not in ("user", None)
 
 
+def new_entry(
+    question: str, vector: np.ndarray, answer: str | None, chunk_ids: Sequence[str], metadata: Mapping[str, Any] | None
+) -> QAEntry:
+    """A QA entry for *question* (its id from its text and metadata), checked: a non-empty
+    question, an answer that is a string or None (pending).
+
+    >>> new_entry("When?", np.ones(2), "Friday.", ["c1"], None).chunk_ids
+    ('c1',)
+    """
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string")
+    if answer is not None and not isinstance(answer, str):
+        raise TypeError(f"answer must be a string or None, got {type(answer).__name__}")
+    now = time.time()
+    return QAEntry(
+        id=question_key(question, metadata),
+        question=question,
+        embedding=vector.copy(),
+        answer=answer,
+        chunk_ids=tuple(str(c) for c in chunk_ids),
+        metadata=dict(metadata or {}),
+        created_at=now,
+        last_used_at=now,
+    )
+
+
 class QABank:
     """Questions with their embeddings and answers.
 
@@ -391,22 +417,7 @@ class QABank:
         failed write (:class:`~percache_core.errors.StorageWriteError`, or a TypeError for
         metadata that is not JSON) changes nothing.
         """
-        vector = self._check_embedding(embedding)
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("question must be a non-empty string")
-        if answer is not None and not isinstance(answer, str):
-            raise TypeError(f"answer must be a string or None, got {type(answer).__name__}")
-        now = time.time()
-        entry = QAEntry(
-            id=question_key(question, metadata),
-            question=question,
-            embedding=vector.copy(),
-            answer=answer,
-            chunk_ids=tuple(str(c) for c in chunk_ids),
-            metadata=dict(metadata or {}),
-            created_at=now,
-            last_used_at=now,
-        )
+        entry = new_entry(question, self._check_embedding(embedding), answer, chunk_ids, metadata)
         with self._lock:
             self.sync()
             kept: list[QAEntry] = []

@@ -11,7 +11,8 @@ from ..config import PerCacheConfig
 from ..kv.engine import Decoding, Engine, Sampling
 from ..kv.llama_server import LlamaServer
 from ..kv.stopping import StopStringFilter
-from .generation import PromptRunner, decode_text
+from .answer_decoder import decode_text
+from .generation import PromptRunner
 from .prompting import TextPrompt
 from .server_runner import ServerRunner
 from .state_runner import Preempted, RunOptions, StateRunner, StopCheck

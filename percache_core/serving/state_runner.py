@@ -23,7 +23,7 @@ import numpy as np
 from ..config import LiveConfig, PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.budget import BUDGET_FLOOR_BYTES
-from ..kv.engine import Sampling
+from ..kv.engine import Decoding, Sampling
 from ..kv.llama_server import Completion
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
@@ -181,10 +181,15 @@ class StateRunner:
         """The pieces ``run`` feeds for PerCache's own prompt of *question* and *chunks*, or for *spec*."""
         raise NotImplementedError
 
-    def complete_plain(self, prompt: str, **options: Any) -> tuple[str, int, int]:
-        """Idle work's free-form completion of *prompt* (no chunk states, no stored
-        answers): (text, prompt tokens, generated tokens)."""
-        raise NotImplementedError
+    def complete_plain(
+        self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
+    ) -> tuple[str, int, int]:
+        """Idle work's free-form completion of *prompt* with *decoding* (no chunk states,
+        no stored answers): (text, prompt tokens, generated tokens); on an in-process
+        engine :func:`~percache_core.serving.completion.complete_plain`."""
+        from .completion import complete_plain  # completion builds on the runners
+
+        return complete_plain(self.engine, prompt, decoding, chat=chat, should_stop=should_stop)
 
     def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
         """The stored-state keys of the layout's prefixes (all but the whole prompt): a

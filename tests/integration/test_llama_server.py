@@ -15,7 +15,8 @@ import pytest
 from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
 from percache_core.inspection import internals
 from percache_core.kv.cuts import CutRule
-from percache_core.serving.server_runner import ServerRunner, SlotContent
+from percache_core.serving.server_runner import ServerRunner
+from percache_core.serving.server_slot import ServerCuts, SlotContent
 from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain
 
@@ -107,7 +108,7 @@ def test_a_reuse_other_than_planned_is_a_miss(
         # holds this prompt's first 128 tokens and plans to keep them
         other = LlamaServer(url=server.url)
         fresh_text(other, server.tokenize("Unrelated words, " * 40, True), max_new_tokens=2, stop=[])
-        runner._slot = SlotContent(tuple(layout.tokens[:128]), 128)
+        runner.slot.content = SlotContent(tuple(layout.tokens[:128]), 128)
         result = drain(runner.run(layout, RunOptions(max_new_tokens=24)))
         assert runner.unexpected_reuse == 1 and result.reused_tokens == 0
         reference = fresh_text(server, layout.tokens, max_new_tokens=24, stop=pc.config.engine.stop).strip()
@@ -177,22 +178,21 @@ def test_an_attached_server_without_a_slot_folder_keeps_stored_answers_only(
         PerCache.open(tmp_path / "other", config=PerCacheConfig(reuse="approximate"), engine=attached, embedder=embedder)
 
 
-def test_where_a_server_prefill_may_start() -> None:
-    runner = ServerRunner.__new__(ServerRunner)
-    runner.rule, runner.n_ubatch, runner.window = CutRule(64, 4), 512, 1 << 30
-    assert runner.cut_allowed(0, 800)
-    assert runner.cut_allowed(128, 800) and not runner.cut_allowed(130, 800)  # a multiple of 4
-    assert not runner.cut_allowed(40, 800) and not runner.cut_allowed(760, 800)  # 64 tokens or more after
-    assert not runner.cut_allowed(128, 700)  # the prefill after it would end with a 60-token batch
+def test_where_a_server_prefill_may_start() -> None:  # (the arithmetic of ServerCuts)
+    cuts = ServerCuts(CutRule(64, 4), 512)
+    assert cuts.cut_allowed(0, 800)
+    assert cuts.cut_allowed(128, 800) and not cuts.cut_allowed(130, 800)  # a multiple of 4
+    assert not cuts.cut_allowed(40, 800) and not cuts.cut_allowed(760, 800)  # 64 tokens or more after
+    assert not cuts.cut_allowed(128, 700)  # the prefill after it would end with a 60-token batch
     # a fresh prefill of 520 ends with an 8-token batch: only a cut at 512 keeps it as it is
-    assert not runner.cut_allowed(256, 520) and runner.cut_allowed(512, 520)
+    assert not cuts.cut_allowed(256, 520) and cuts.cut_allowed(512, 520)
     # a prefill from 0 to 520: its last 8 cells were computed in a short batch
-    assert runner.valid_end(0, 520) == 512 and runner.valid_end(0, 600) == 600
-    assert runner.state_allowed(0, 548, 600) and not runner.state_allowed(0, 516, 520)
-    assert not runner.state_allowed(0, 550, 600)  # not a multiple of 4
-    runner.window = 512  # a sliding-window model: states within the window only
-    assert runner.state_allowed(0, 512, 600) and not runner.state_allowed(0, 548, 600)
-    assert runner.cut_allowed(400, 800) and not runner.cut_allowed(600, 800)
+    assert cuts.valid_end(0, 520) == 512 and cuts.valid_end(0, 600) == 600
+    assert cuts.state_allowed(0, 548, 600) and not cuts.state_allowed(0, 516, 520)
+    assert not cuts.state_allowed(0, 550, 600)  # not a multiple of 4
+    cuts.window = 512  # a sliding-window model: states within the window only
+    assert cuts.state_allowed(0, 512, 600) and not cuts.state_allowed(0, 548, 600)
+    assert cuts.cut_allowed(400, 800) and not cuts.cut_allowed(600, 800)
 
 
 def test_long_prompts_and_a_chats_next_turn_restore_only_exact_states(

@@ -156,7 +156,7 @@ def test_a_large_knowledge_reopens_from_its_snapshot_and_ranks_as_from_its_recor
     assert again.full_reads == 1 and all(c.doc_id != "d1" for c in again.chunks)
     again.close()
 
-    snapshot_file = Store(folder).file_path("knowledge-index")
+    snapshot_file = Store(folder).files.path("knowledge-index")
     snapshot_file.write_bytes(snapshot_file.read_bytes()[:1000])  # damaged: the records are read
     damaged = knowledge(folder, snapshot_min_chunks=10)
     truth = knowledge(folder, snapshot_min_chunks=0)
@@ -167,9 +167,9 @@ def test_a_large_knowledge_reopens_from_its_snapshot_and_ranks_as_from_its_recor
     other = knowledge(tmp_path / "other", snapshot_min_chunks=0)  # another store, same version number
     other.add_documents(documents[:3])
     other.close()
-    foreign = Store(tmp_path / "other").file_path("knowledge-index")
+    foreign = Store(tmp_path / "other").files.path("knowledge-index")
     foreign.parent.mkdir(parents=True, exist_ok=True)
-    foreign.write_bytes(Store(folder).file_path("knowledge-index").read_bytes())
+    foreign.write_bytes(Store(folder).files.path("knowledge-index").read_bytes())
     mixed = knowledge(tmp_path / "other", snapshot_min_chunks=10)
     assert sorted({c.doc_id for c in mixed.chunks}) == ["d0", "d1", "d2"]
     mixed.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 
-from percache_core.serving.server_runner import slot_file_prefix
+from percache_core.serving.slot_files import slot_file_prefix
 
 MAGIC, VERSION = 0x67677371, 2
 

@@ -1,0 +1,53 @@
+"""``CallerCache`` (``pc.caller``): a PerCache for apps that run their own pipeline.
+
+Its verbs come in two parts: over stored answers (:mod:`percache_core.callers.answers`)
+and over the caller's own prompts (:mod:`percache_core.callers.prompts`).
+
+A LlamaIndex query engine, a LangChain chain or your own code builds its prompts and
+retrieves on its own; what it needs of a cache is a short verb list over the same parts
+and the same answering path (:class:`~percache_core.serving.request_path.RequestPath`)
+that ``PerCache.answer`` uses:
+
+- :meth:`~CallerCache.lookup`: a stored answer the caller may serve (counted as a hit);
+- :meth:`~CallerCache.complete`: continue the caller's finished prompt through the
+  chunk states (its output is the model's own, with or without the cache);
+- :meth:`~CallerCache.generate`: answer a question from chunks the caller retrieved;
+- :meth:`~CallerCache.remember` / :meth:`~CallerCache.forget`: store the caller's
+  answer, and delete what it stored.
+
+Every answer the caller keeps is bound to a *binding* (a key of whatever decides its
+answers: model, prompt template, settings, retrieved context), so two pipelines never share
+answers by accident.
+
+>>> with PerCache.open("cache") as pc:                    # doctest: +SKIP
+...     hit = pc.caller.lookup("When is the review?", binding="my-app-v1")
+...     text = hit.text if hit else my_pipeline("When is the review?")
+...     pc.caller.remember("When is the review?", text, binding="my-app-v1")
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ..serving.parts import CacheParts
+from ..serving.request_path import RequestPath
+from ..types import Chunk, QAHit
+from .answers import StoredAnswerVerbs
+from .prompts import PromptVerbs
+
+__all__ = ["CallerCache"]
+
+
+class CallerCache(StoredAnswerVerbs, PromptVerbs):
+    """The verbs an app with its own pipeline uses (see the module docstring); reach it as
+    ``pc.caller``."""
+
+    def __init__(self, parts: CacheParts, request_path: RequestPath, ensure_open: Callable[[], None]) -> None:
+        self._parts = parts
+        self._path = request_path
+        self._ensure_open = ensure_open
+        # semantic lookups that served nothing: the stored answers they saw, until the
+        # caller remembers its own answer to the question (a calibration label each)
+        self._offered: OrderedDict[tuple[str, str, str], list[QAHit]] = OrderedDict()
+        self._quote_index: tuple[int, dict[str, list[Chunk]]] = (-1, {})  # knowledge version, index

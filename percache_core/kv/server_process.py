@@ -1,0 +1,156 @@
+"""Starting a llama-server process: its binary (:func:`find_server_binary`), its flags
+(:class:`ServerLaunch`), a free port (:func:`free_port`), and the running process with its
+log (:class:`ServerProcess`), stopped on :meth:`ServerProcess.stop` or with the Python
+process that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .server_http import ServerError
+
+BINARY_ENV = "PERCACHE_LLAMA_SERVER"
+
+
+def find_server_binary() -> Path:
+    """The llama-server to start: ``$PERCACHE_LLAMA_SERVER``, the one ``make llama-server``
+    installed beside this Python (``.venv/bin``), or one on ``PATH``."""
+    named = os.environ.get(BINARY_ENV)
+    candidates = [Path(named)] if named else []
+    candidates.append(Path(sys.prefix) / "bin" / "llama-server")
+    found = shutil.which("llama-server")
+    if found:
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise ServerError(
+        "no llama-server binary: run `make llama-server` (builds it from the llama-cpp-python "
+        f"sdist into .venv/bin), or set {BINARY_ENV} to one"
+    )
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs the server: ask Linux to stop it when its parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop(process: subprocess.Popen[bytes], log: Any) -> None:
+    """Stop a started server (politely, then by force) and close its log."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    log.close()
+
+
+def free_port(host: str) -> int:
+    """A port of *host* that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """How :meth:`LlamaServer.start` launches a server.
+
+    Attributes:
+        n_ctx: the context length (``-c``).
+        n_batch: the logical and physical batch (``-b``, ``-ub``).
+        n_threads: threads (``-t``, ``-tb``; None: all cores).
+        host: the address it listens on.
+        port: its port (None: a free one).
+        slot_save_path: where it saves slot files (None: a temporary folder).
+        extra_args: more flags, added as given.
+        binary: the llama-server executable (None: found as :func:`find_server_binary` does).
+        startup_timeout_s: how long to wait for it to answer.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+    slot_save_path: str | os.PathLike[str] | None = None
+    extra_args: Sequence[str] = ()
+    binary: str | os.PathLike[str] | None = None
+    startup_timeout_s: float = 180.0
+
+    def flags(self) -> tuple[str, ...]:
+        """The arithmetic and slot flags the server runs with (where it listens aside)."""
+        threads = self.n_threads or max(1, os.cpu_count() or 1)
+        return (
+            "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", "1",
+            "-t", str(threads), "-tb", str(threads),
+            "--swa-full", "--cache-ram", "0", "--no-webui", *self.extra_args,
+        )  # fmt: skip
+
+
+class ServerProcess:
+    """A llama-server started on *model* as *launch* says, its log in a temporary file (a
+    pipe nobody reads fills up and stops the server) and, without a slot folder in the
+    launch, a temporary one it owns. It dies with this process (Linux: the parent-death
+    signal) and is stopped when this object is collected.
+
+    Attributes:
+        url: where it listens.
+        slot_save_path: its slot-save folder.
+        flags: the flags it runs with (but where).
+    """
+
+    def __init__(self, model: Path, launch: ServerLaunch) -> None:
+        if launch.n_ctx < 64 or launch.n_batch < 32:
+            raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
+        executable = Path(launch.binary) if launch.binary is not None else find_server_binary()
+        self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
+        slot_save_path = launch.slot_save_path
+        if slot_save_path is None:
+            self._owned_folder = tempfile.TemporaryDirectory(prefix="percache-slots-")
+            slot_save_path = self._owned_folder.name
+        Path(slot_save_path).mkdir(parents=True, exist_ok=True)
+        self.slot_save_path = Path(slot_save_path)
+        port = launch.port or free_port(launch.host)
+        self.url = f"http://{launch.host}:{port}"
+        self.flags = launch.flags()
+        where = ("-m", str(model), "--host", launch.host, "--port", str(port), "--slot-save-path", str(slot_save_path))
+        self._log: Any = tempfile.TemporaryFile(prefix="percache-llama-server-")
+        self._process = subprocess.Popen(
+            [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent
+        )
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._log)
+
+    def exit_code(self) -> int | None:
+        """The process's exit code, or None while it runs."""
+        return self._process.poll()
+
+    def log_tail(self, size: int = 2000) -> str:
+        """The end of its log."""
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - size))
+        return self._log.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        """Stop it (politely, then by force), close its log and remove the slot folder it owns."""
+        self._finalizer()
+        if self._owned_folder is not None:
+            self._owned_folder.cleanup()
+            self._owned_folder = None

@@ -1,0 +1,138 @@
+"""What a llama-server's streamed requests return: :class:`Completion` (filled in as a
+request streams), :func:`completion_events` (``/completion``) and :func:`relay_events` (a
+client's OpenAI request), each checking before any text that the server reused what was
+planned (:class:`UnexpectedReuse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .server_http import ServerError, ServerHTTP
+
+
+@dataclass
+class Completion:
+    """What one :meth:`LlamaServer.complete` request did (filled in as it streams)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # generated ids (the server's, without stop text trimming)
+    cached: int | None = None  # prompt tokens the server reused (prompt_progress.cache / timings.cache_n)
+    prompt_tokens: int = 0  # tokens it prefilled
+    stop_type: str = ""  # "eos", "limit", "word", or "" while streaming
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # first token's, with n_probs
+    timings: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""  # a relayed OpenAI request's: "stop" or "length"
+    usage: dict[str, Any] = field(default_factory=dict)  # a relayed OpenAI request's, as the server sent it
+    plain: bool = True  # a relayed chat's deltas held nothing but its text (no reasoning, no tool calls)
+
+
+class UnexpectedReuse(ServerError):
+    """The server reused another number of prompt tokens than the request counted on (or,
+    for a relayed request, laid out a prompt of another length)."""
+
+    def __init__(self, expected: int, cached: int, expected_total: int = 0, total: int = 0) -> None:
+        other_prompt = f" of a {total}-token prompt, not {expected_total}" if total != expected_total else ""
+        super().__init__(f"the server reused {cached} prompt tokens{other_prompt}, not {expected}")
+        self.expected, self.cached = expected, cached
+
+
+def completion_events(
+    http: ServerHTTP, body: dict[str, Any], completion: Completion, expected_cached: int | None
+) -> Iterator[str]:
+    """Stream ``/completion`` with *body* on *http*, filling in *completion*; yields the
+    text pieces. Raises :class:`UnexpectedReuse` when the server's first progress event
+    shows another reuse than *expected_cached* (before any text)."""
+    finished = False
+    try:
+        for event in http.event_stream("/completion", body):
+            progress = event.get("prompt_progress")
+            if progress is not None and completion.cached is None:
+                completion.cached = int(progress.get("cache", 0))
+                if expected_cached is not None and completion.cached != expected_cached:
+                    raise UnexpectedReuse(expected_cached, completion.cached)
+            _absorb(event, completion)
+            if event.get("content"):
+                yield event["content"]
+            finished = finished or bool(event.get("stop"))  # (the stream ends after it)
+        if not finished:
+            raise ServerError("llama-server closed the stream before the end of the completion")
+    finally:
+        if not finished:
+            http.drop_connection()  # the server cancels the request when the client goes
+
+
+def _absorb(event: dict[str, Any], completion: Completion) -> None:
+    """Note what one ``/completion`` event tells of the request on *completion*."""
+    completion.text += event.get("content") or ""
+    if event.get("prompt_progress") is None:  # progress events carry a placeholder token
+        completion.tokens.extend(int(t) for t in event.get("tokens") or ())
+    probabilities = event.get("completion_probabilities")
+    if probabilities and not completion.top_logprobs:
+        completion.top_logprobs = [(int(p["id"]), float(p["logprob"])) for p in probabilities[0]["top_logprobs"]]
+    timings = event.get("timings")
+    if timings:
+        completion.timings = {k: float(v) for k, v in timings.items() if isinstance(v, (int, float))}
+        completion.prompt_tokens = int(timings.get("prompt_n", completion.prompt_tokens))
+        if completion.cached is None:
+            completion.cached = int(timings.get("cache_n", 0))
+    if event.get("stop"):
+        completion.stop_type = str(event.get("stop_type", ""))
+
+
+def relay_events(
+    http: ServerHTTP, path: str, body: dict[str, Any], completion: Completion, expected: tuple[int, int],
+    chunks: list[dict[str, Any]],
+) -> Iterator[str]:
+    """Stream a client's OpenAI request *body* to *path* on *http*, filling in *completion*
+    and appending each chunk the client would get to *chunks*; yields the text each adds.
+    Raises :class:`UnexpectedReuse` when the first progress event shows another (reuse,
+    prompt length) than *expected*."""
+    finished = False
+    try:
+        for event in http.event_stream(path, body):
+            progress = event.get("prompt_progress")
+            if progress is not None:
+                if completion.cached is None:
+                    completion.cached = int(progress.get("cache", 0))
+                    total = int(progress.get("total", 0))
+                    if (completion.cached, total) != expected:
+                        raise UnexpectedReuse(expected[0], completion.cached, expected[1], total)
+                continue  # progress is PerCache's, not the client's
+            if completion.cached is None:
+                raise ServerError(f"llama-server {path} reported no prompt progress: its reuse is unknown")
+            if event.get("usage"):
+                completion.usage = dict(event["usage"])
+            if event.get("timings"):
+                completion.timings = {k: float(v) for k, v in event["timings"].items() if isinstance(v, (int, float))}
+                event = {k: v for k, v in event.items() if k != "timings"}
+            chunks.append(event)
+            text = _absorb_choice(event, completion)
+            if text:
+                yield text
+        finished = True
+    finally:
+        if not finished:
+            http.drop_connection()  # the server cancels the request when the client goes
+
+
+def _absorb_choice(event: dict[str, Any], completion: Completion) -> str:
+    """The text one OpenAI chunk adds (a chat delta's content, a completion's text); its
+    finish reason and whether it holds more than text are noted on *completion*."""
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if choice.get("finish_reason"):
+        completion.finish_reason = str(choice["finish_reason"])
+    delta = choice.get("delta")
+    if delta is None:  # /v1/completions
+        text = choice.get("text") or ""
+    else:
+        text = delta.get("content") or ""
+        if any(value for key, value in delta.items() if key not in ("role", "content")):
+            completion.plain = False  # reasoning or tool calls: relayed, not kept as an answer
+    completion.text += text
+    return text

@@ -1,0 +1,132 @@
+"""Decoding an answer on an in-process engine after its prompt: sampled, or greedy with
+drafts (stored answers, prompt phrases) verified in batches where the engine's self-check
+found that batches pay (:mod:`percache_core.serving.drafting`); the tokens turned into text
+through the stop strings (:func:`decode_text`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import replace
+
+from ..config import PerCacheConfig
+from ..kv.engine import Engine
+from ..kv.stopping import StopStringFilter
+from .drafting import (
+    AnswerDraft,
+    DraftPlan,
+    DraftSource,
+    PromptLookup,
+    SequenceLost,
+    deviation_bound,
+    greedy_tokens,
+    known_bound,
+    known_drafts_pay,
+)
+from .state_runner import Preempted, RunOptions, RunResult, StopCheck
+
+logger = logging.getLogger(__name__)
+
+
+class AnswerDecoder:
+    """Decodes answers on *engine* with the configuration *config* returns now:
+    :meth:`draft_bound` and :meth:`decode`."""
+
+    def __init__(self, engine: Engine, config: Callable[[], PerCacheConfig]) -> None:
+        self.engine = engine
+        self._config = config
+
+    def draft_bound(self, options: RunOptions) -> float | None:
+        """The lead a batched logit needs for drafts to be verified (None: decode one token
+        at a time). ``draft_decoding="auto"`` drafts only where the engine's self-check
+        (run by ``preload()`` and idle rounds, never inside an answer) measured the bound
+        and found that batches pay; "on" measures the bound on first use; "off" never."""
+        mode = self._config().engine.draft_decoding
+        if not options.drafting or mode == "off":
+            return None
+        if mode == "on":
+            return deviation_bound(self.engine)
+        return known_bound(self.engine) if known_drafts_pay(self.engine) else None
+
+    def decode(
+        self, result: RunResult, options: RunOptions, should_stop: StopCheck | None, started: float,
+        bound: float | None, rebuild: Callable[[], None],
+    ) -> Generator[str, None, None]:
+        """Decode the answer after the evaluated prompt into *result*, as *options* say,
+        with drafts verified at *bound* (:meth:`draft_bound`, taken before the prompt was
+        prefilled: measuring it runs the engine; None: one token at a time); *rebuild*
+        brings the sequence back when draft decoding lost it. Yields its text. *started*
+        is when the request began (for the time to first token)."""
+        clock = time.perf_counter()
+        stop = StopStringFilter(self._config().engine.stop if options.stop is None else options.stop, strip=options.trim)
+        max_new_tokens = options.max_new_tokens
+
+        def count_token(token: int) -> None:
+            result.tokens.append(token)
+            if self.engine.is_end_of_generation(token):
+                return
+            result.generated_tokens += 1
+            if result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - started
+
+        if bound is None:
+            assert options.sampling is not None  # resolved by run()
+            tokens = self.engine.generate(max_new_tokens=max_new_tokens, sampling=options.sampling)
+        else:
+            sources: list[DraftSource] = [AnswerDraft(options.answer_drafts)]
+            if options.prompt_lookup:
+                sources.append(PromptLookup(result.layout.tokens))
+            plan = DraftPlan(max_new_tokens, sources, bound, should_stop, result.drafts)
+            tokens = self._greedy_with_drafts(plan, rebuild)
+        yield from decode_text(self.engine, tokens, stop, should_stop, count_token)
+        result.text = stop.text.strip() if options.trim else stop.text
+        result.timings["decode"] = time.perf_counter() - clock
+
+    def _greedy_with_drafts(self, plan: DraftPlan, rebuild: Callable[[], None]) -> Iterator[int]:
+        """Greedy tokens with drafts; if the sequence is lost, rebuild it and go on."""
+        produced: list[int] = []
+        while True:
+            try:
+                for token in greedy_tokens(self.engine, plan):
+                    produced.append(token)
+                    yield token
+                return
+            except SequenceLost:
+                logger.debug("draft decoding lost the sequence after %d tokens: rebuilt", len(produced))
+                rebuild()
+                plan = replace(plan, replay=list(produced))
+
+
+def decode_text(
+    engine: Engine,
+    tokens: Iterator[int],
+    stop: StopStringFilter,
+    should_stop: StopCheck | None,
+    on_token: Callable[[int], None],
+) -> Generator[str, None, None]:
+    """Turn decoded *tokens* into text, yielding what *stop* lets through (held back while
+    it may begin a stop string); *on_token* sees every token, end of generation included.
+    Raises :class:`Preempted` when *should_stop* turns true."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    try:
+        for token in tokens:
+            on_token(token)
+            if engine.is_end_of_generation(token):
+                break
+            shown = stop.feed(decoder.decode(engine.token_bytes(token)))
+            if shown:
+                yield shown
+            if stop.stopped:
+                break
+            if should_stop is not None and should_stop():
+                raise Preempted("decoding pre-empted by a user question")
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+    tail = stop.finish()
+    if tail:
+        yield tail

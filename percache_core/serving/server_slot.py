@@ -1,0 +1,270 @@
+"""Slot 0 of a llama-server as :class:`~percache_core.serving.server_runner.ServerRunner`
+sees it: where a prefill may start and a state be taken (:class:`ServerCuts`), what the
+slot holds (:class:`SlotContent`), and the slot's verbs (:class:`ServerSlot`): prefill,
+save, load, cut back, measure and complete with nothing reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..kv.cuts import CutRule
+from ..kv.engine import Decoding
+from ..kv.llama_server import LlamaServer, ServerError
+from ..kv.stopping import StopStringFilter
+from ..kv.tiers import TieredStateStore
+from ..kv.tree import StateNode
+from .live_prefix import common_prefix
+from .prompting import PromptLayout, Segment
+from .slot_files import slot_file_prefix
+from .state_runner import Preempted, StopCheck
+
+logger = logging.getLogger(__name__)
+
+NO_WINDOW = 1 << 30  # a model without a sliding window: states of any length
+
+
+@dataclass
+class ServerCuts:
+    """Where a server's prefill may start and its states be taken.
+
+    Attributes:
+        rule: the server's cut rule (None: no cut is safe).
+        n_ubatch: the server's micro-batch (``-ub``).
+        window: on a sliding-window model, the longest state that restores exactly
+            (measured with Gemma 3, window 512: states of up to 512 tokens gave the fresh
+            prefill's output when the prompt went on past 512, 6 of 6; longer ones 0 of 6).
+
+    >>> cuts = ServerCuts(CutRule(64, 4), 512)
+    >>> cuts.cut_allowed(128, 800), cuts.cut_allowed(130, 800), cuts.valid_end(0, 520)
+    (True, False, 512)
+    """
+
+    rule: CutRule | None
+    n_ubatch: int = 512
+    window: int = NO_WINDOW
+
+    def valid_end(self, start: int, end: int) -> int:
+        """How far the cells of a prefill from *start* (an allowed cut) to *end* are what a
+        fresh prefill computes: the server's batches of ``n_ubatch`` tokens from *start*
+        must be at least ``rule.min_tokens`` long, so a short last batch's cells are not."""
+        assert self.rule is not None
+        rest = (end - start) % self.n_ubatch
+        if end - start < self.rule.min_tokens:
+            return start
+        return end - rest if 0 < rest < self.rule.min_tokens else end
+
+    def state_allowed(self, start: int, point: int, end: int) -> bool:
+        """Whether the state of the first *point* tokens may be taken after a prefill from
+        *start* to *end*: a multiple of the rule's, within the prefill's valid cells (and,
+        on a sliding-window model, within the window)."""
+        rule = self.rule
+        if rule is None or point % rule.multiple or point > self.window:
+            return False
+        return rule.min_tokens <= point <= self.valid_end(start, end)
+
+    def cut_allowed(self, cut: int, end: int) -> bool:
+        """Whether a prompt of *end* tokens may be prefilled from *cut* on (its cells before
+        *cut* valid: a stored state, or what the slot holds) and give a fresh prefill's
+        output: the batches after the cut are allowed ones; where a fresh prefill's own last
+        batch is short, the cut must keep that batch as it is (a multiple of ``n_ubatch``)."""
+        rule = self.rule
+        if cut == 0:
+            return True
+        if rule is None or cut % rule.multiple or cut < rule.min_tokens or cut >= end or cut > self.window:
+            return False
+        last = end % self.n_ubatch
+        if 0 < last < rule.min_tokens:
+            return cut % self.n_ubatch == 0
+        return self.valid_end(cut, end) == end
+
+    def with_tail_cut(self, layout: PromptLayout, start: int) -> PromptLayout:
+        """A caller's prompt with one more state kept, as near its end as a prefill from
+        *start* leaves valid cells, so that the next prompt that continues this one (a
+        chat's next turn) restores it and prefills only what follows. (In the process the
+        context itself is kept; a server's slot also holds the generated tokens, whose cells
+        a fresh prefill would not compute, and a server cannot be told to reuse less than
+        it holds.)"""
+        rule, ends = self.rule, layout.ends
+        assert rule is not None
+        end = ends[-1]
+        tail = self.valid_end(start, end) // rule.multiple * rule.multiple
+        before = ends[-2] if len(ends) > 1 else 0
+        if tail <= max(before, start) or tail >= end:
+            return layout
+        last = layout.segments[-1]
+        head = Segment("text", "", last.tokens[: tail - before], keep_state=True)
+        rest = Segment("text", last.text, last.tokens[tail - before :], keep_state=False)
+        return PromptLayout((*layout.segments[:-1], head, rest), layout.dropped_chunk_ids, layout.rule)
+
+
+@dataclass(frozen=True)
+class SlotContent:
+    """What slot 0 holds as far as this runner knows: *prompt* tokens, of which the first
+    *valid* were prefilled in batches the cut rule allows (their cells are what a fresh
+    prefill computes), then *generated* ones."""
+
+    prompt: tuple[int, ...]
+    valid: int
+    generated: tuple[int, ...] | None = ()  # None: not known (a relayed reply)
+
+
+class ServerSlot:
+    """Slot 0 of *server*, and what it holds (:attr:`content`; None: unknown, so the next
+    request reuses nothing): :meth:`live_reuse`, :meth:`prefill`, :meth:`save`,
+    :meth:`load`, :meth:`cut_back`, :meth:`bytes_per_token`, :meth:`complete_plain`."""
+
+    def __init__(self, server: LlamaServer, cuts: ServerCuts) -> None:
+        self.server = server
+        self.cuts = cuts
+        self.content: SlotContent | None = None
+        self._bytes_per_token: float | None = None
+
+    def live_reuse(self, tokens: Sequence[int]) -> int:
+        """The tokens the server would reuse of what the slot holds: that many where the
+        cut is allowed, 0 when nothing would be reused, -1 when the reuse would not be
+        allowed (the next request must then restore a state or reuse nothing)."""
+        slot = self.content
+        if slot is None:
+            return -1
+        if slot.generated is None:  # what follows the prompt is not known
+            held = common_prefix(slot.prompt, tokens)
+            if held == len(slot.prompt) and len(tokens) > held + 1:
+                return -1  # the server may reuse some of the reply too
+        else:
+            held = common_prefix((*slot.prompt, *slot.generated), tokens)
+        held = min(held, len(tokens) - 1)  # the server prefills at least one token
+        if held == 0:
+            return 0
+        if held > len(slot.prompt):
+            return -1
+        return held if held <= slot.valid and self.cuts.cut_allowed(held, len(tokens)) else -1
+
+    def prefill(self, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> None:
+        """Prefill *tokens* in the slot from *point* (the slot holds their first *point*),
+        generating nothing."""
+        if should_stop is not None and should_stop():
+            raise Preempted("prefill pre-empted by a user question")
+        self.content = None
+        for _ in self.server.complete(tokens, Decoding(0), cache_prompt=point > 0, expected_cached=point):
+            pass
+        valid = self.cuts.valid_end(point, len(tokens)) if self.cuts.rule else 0
+        self.content = SlotContent(tuple(tokens), valid)
+
+    @contextmanager
+    def _file(self) -> Iterator[tuple[str, Path]]:
+        """A fresh file name in the slot-save folder and its path (removed afterwards)."""
+        folder = self.server.slot_save_path
+        assert folder is not None  # chunk states are on only with a slot-save folder
+        name = f"percache-{uuid.uuid4().hex}.bin"
+        path = folder / name
+        try:
+            yield name, path
+        finally:
+            path.unlink(missing_ok=True)
+
+    def save(self) -> bytes:
+        """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
+        with self._file() as (name, path):
+            self.server.save_slot(name)
+            return path.read_bytes()
+
+    def load(self, data: bytes) -> int:
+        """Load the slot file *data* into the slot; the tokens the server restored."""
+        with self._file() as (name, path):
+            path.write_bytes(data)
+            return self.server.restore_slot(name)
+
+    def restore(self, node: StateNode, tokens: Sequence[int], states: TieredStateStore) -> bool:
+        """Load *node*'s slot file (its key names *tokens*' first ``node.n_tokens``) from
+        *states* into the slot; False (the state dropped) when it cannot be read or the
+        server refuses it."""
+        data = states.get(node)
+        if data is not None:
+            try:
+                restored = self.load(data)
+            except (OSError, ServerError) as error:
+                logger.warning("chunk state %s could not be restored (%s): treated as a miss", node.key, error)
+                restored = -1
+            if restored == node.n_tokens:
+                states.record_use(node)
+                self.content = SlotContent(tuple(tokens[: node.n_tokens]), node.n_tokens)
+                return True
+        states.delete(node.key)
+        self.content = None
+        return False
+
+    def cut_back(self, tokens: Sequence[int], least: int) -> int:
+        """Keep the slot's cells of *tokens*' first tokens up to the last allowed cut
+        within what it holds (at least *least* tokens, else nothing is done): the slot is
+        saved and restored with its token list cut there (the server then drops the later
+        cells itself), as the in-process engine truncates its sequence. Returns the tokens
+        kept (0: none)."""
+        slot, rule = self.content, self.cuts.rule
+        if slot is None or rule is None:
+            return 0
+        held = min(common_prefix(slot.prompt, tokens), slot.valid, len(tokens) - 1)
+        cut = held // rule.multiple * rule.multiple
+        while cut >= least and not self.cuts.cut_allowed(cut, len(tokens)):
+            cut -= rule.multiple
+        if cut < least:
+            return 0
+        try:
+            data = slot_file_prefix(self.save(), tokens[:cut])
+            if data is None:
+                return 0
+            restored = self.load(data)
+        except (OSError, ServerError) as error:
+            logger.warning("the slot could not be cut back (%s)", error)
+            self.content = None
+            return 0
+        if restored != cut:
+            self.content = None
+            return 0
+        self.content = SlotContent(tuple(tokens[:cut]), cut)
+        return cut
+
+    def bytes_per_token(self) -> float:
+        """The bytes a slot file takes per token, measured once (a 128-token prefill saved)."""
+        if self._bytes_per_token is None:
+            server = self.server
+            with server.lock:
+                tokens = server.tokenize("Minutes of the planning call. " * 40, True)[:128]
+                self.prefill(tokens, 0, None)
+                self._bytes_per_token = len(self.save()) / len(tokens)
+        return self._bytes_per_token
+
+    def complete_plain(
+        self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
+    ) -> tuple[str, int, int]:
+        """Complete *prompt* on the server with *decoding* and nothing reused (idle work's
+        LLM calls): (text, prompt tokens, generated tokens). The prompt keeps its last
+        ``n_ctx - max_new_tokens`` tokens. Raises :class:`Preempted` when *should_stop*
+        turns true."""
+        if decoding.max_new_tokens is None:
+            raise ValueError("a plain completion needs max_new_tokens")
+        server = self.server
+        with server.lock:
+            if should_stop is not None and should_stop():
+                raise Preempted("completion pre-empted by a user question")
+            tokens = server.tokenize_chat(prompt) if chat else server.tokenize(prompt, True)
+            tokens = tokens[-(server.n_ctx - decoding.max_new_tokens) :]
+            self.content = None
+            filter_ = StopStringFilter(list(decoding.stop or ()), strip=False)
+            pieces = server.complete(tokens, decoding, cache_prompt=False)
+            try:
+                for piece in pieces:
+                    filter_.feed(piece)
+                    if filter_.stopped:
+                        break
+                    if should_stop is not None and should_stop():
+                        raise Preempted("completion pre-empted by a user question")
+            finally:
+                pieces.close()
+            filter_.finish()
+            return filter_.text, len(tokens), len(server.last.tokens)
