@@ -500,7 +500,14 @@ class PerCacheConfig:
         return f"PerCacheConfig({', '.join(changed)})"
 
     def sections(self) -> tuple[Any, ...]:
-        """The seven sections, in order."""
+        """The seven sections, in order.
+
+        Returns:
+            (tiers, retrieval, bound, engine, budgets, idle, shared).
+
+        >>> [type(s).__name__ for s in PerCacheConfig().sections()][:2]
+        ['TierSettings', 'RetrievalSettings']
+        """
         return tuple(getattr(self, name) for name in SECTIONS)
 
     def replace(self, **changes: Any) -> PerCacheConfig:
@@ -524,6 +531,9 @@ class PerCacheConfig:
 
     def as_flat(self) -> dict[str, Any]:
         """Every setting by its flat name (secrets included).
+
+        Returns:
+            ``{flat name: value}`` for all the settings.
 
         >>> PerCacheConfig(top_k=2).as_flat()["top_k"]
         2

@@ -53,6 +53,17 @@ class PerCacheLLMCache(BaseCache):
         return question, _digest("question", llm_string, prompt.replace(question, "\x00")), question
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
+        """LangChain's cache lookup: the generations stored for *prompt* and this LLM.
+
+        Args:
+            prompt: the prompt as LangChain serialized it.
+            llm_string: the LLM's parameters as LangChain serialized them.
+
+        Returns:
+            The stored generations, or None.
+
+        >>> set_llm_cache(PerCacheLLMCache(pc)); llm.invoke("Hi")   # doctest: +SKIP
+        """
         key, binding, question = self._key(prompt, llm_string)
         answer = self._percache.caller.lookup(key, similarity_threshold=self._threshold, binding=binding, asked=question)
         if answer is None or answer.entry_id is None:
@@ -65,6 +76,15 @@ class PerCacheLLMCache(BaseCache):
             return loads(entry.metadata["lc_generations"])
 
     def update(self, prompt: str, llm_string: str, return_val: RETURN_VAL_TYPE) -> None:
+        """LangChain's cache update: store the generations *return_val* for *prompt*.
+
+        Args:
+            prompt: the prompt as LangChain serialized it.
+            llm_string: the LLM's parameters as LangChain serialized them.
+            return_val: the LLM's generations.
+
+        >>> cache.update("Hi", llm_string, [Generation(text="Hello")])   # doctest: +SKIP
+        """
         if not return_val:
             return
         key, binding, _ = self._key(prompt, llm_string)
@@ -76,16 +96,25 @@ class PerCacheLLMCache(BaseCache):
         )
 
     def clear(self, **kwargs: Any) -> None:
-        """Drop every entry this cache stored (other PerCache entries stay)."""
+        """Drop every entry this cache stored (other PerCache entries stay).
+
+        Args:
+            **kwargs: LangChain's options (unused).
+
+        >>> cache.clear()   # doctest: +SKIP
+        """
         self._percache.caller.forget(origin=_ORIGIN)
 
     async def alookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
+        """:meth:`lookup` from async code (run in a thread)."""
         return await asyncio.to_thread(self.lookup, prompt, llm_string)
 
     async def aupdate(self, prompt: str, llm_string: str, return_val: RETURN_VAL_TYPE) -> None:
+        """:meth:`update` from async code (run in a thread)."""
         await asyncio.to_thread(self.update, prompt, llm_string, return_val)
 
     async def aclear(self, **kwargs: Any) -> None:
+        """:meth:`clear` from async code (run in a thread)."""
         await asyncio.to_thread(self.clear, **kwargs)
 
 

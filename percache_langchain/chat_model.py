@@ -113,7 +113,16 @@ class PerCacheChatModel(BaseChatModel):
         return self.percache.caller.text_model.model_name
 
     def prompt(self, messages: list[BaseMessage]) -> str:
-        """The prompt string the model continues for *messages*."""
+        """The prompt string the model continues for *messages* (the model's chat template).
+
+        Args:
+            messages: the chat so far.
+
+        Returns:
+            The prompt string.
+
+        >>> chat.prompt([HumanMessage("Hi")])   # doctest: +SKIP
+        """
         return self._chat(messages).text
 
     def _chat(self, messages: list[BaseMessage]) -> ChatPrompt:

@@ -27,10 +27,19 @@ class PerCacheEmbedding(BaseEmbedding):
 
     @property
     def embedder(self) -> Embedder:
+        """The PerCache embedder it wraps (a cache opened with it embeds the same way)."""
         return self._embedder
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name of this component.
+
+        Returns:
+            ``"PerCacheEmbedding"``.
+
+        >>> PerCacheEmbedding.class_name()
+        'PerCacheEmbedding'
+        """
         return "PerCacheEmbedding"
 
     def _get_query_embedding(self, query: str) -> list[float]:

@@ -145,6 +145,14 @@ class PerCacheLlamaCPP(CustomLLM):
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name of this component.
+
+        Returns:
+            ``"PerCacheLlamaCPP"``.
+
+        >>> PerCacheLlamaCPP.class_name()
+        'PerCacheLlamaCPP'
+        """
         return "PerCacheLlamaCPP"
 
     @property
@@ -156,6 +164,8 @@ class PerCacheLlamaCPP(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
+        """LlamaIndex's description of the model: its context window, answer length and
+        name (a completion model)."""
         return LLMMetadata(
             context_window=self.n_ctx,
             num_output=self.max_new_tokens,
@@ -166,7 +176,16 @@ class PerCacheLlamaCPP(CustomLLM):
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
         """*messages* as the prompt ``chat`` completes: the given ``messages_to_prompt``,
         else as stock ``llama_cpp.Llama.create_chat_completion`` lays them out (see
-        ``percache_core.serving.prompting.chat_prompt``)."""
+        ``percache_core.serving.prompting.chat_prompt``).
+
+        Args:
+            messages: the chat so far.
+
+        Returns:
+            The prompt string.
+
+        >>> llm.chat_prompt([ChatMessage(role="user", content="Hi")])   # doctest: +SKIP
+        """
         return self._chat(messages).text
 
     def _chat(self, messages: Sequence[ChatMessage]) -> ChatPrompt:
@@ -177,12 +196,35 @@ class PerCacheLlamaCPP(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """The model's reply to *messages* (through the cache of the enclosing
+        :func:`cache_scope`, else uncached), as stock LlamaIndex ``LlamaCPP`` gives it.
+
+        Args:
+            messages: the chat so far.
+            **kwargs: LlamaIndex's call options (unused).
+
+        Returns:
+            The reply.
+
+        >>> llm.chat([ChatMessage(role="user", content="Hi")]).message.content   # doctest: +SKIP
+        """
         chat = self._chat(messages)
         text = "".join(self._pieces(chat.text, _scope.get(), chat))
         return completion_response_to_chat_response(CompletionResponse(text=text))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """:meth:`chat`, streamed.
+
+        Args:
+            messages: the chat so far.
+            **kwargs: LlamaIndex's call options (unused).
+
+        Returns:
+            The reply's responses, each with the text so far and its delta.
+
+        >>> "".join(r.delta for r in llm.stream_chat(messages))   # doctest: +SKIP
+        """
         chat = self._chat(messages)
         return stream_completion_response_to_chat_response(self._responses(self._pieces(chat.text, _scope.get(), chat)))
 
@@ -224,11 +266,39 @@ class PerCacheLlamaCPP(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """The model's completion of *prompt* (through the cache of the enclosing
+        :func:`cache_scope`, else uncached), as stock LlamaIndex ``LlamaCPP`` gives it.
+
+        Args:
+            prompt: the prompt (non-empty).
+            formatted: the prompt is final (else ``completion_to_prompt`` formats it).
+            **kwargs: LlamaIndex's call options (unused).
+
+        Returns:
+            The completion.
+
+        Raises:
+            ValueError: an empty prompt.
+
+        >>> llm.complete("The capital of France is").text   # doctest: +SKIP
+        """
         pieces = self._pieces(self._prompt(prompt, formatted), _scope.get())
         return CompletionResponse(text="".join(pieces))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """:meth:`complete`, streamed.
+
+        Args:
+            prompt: the prompt (non-empty).
+            formatted: the prompt is final (else ``completion_to_prompt`` formats it).
+            **kwargs: LlamaIndex's call options (unused).
+
+        Returns:
+            The completion's responses, each with the text so far and its delta.
+
+        >>> "".join(r.delta for r in llm.stream_complete("Hello"))   # doctest: +SKIP
+        """
         # The scope is read now: the generator runs later, outside the caller's block.
         return self._responses(self._pieces(self._prompt(prompt, formatted), _scope.get()))
 

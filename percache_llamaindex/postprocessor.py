@@ -33,6 +33,14 @@ class PerCacheNodePostprocessor(BaseNodePostprocessor):
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name of this component.
+
+        Returns:
+            ``"PerCacheNodePostprocessor"``.
+
+        >>> PerCacheNodePostprocessor.class_name()
+        'PerCacheNodePostprocessor'
+        """
         return "PerCacheNodePostprocessor"
 
     def _postprocess_nodes(

@@ -171,6 +171,19 @@ class PerCacheQueryEngine(BaseQueryEngine):
         bundled Gemma 3 270M through :class:`PerCacheLlamaCPP`. Chunk states need a
         :class:`PerCacheLlamaCPP`; with any other LLM only exact answers are reused.
 
+        Args:
+            index: the LlamaIndex index the app queries.
+            cache_dir: the PerCache folder.
+            llm: the LLM (default: ``Settings.llm``, else :class:`PerCacheLlamaCPP`).
+            config: PerCache's settings (``similarity_top_k`` sets ``top_k``).
+            **kwargs: ``as_query_engine``'s keywords.
+
+        Returns:
+            The query engine (close it, or its cache, when done).
+
+        Raises:
+            TypeError: *index* is not a LlamaIndex index.
+
         >>> engine = PerCacheQueryEngine.from_index(index, cache_dir="cache", similarity_top_k=3)  # doctest: +SKIP
         """
         if not isinstance(index, BaseIndex):
@@ -199,6 +212,12 @@ class PerCacheQueryEngine(BaseQueryEngine):
         ``PerCache.warm``). Nothing with an LLM that is not llama.cpp (the predictions
         would come from another model).
 
+        Args:
+            **kwargs: ``PerCache.warm``'s keywords (``max_seconds``, ``max_predictions``, ...).
+
+        Returns:
+            The round's :class:`~percache_core.WarmReport` (strategy ``"none"`` with another LLM).
+
         >>> report = engine.warm(max_seconds=60)   # doctest: +SKIP
         >>> engine.query(report.predicted[0]).metadata["percache"]["source"]  # doctest: +SKIP
         'qa_bank'
@@ -214,8 +233,16 @@ class PerCacheQueryEngine(BaseQueryEngine):
 
     def start_worker(self, **kwargs: Any):
         """Start PerCache's background idle worker, answering its predicted questions
-        through this engine (see :meth:`warm` and ``PerCache.start_worker``); None with an
-        LLM that is not llama.cpp."""
+        through this engine (see :meth:`warm` and ``PerCache.start_worker``).
+
+        Args:
+            **kwargs: ``PerCache.start_worker``'s keywords (``idle_after_s``, ...).
+
+        Returns:
+            The worker, or None with an LLM that is not llama.cpp.
+
+        >>> engine.start_worker(idle_after_s=30)   # doctest: +SKIP
+        """
         if not self._uses_states:
             logger.warning(
                 "idle prediction needs the llama.cpp model that answers: %s is not one",
@@ -253,6 +280,16 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return {"inner": self._inner}
 
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        """The nodes the app's own query engine retrieves for the query.
+
+        Args:
+            query_bundle: the query.
+
+        Returns:
+            The retrieved nodes, as the inner engine returns them.
+
+        >>> engine.retrieve(QueryBundle("When is the review?"))   # doctest: +SKIP
+        """
         return self._current_engine().retrieve(query_bundle)
 
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
@@ -333,7 +370,10 @@ class PerCacheQueryEngine(BaseQueryEngine):
         return await asyncio.to_thread(self._query, query_bundle)
 
     def close(self) -> None:
-        """Close the cache (the engine can no longer answer)."""
+        """Close the cache (the engine can no longer answer).
+
+        >>> engine.close()   # doctest: +SKIP
+        """
         self._percache.close()
 
 

@@ -41,7 +41,16 @@ __all__ = ["CallerCache"]
 
 class CallerCache(StoredAnswerVerbs, PromptVerbs):
     """The verbs an app with its own pipeline uses (see the module docstring); reach it as
-    ``pc.caller``."""
+    ``pc.caller``.
+
+    Args:
+        parts: the cache's parts.
+        request_path: the path every request to the cache's model takes.
+        ensure_open: raises :class:`~percache_core.errors.CacheClosedError` once the cache
+            is closed.
+
+    >>> pc.caller.lookup("When is the review?")   # doctest: +SKIP
+    """
 
     def __init__(self, parts: CacheParts, request_path: RequestPath, ensure_open: Callable[[], None]) -> None:
         self._parts = parts

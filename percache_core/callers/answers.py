@@ -106,15 +106,38 @@ class StoredAnswerVerbs:
     def find(
         self, question: str, *, binding: str | None = None, scope: Mapping[str, Any] | None = None
     ) -> QAEntry | None:
-        """The entry stored for exactly *question* under *binding* and *scope* (not counted
-        as a hit: for checking, e.g. whether a predicted question still needs an answer),
-        or None."""
+        """The entry stored for exactly *question* under *binding* and *scope*, not counted
+        as a hit (for checking, e.g. whether a predicted question still needs an answer).
+
+        Args:
+            question: the question text (or the caller's key).
+            binding: what the answer is bound to (default: this cache's own pipeline's).
+            scope: the metadata it was stored with.
+
+        Returns:
+            The :class:`QAEntry`, or None.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question.
+
+        >>> pc.caller.find("When is the review?") is None   # doctest: +SKIP
+        True
+        """
         self._ensure_open()
         binding = binding or self._parts.binding()
         return self._parts.qa_bank.find(validated_question(question), scope=validated_scope(scope), binding=binding)
 
     def entry(self, entry_id: str) -> QAEntry | None:
-        """The QA entry with this id (``Answer.entry_id``), or None."""
+        """The QA entry with this id.
+
+        Args:
+            entry_id: an entry's id (``Answer.entry_id``).
+
+        Returns:
+            The :class:`QAEntry`, or None.
+
+        >>> pc.caller.entry(pc.answer("When?").entry_id)   # doctest: +SKIP
+        """
         self._ensure_open()
         return self._parts.qa_bank.get(entry_id)
 

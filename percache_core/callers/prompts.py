@@ -128,7 +128,18 @@ class PromptVerbs:
 
     def lend_engine(self) -> AbstractContextManager[None]:
         """Hold the engine for a request PerCache does not run (a passed-through one):
-        no other request runs meanwhile, and what its slot holds afterwards is unknown."""
+        no other request runs meanwhile, and what its slot holds afterwards is unknown.
+
+        Returns:
+            A context manager that holds the engine while it is entered.
+
+        Raises:
+            CacheClosedError: the cache is closed.
+            ValueError: an in-process engine (only a llama-server is lent).
+
+        >>> with pc.caller.lend_engine():   # doctest: +SKIP
+        ...     httpx.post(server.url + "/v1/chat/completions", json=body)
+        """
         self._ensure_open()
         return self._parts.runtime.runner.lend_engine()
 
@@ -179,7 +190,16 @@ class PromptVerbs:
 
     def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
         """*chunks* reordered so that the longest stored chunk-state path comes first (this
-        changes the prompt, and so possibly the answer)."""
+        changes the prompt, and so possibly the answer).
+
+        Args:
+            chunks: the retrieved chunks, in the caller's order.
+
+        Returns:
+            The same chunks, the stored path's first.
+
+        >>> pc.caller.stored_order(pc.retrieve("When?"))   # doctest: +SKIP
+        """
         self._ensure_open()
         return self._parts.runtime.runner.stored_order(chunks)
 
@@ -191,6 +211,9 @@ class PromptVerbs:
         """The identity of the model that answers (the engine's fingerprint; loads the
         model on first use): part of every binding.
 
+        Returns:
+            The fingerprint, as text.
+
         >>> pc.caller.model_id()   # doctest: +SKIP
         'gemma-3-270m-it-Q8_0.gguf:...'
         """
@@ -199,19 +222,45 @@ class PromptVerbs:
 
     def binding(self, max_new_tokens: int | None = None) -> str:
         """The binding of the answers this cache's own pipeline gives with its settings now:
-        the default *binding* of :meth:`lookup`, :meth:`find` and :meth:`remember`."""
+        the default *binding* of :meth:`lookup`, :meth:`find` and :meth:`remember`.
+
+        Args:
+            max_new_tokens: the answer length it is for (default: the configured one).
+
+        Returns:
+            The binding key.
+
+        >>> pc.caller.binding()   # doctest: +SKIP
+        '3f1c...'
+        """
         self._ensure_open()
         return self._parts.binding(max_new_tokens=max_new_tokens)
 
     @property
     def text_model(self) -> TextModel:
         """The model's tokenizer and chat template (loads the model on first use): what a
-        chat adapter formats its messages with."""
+        chat adapter formats its messages with.
+
+        Returns:
+            The model's :class:`~percache_core.kv.engine.TextModel`.
+
+        >>> pc.caller.text_model().tokenize("Hello", True)   # doctest: +SKIP
+        """
         return self._parts.runtime.engine
 
     def runs_on(self, engine: Engine) -> bool:
         """Whether this cache answers with *engine* (so the caller's model calls may go
-        through :meth:`complete`)."""
+        through :meth:`complete`).
+
+        Args:
+            engine: a loaded engine.
+
+        Returns:
+            True when it is this cache's.
+
+        >>> pc.caller.runs_on(engine)   # doctest: +SKIP
+        True
+        """
         return self._parts.runtime.runs_on(engine)
 
     def quoted_passages(self, text: str) -> list[str]:
@@ -219,6 +268,12 @@ class PromptVerbs:
         from a chunk's start, as long as the text goes on as the chunk does (an app may
         shorten its passages), at least ``QUOTE_KEY`` characters. A prompt cut where they end
         keeps their states (:meth:`relay`'s *documents*).
+
+        Args:
+            text: a prompt.
+
+        Returns:
+            The quoted passages, in the order the prompt has them.
 
         >>> pc.caller.quoted_passages(f"Notes: {chunk.text} Question: when?")   # doctest: +SKIP
         [chunk.text]
@@ -247,6 +302,15 @@ class PromptVerbs:
         return found
 
     def chunk(self, chunk_id: str) -> Chunk | None:
-        """The stored chunk *chunk_id* (a whole document's first chunk as ``id#c000``)."""
+        """A stored chunk.
+
+        Args:
+            chunk_id: its id (a document's id gives its first chunk, ``id#c000``).
+
+        Returns:
+            The :class:`Chunk`, or None.
+
+        >>> pc.caller.chunk("notes-1")   # doctest: +SKIP
+        """
         knowledge = self._parts.knowledge
         return knowledge.get_chunk(chunk_id) or knowledge.get_chunk(f"{chunk_id}#c000")

@@ -32,7 +32,16 @@ logger = logging.getLogger(__name__)
 class PerCache(DocumentVerbs, IdleVerbs):
     """A two-tier cache in front of a local RAG pipeline on llama.cpp.
 
-    Open one with :meth:`open`; it is a context manager.
+    Open one with :meth:`open` (which checks its arguments and calls this constructor);
+    it is a context manager.
+
+    Args:
+        folder: the cache folder.
+        config: the settings.
+        embedder: the embedder of questions and chunks.
+        engine: a loaded engine or a llama-server (None: *model_path* loaded on first use).
+        model_path: the GGUF to load when there is no *engine*.
+        verbose: llama.cpp's own log.
 
     >>> with PerCache.open("~/.percache/mail") as pc:          # doctest: +SKIP
     ...     pc.add_documents(["The rehearsal is on Friday at 3 pm in room B."])
@@ -84,6 +93,9 @@ class PerCache(DocumentVerbs, IdleVerbs):
                 :class:`~percache_core.kv.llama_server.LlamaServer` (started, or attached
                 to by its URL); otherwise ``config.engine.model_path`` (or the bundled Gemma 3
                 270M) is loaded in this process on the first question that needs the model.
+
+        Returns:
+            The open cache (close it, or use it in a ``with`` block).
 
         Raises:
             TypeError: a *config*, *engine* or *path* of the wrong type.
@@ -247,6 +259,16 @@ class PerCache(DocumentVerbs, IdleVerbs):
 
     def answer_stream(self, question: str, **overrides: Any) -> AnswerStream:
         """``answer(question, stream=True, **overrides)``: the text pieces as they come.
+
+        Args:
+            question: the question.
+            **overrides: :meth:`answer`'s keywords (``top_k``, ``max_new_tokens``, ``scope``, ...).
+
+        Returns:
+            An :class:`AnswerStream`: iterate it for the text; its ``answer`` is set at the end.
+
+        Raises:
+            InvalidQuestionError: an empty or over-long question.
 
         >>> stream = pc.answer_stream("When is the review?")   # doctest: +SKIP
         >>> text = "".join(stream); stream.answer.source        # doctest: +SKIP

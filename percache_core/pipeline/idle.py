@@ -105,7 +105,10 @@ class IdleVerbs:
         return self._worker
 
     def stop_worker(self) -> None:
-        """Stop the background worker, if any."""
+        """Stop the background worker, if any (the round it runs ends first).
+
+        >>> pc.stop_worker()   # doctest: +SKIP
+        """
         if self._worker is not None:
             self._worker.stop()
             self._worker = None
