@@ -7,7 +7,7 @@ STAMP := $(VENV)/.percache-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench wheels clean redis-server llama-server
+.PHONY: demo test lint bench docs wheels clean redis-server llama-server
 
 DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchain
 
@@ -54,6 +54,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check percache_core percache_llamaindex percache_langchain tests benchmarks examples
 	$(BIN)/python tests/unit/test_layers.py
 
+# the documentation site, with the API reference generated from the docstrings, into site/
+# (strict: a broken link or a reference to a missing name fails; the suite builds it too)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft.py --out benchmarks/results/ttft.json
 
@@ -63,4 +68,4 @@ wheels: $(STAMP)
 		$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w dist $$project || exit 1; done
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info */*.egg-info
+	rm -rf $(VENV) build dist site *.egg-info */*.egg-info

@@ -2,8 +2,9 @@
 
 Run: .venv/bin/python examples/langchain_lcel.py [cache folder]
 
-The second, paraphrased question is served by the semantic cache; the third reuses the
-chunk states the first one stored.
+The second question is the first asked again: the LLM cache (PerCacheLLMCache) answers it
+from the generation stored the first time, without the model. The third shares the first
+one's retrieved notes, so its prompt restores the chunk states the first one stored.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from .serving.binding import chunk_sources
 from .serving.completion import UncachedCompletion
 from .serving.prompting import TextPrompt, chat_prompt
 from .serving.runtime import open_engine
-from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk
+from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk, combined_source
 
 __version__ = "0.2.0"  # the distributions' version (pyproject.toml)
 
@@ -89,6 +89,7 @@ __all__ = [
     "__version__",
     "chat_prompt",
     "chunk_sources",
+    "combined_source",
     "missing_dependency",
     "open_engine",
 ]

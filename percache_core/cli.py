@@ -16,26 +16,17 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .config import PerCacheConfig
+from .demo import run_demo
 from .errors import PerCacheError
 from .pipeline import PerCache
-from .types import Answer
 
 DEFAULT_CACHE = "~/.percache/default"
-TABLE_HEADER = ["#", "source", "TTFT ms", "total ms", "reused/prompt tok", "QA sim"]
-
-
-def demo_corpus() -> dict[str, Any]:
-    """The small personal corpus (e-mails, meeting notes) bundled for the demo and tests."""
-    text = resources.files("percache_core").joinpath("data/demo_corpus.json").read_text("utf-8")
-    return json.loads(text)
 
 
 def _config(args: argparse.Namespace) -> PerCacheConfig:
@@ -46,7 +37,66 @@ def _config(args: argparse.Namespace) -> PerCacheConfig:
         changes["similarity_threshold"] = args.tau
     if getattr(args, "max_new_tokens", None):
         changes["max_new_tokens"] = args.max_new_tokens
+    if getattr(args, "qa_mode", None):
+        changes["qa_mode"] = args.qa_mode
+    if getattr(args, "chunk_state_budget", None):
+        changes["chunk_state_budget_bytes"] = args.chunk_state_budget
     return PerCacheConfig(**changes)
+
+
+def byte_size(text: str) -> int:
+    """A size such as ``512M``, ``2G`` or ``1500000`` in bytes (K, M, G, T: powers of 1024).
+
+    >>> byte_size("512M"), byte_size("2g"), byte_size("1000")
+    (536870912, 2147483648, 1000)
+    """
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+    text = text.strip().upper().removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return size
+
+
+def _size(count: float) -> str:
+    """*count* bytes, readable.
+
+    >>> _size(1536), _size(0)
+    ('1.5 KB', '0 B')
+    """
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def stats_text(stats: dict[str, Any], folder: str) -> str:
+    """``percache stats``' summary of :meth:`PerCache.stats`."""
+    qa, states, idle = stats["qa_bank"], stats["chunk_states"], stats["idle"]
+    stored = stats["qa_bank_hits"]
+    rounds = sum(v["rounds"] for v in idle.values() if isinstance(v, dict) and "rounds" in v)
+    budget = states["budget_bytes"]
+    lines = [
+        f"PerCache cache {folder}",
+        f"  knowledge      {stats['knowledge']['chunks']} chunks",
+        f"  answers        {stats['queries']} ({stats['counted']['answers and tokens']})",
+        f"                 {stored} answered before ({stats['prompt_answers']} identical prompts, "
+        f"{stats['remembered']} remembered), {stats['chunk_state_hits']} restored chunk states, {stats['full']} full",
+        f"  tokens         {stats['reused_tokens']:,} reused, {stats['prefilled_tokens']:,} prefilled, "
+        f"{stats['generated_tokens']:,} generated",
+        f"  QA bank        {qa['entries']} entries, {qa['prompt_answers']} prompt answers, "
+        f"{_size(qa['bytes'] + qa['prompt_answer_bytes'])} (budget {_size(qa['budget_bytes'])} each)",
+        f"  chunk states   {states.get('nodes', 0)} states, {_size(states.get('bytes', 0))} "
+        f"(on disk, all models: {_size(states.get('bytes_on_disk', 0))}); budget {_size(budget)}, {states['budget']}",
+        f"  idle work      {rounds} rounds in this process",
+    ]
+    return "\n".join(lines)
 
 
 def _read_documents(paths: Sequence[str]) -> list[dict[str, Any]]:
@@ -66,96 +116,6 @@ def _read_documents(paths: Sequence[str]) -> list[dict[str, Any]]:
                 {"id": path.stem, "text": path.read_text("utf-8"), "metadata": {"path": str(path)}}
             )
     return documents
-
-
-def _row(answer: Answer, label: str) -> list[str]:
-    return [
-        label,
-        answer.source,
-        f"{answer.ttft_s * 1000:7.0f}",
-        f"{answer.latency_s * 1000:7.0f}",
-        f"{answer.reused_tokens}/{answer.reused_tokens + answer.prefilled_tokens}",
-        "" if answer.similarity is None else f"{answer.similarity:.2f}",
-    ]
-
-
-def _print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    corpus = demo_corpus()
-    folder = args.cache or tempfile.mkdtemp(prefix="percache-demo-")
-    print(f"PerCache demo: {len(corpus['documents'])} personal e-mails and meeting notes; cache in {folder}")
-    print("Loading the bundled Gemma 3 270M (llama.cpp) and all-MiniLM-L6-v2 ...")
-    rows: list[list[str]] = []
-    answers: list[Answer] = []
-    with PerCache.open(folder, config=_config(args)) as pc:
-        pc.preload()
-        pc.add_documents(corpus["documents"], progress=True)
-        for number, item in enumerate(corpus["demo_questions"], 1):
-            answer = pc.answer(item["question"])
-            answers.append(answer)
-            rows.append(_row(answer, f"Q{number}"))
-            print(f"\nQ{number}: {item['question']}\n    -> [{answer.source}] {answer.text}")
-            if answer.matched_question:
-                print(f"       (stored answer of: {answer.matched_question!r})")
-        print()
-        _print_table(TABLE_HEADER, rows)
-        _summarise_sources(answers)
-        _demo_prediction(pc)
-        stats = pc.stats()
-    print(
-        f"\nQA bank: {stats['qa_bank']['entries']} entries, {stats['qa_bank']['bytes']:,} bytes; "
-        f"chunk states: {stats['chunk_states']['nodes']} nodes, {stats['chunk_states']['bytes']:,} bytes"
-    )
-    return 0
-
-
-def _summarise_sources(answers: list[Answer]) -> None:
-    """Mean TTFT and total time per source against full runs (a prompt answer is an
-    identical prompt's stored answer, a QA-bank answer a stored answer the model verified
-    as a draft)."""
-    full = [a for a in answers if a.source == "full"]
-    if not full:
-        return
-    base_ttft = sum(a.ttft_s for a in full) / len(full)
-    base_total = sum(a.latency_s for a in full) / len(full)
-    for source in ("chunk_states", "qa_bank", "prompt_answer"):
-        chosen = [a for a in answers if a.source == source]
-        if chosen:
-            ttft = sum(a.ttft_s for a in chosen) / len(chosen)
-            total = sum(a.latency_s for a in chosen) / len(chosen)
-            print(
-                f"{source:>12}: mean TTFT {ttft * 1000:6.0f} ms = {ttft / base_ttft:5.1%}, "
-                f"total {total * 1000:6.0f} ms = {total / base_total:5.1%} of a full run"
-            )
-
-
-def _demo_prediction(pc: PerCache) -> None:
-    """Part two of the demo: an idle round predicts questions; asking them hits the cache."""
-    print("\nIdle time: one warm round predicts likely questions and populates both tiers ...")
-    report = pc.warm(progress=True)
-    print(
-        f"  {report.seconds:.1f} s idle compute ({report.strategy}): {report.chunks_summarised} chunks "
-        f"summarised, {len(report.predicted)} questions predicted and populated, "
-        f"{report.prefill_tokens} tokens prefilled, {report.decode_tokens} decoded"
-    )
-    for question in report.predicted:
-        print(f"  predicted: {question}")
-    rows = []
-    for number, question in enumerate(report.predicted[:3], 1):
-        answer = pc.answer(question)
-        rows.append(_row(answer, f"P{number}"))
-        print(f"\nP{number}: {question}\n    -> [{answer.source}] {answer.text}")
-    if rows:
-        print()
-        _print_table(TABLE_HEADER, rows)
 
 
 def run_warm(args: argparse.Namespace) -> int:
@@ -197,9 +157,9 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    with PerCache.open(args.cache, config=_config(args)) as pc:
-        pc.preload()  # load the chunk-state tier so its size is reported
-        print(json.dumps(pc.stats(), indent=2))
+    with PerCache.open(args.cache) as pc:  # loads no model: what the folder holds and counted
+        stats = pc.stats()
+    print(json.dumps(stats, indent=2) if args.json else stats_text(stats, args.cache))
     return 0
 
 
@@ -228,10 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--model", help="a GGUF model file (default: bundled Gemma 3 270M)")
         sub.add_argument("--tau", type=float, help="QA-bank similarity threshold (default 0.85)")
         sub.add_argument("--max-new-tokens", type=int, help="longest answer in tokens (default 128)")
+        sub.add_argument(
+            "--qa-mode", choices=["exact", "semantic"],
+            help="stored answers: exact (default: the model's own answers only) or semantic (approximate)",
+        )  # fmt: skip
+        sub.add_argument(
+            "--chunk-state-budget", type=byte_size, metavar="SIZE",
+            help="disk for chunk states, e.g. 512M or 2G (default: sized from the knowledge)",
+        )  # fmt: skip
 
     demo = commands.add_parser("demo", help="scripted tour on the bundled corpus")
     common(demo, None)
-    demo.set_defaults(handler=run_demo)
+    demo.set_defaults(handler=lambda args: run_demo(args, _config(args)))
     ingest = commands.add_parser("ingest", help="add .txt/.md files or .jsonl records")
     common(ingest, DEFAULT_CACHE)
     ingest.add_argument("paths", nargs="+")
@@ -247,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--max-seconds", type=float, help="stop the round after this long")
     warm.add_argument("--max-predictions", type=int, help="questions predicted per view (default 5)")
     warm.set_defaults(handler=run_warm)
-    stats = commands.add_parser("stats", help="print hit rates and tier sizes as JSON")
-    common(stats, DEFAULT_CACHE)
+    stats = commands.add_parser("stats", help="what the cache answered and holds (loads no model)")
+    stats.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
+    stats.add_argument("--json", action="store_true", help="every counter, as JSON")
     stats.set_defaults(handler=run_stats)
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible endpoint with PerCache in front of a llama-server"

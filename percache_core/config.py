@@ -433,9 +433,10 @@ SECTION_OF: dict[str, str] = {
 @dataclass(frozen=True, init=False)
 class PerCacheConfig:
     """Every option of PerCache, in seven sections (see each section for its settings and
-    defaults).
+    defaults). Give sections by name (``tiers=TierSettings(...)``), any setting by its
+    flat name (``top_k=2``, placed in its section), or both.
 
-    Args:
+    Attributes:
         tiers: which tiers run and how stored answers and states are reused.
         retrieval: chunking, retrieval and the system prompt.
         bound: the error approximate tiers may cost.
@@ -443,7 +444,9 @@ class PerCacheConfig:
         budgets: bytes on disk.
         idle: prediction and idle-time work.
         shared: the Redis tier.
-        **settings: any setting by its flat name (``top_k=2``), placed in its section.
+
+    Args:
+        **settings: sections by name, and settings by their flat names.
 
     Raises:
         TypeError: an unknown setting, or a section of the wrong type.
@@ -505,8 +508,8 @@ class PerCacheConfig:
         Returns:
             (tiers, retrieval, bound, engine, budgets, idle, shared).
 
-        >>> [type(s).__name__ for s in PerCacheConfig().sections()][:2]
-        ['TierSettings', 'RetrievalSettings']
+        >>> type(PerCacheConfig().sections()[0]).__name__
+        'TierSettings'
         """
         return tuple(getattr(self, name) for name in SECTIONS)
 

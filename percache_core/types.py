@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -177,6 +177,27 @@ class Answer:
         True
         """
         return self.source in ANSWERED_BEFORE
+
+
+def combined_source(answers: Sequence[Answer]) -> AnswerSource:
+    """The source of a response made of several model calls (a framework's refine steps),
+    in the words every :class:`Answer` uses: the stored answer's source when every call was
+    answered before, else ``"chunk_states"`` when a call restored stored states, else
+    ``"full"`` (also with no call). Tokens a call kept from the previous prompt in the
+    context are not restored chunks: such a call is ``"full"``, as its answer says, and
+    the usage counters count each call under its own source.
+
+    >>> ask = lambda source: Answer(text="", source=source, question="q")
+    >>> combined_source([ask("prompt_answer"), ask("prompt_answer")])
+    'prompt_answer'
+    >>> combined_source([ask("full"), ask("chunk_states")]), combined_source([])
+    ('chunk_states', 'full')
+    """
+    if answers and all(a.answered_before for a in answers):
+        return answers[0].source
+    if any(a.source == "chunk_states" for a in answers):
+        return "chunk_states"
+    return "full"
 
 
 T = TypeVar("T")

@@ -1,9 +1,15 @@
-"""Usage counters of one cache: answers per source, tokens, latency, verifier rejections."""
+"""Usage counters of one cache: answers per source, tokens, latency, verifier rejections.
+
+The counts of one process are kept here; :meth:`UsageCounters.persisted` adds them to the
+record of the processes that closed the folder before (the facade writes it on close), and
+:meth:`UsageCounters.summary` reports that record and this process together.
+"""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .types import Answer
@@ -33,6 +39,34 @@ class _Totals:
     latency_s: dict[str, float] = field(
         default_factory=lambda: {"qa_bank": 0.0, "chunk_states": 0.0, "full": 0.0}
     )
+
+
+def _totals_of(record: Mapping[str, Any] | None) -> _Totals:
+    """The totals a persisted *record* holds (an unreadable one: none)."""
+    totals = _Totals()
+    if not isinstance(record, Mapping):
+        return totals
+    for f in fields(_Totals):
+        value = record.get(f.name)
+        if f.name == "restored_depth" and isinstance(value, Mapping):
+            totals.restored_depth = {int(k): int(v) for k, v in value.items()}
+        elif f.name == "latency_s" and isinstance(value, Mapping):
+            totals.latency_s.update({str(k): float(v) for k, v in value.items()})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(totals, f.name, type(getattr(totals, f.name))(value))
+    return totals
+
+
+def _added(a: _Totals, b: _Totals) -> _Totals:
+    """The totals of *a* and *b* together, field by field."""
+    out = _Totals()
+    for f in fields(_Totals):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict):
+            setattr(out, f.name, {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}})
+        else:
+            setattr(out, f.name, x + y)
+    return out
 
 
 class UsageCounters:
@@ -91,10 +125,25 @@ class UsageCounters:
         with self._lock:
             self._totals.storage_failures += 1
 
-    def summary(self) -> dict[str, Any]:
-        """Counts, hit rates and mean latency per source."""
+    def persisted(self, earlier: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The record of *earlier* processes' counts with this process's added (JSON).
+
+        >>> usage = UsageCounters()
+        >>> usage.record(Answer(text="Friday.", source="full", question="When?"))
+        >>> usage.persisted(usage.persisted(None))["queries"]
+        2
+        """
         with self._lock:
-            c = self._totals
+            totals = _added(_totals_of(earlier), self._totals)
+        record = asdict(totals)
+        record["restored_depth"] = {str(k): v for k, v in totals.restored_depth.items()}
+        return record
+
+    def summary(self, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Counts, hit rates and mean latency per source: of this process, with the
+        counts of the *earlier* processes' record added (see :meth:`persisted`)."""
+        with self._lock:
+            c = _added(_totals_of(earlier), self._totals) if earlier else self._totals
             queries = max(1, c.queries)
             return {
                 "queries": c.queries,

@@ -11,7 +11,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 from pydantic import ConfigDict, field_validator
 
-from percache_core import PerCache
+from percache_core import InvalidQuestionError, PerCache
 
 from .recorder import as_percache, recorder_for
 
@@ -38,6 +38,14 @@ class PerCacheRetriever(BaseRetriever):
     def _check_percache(cls, value: Any) -> PerCache:
         return as_percache(value)
 
+    @staticmethod
+    def _checked(query: str) -> str:
+        """*query*, refused before any work when it is not a non-empty string (as
+        ``pc.answer`` refuses it)."""
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidQuestionError("the question is empty: ask a question")
+        return query
+
     def _keep(self, query: str, documents: list[Document]) -> list[Document]:
         recorder_for(self.percache).record(query, documents)
         if self.add_to_knowledge:
@@ -51,11 +59,11 @@ class PerCacheRetriever(BaseRetriever):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun
     ) -> list[Document]:
-        documents = self.inner.invoke(query, config={"callbacks": run_manager.get_child()})
+        documents = self.inner.invoke(self._checked(query), config={"callbacks": run_manager.get_child()})
         return self._keep(query, documents)
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
     ) -> list[Document]:
-        documents = await self.inner.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        documents = await self.inner.ainvoke(self._checked(query), config={"callbacks": run_manager.get_child()})
         return self._keep(query, documents)

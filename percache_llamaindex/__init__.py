@@ -2,7 +2,7 @@
 
 >>> from percache_llamaindex import PerCacheQueryEngine   # doctest: +SKIP
 >>> engine = PerCacheQueryEngine.from_index(index, cache_dir="~/.percache/notes", similarity_top_k=3)  # doctest: +SKIP
->>> engine.query("When is the rehearsal?").metadata["percache"]["source"]   # doctest: +SKIP
+>>> engine.query("When is the rehearsal?").metadata["percache"].get("source")   # doctest: +SKIP
 'full'
 
 Importing this package imports LlamaIndex but loads no model.

@@ -44,6 +44,7 @@ from percache_core import (
     StorageWriteError,
     WarmReport,
     chunk_sources,
+    combined_source,
 )
 
 from .embedding import PerCacheEmbedding
@@ -219,7 +220,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
             The round's :class:`~percache_core.WarmReport` (strategy ``"none"`` with another LLM).
 
         >>> report = engine.warm(max_seconds=60)   # doctest: +SKIP
-        >>> engine.query(report.predicted[0]).metadata["percache"]["source"]  # doctest: +SKIP
+        >>> engine.query(report.predicted[0]).metadata["percache"].get("source")  # doctest: +SKIP
         'qa_bank'
         """
         if not self._uses_states:
@@ -231,7 +232,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         self._current_engine()  # nodes deleted since the last question leave PerCache first
         return self._percache.warm(answer=self._answer_predicted, **kwargs)
 
-    def start_worker(self, **kwargs: Any):
+    def start_worker(self, **kwargs: Any) -> Any:
         """Start PerCache's background idle worker, answering its predicted questions
         through this engine (see :meth:`warm` and ``PerCache.start_worker``).
 
@@ -337,7 +338,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
 
         def account() -> None:  # what the LLM calls restored and prefilled
             info.update(
-                source="chunk_states" if scope.reused_tokens else "full",
+                source=combined_source(scope.answers),
                 llm_calls=len(scope.answers),
                 reused_tokens=scope.reused_tokens,
                 prefilled_tokens=scope.prefilled_tokens,

@@ -28,7 +28,7 @@ DONE = b"data: [DONE]\n\n"
 class APIError(Exception):
     """A request the endpoint refuses, with OpenAI's error body.
 
-    >>> APIError(404, "no model x", code="model_not_found").body()["error"]["code"]
+    >>> APIError(404, "no model x", code="model_not_found").body()["error"].get("code")
     'model_not_found'
     """
 

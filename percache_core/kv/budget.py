@@ -5,20 +5,28 @@ neighbour] for ``knowledge_prefill_neighbours`` neighbours of each; how much of 
 question's chunk tokens a stored prefix covers grows with the pairs that fit
 (``benchmarks/paths.py``: on QMSum users, 0.36 at 1 GiB, 0.43 at 2, 0.49 at 4, 0.54 at 8).
 So the default budget is what those states take at the loaded model's bytes per token,
-over the prefill's share of the budget, within bounds: at least
-:data:`BUDGET_FLOOR_BYTES`, at most :data:`BUDGET_DISK_SHARE` of the free disk.
+over the prefill's share of the budget, within bounds: at most :data:`BUDGET_DISK_SHARE`
+of the free disk, and at least :data:`SMALL_KNOWLEDGE_HEADROOM` times what the prefill
+takes (room for the questions' own paths), between :data:`BUDGET_MIN_BYTES` (a few notes)
+and :data:`BUDGET_FLOOR_BYTES` (a knowledge whose prefill takes 256 MiB or more).
 
 >>> sized_state_budget(needed_bytes=2 * 1024**3, free_disk_bytes=100 * 1024**3) / 1024**3
 2.5
 >>> sized_state_budget(needed_bytes=64 * 1024**3, free_disk_bytes=40 * 1024**3) / 1024**3  # a quarter of the disk
 10.0
+>>> sized_state_budget(needed_bytes=2 * 1024**2, free_disk_bytes=100 * 1024**3) / 1024**2  # a few notes
+64.0
+>>> sized_state_budget(needed_bytes=100 * 1024**2, free_disk_bytes=100 * 1024**3) / 1024**2
+400.0
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-BUDGET_FLOOR_BYTES = 1024**3
+BUDGET_FLOOR_BYTES = 1024**3  # the budget before it is sized, and the most a small knowledge gets
+BUDGET_MIN_BYTES = 64 * 1024**2  # the least any knowledge gets
+SMALL_KNOWLEDGE_HEADROOM = 4  # a small knowledge's budget: this many times its prefill's bytes
 BUDGET_DISK_SHARE = 0.25
 PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
 _TOKEN_SAMPLE = 32  # segments tokenized to estimate the knowledge's tokens per character
@@ -54,8 +62,10 @@ def prefill_state_bytes(tokens: int, *, bytes_per_token: float, neighbours: int,
 
 
 def sized_state_budget(*, needed_bytes: int, free_disk_bytes: int) -> int:
-    """The budget that holds *needed_bytes* within the prefill's share, at least
-    :data:`BUDGET_FLOOR_BYTES`, at most :data:`BUDGET_DISK_SHARE` of *free_disk_bytes*
-    (the free disk plus what the states already take)."""
+    """The budget that holds *needed_bytes* within the prefill's share, at most
+    :data:`BUDGET_DISK_SHARE` of *free_disk_bytes* (the free disk plus what the states
+    already take), at least :data:`SMALL_KNOWLEDGE_HEADROOM` times *needed_bytes* within
+    [:data:`BUDGET_MIN_BYTES`, :data:`BUDGET_FLOOR_BYTES`]."""
     wanted = needed_bytes / PREFILL_BUDGET_SHARE
-    return int(max(BUDGET_FLOOR_BYTES, min(wanted, BUDGET_DISK_SHARE * free_disk_bytes)))
+    floor = max(BUDGET_MIN_BYTES, min(BUDGET_FLOOR_BYTES, SMALL_KNOWLEDGE_HEADROOM * needed_bytes))
+    return int(max(floor, min(wanted, BUDGET_DISK_SHARE * free_disk_bytes)))

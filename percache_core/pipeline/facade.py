@@ -11,7 +11,7 @@ from typing import Any
 
 from ..callers import CallerCache
 from ..config import PerCacheConfig
-from ..errors import CacheClosedError, CacheFolderError
+from ..errors import CacheClosedError, CacheFolderError, StorageWriteError
 from ..inputs import positive_override, similarity_override, validated_question, validated_scope
 from ..knowledge.embedding import Embedder, default_embedder
 from ..kv.engine import Engine
@@ -28,6 +28,14 @@ from .idle import IdleVerbs
 from .wiring import SETTINGS_FIXED_AT_OPEN, SETTINGS_OF_THE_LOADED_MODEL, _for_server, open_parts
 
 logger = logging.getLogger(__name__)
+
+USAGE_RECORD = "usage"  # the answer counts of the processes that closed the folder
+COUNTED = {
+    "answers and tokens": "every process that closed this folder, and this one",
+    "idle work, prediction, approximate answers": "this process",
+    "qa_bank, knowledge, chunk_states": "what the folder holds now",
+}
+
 
 class PerCache(DocumentVerbs, IdleVerbs):
     """A two-tier cache in front of a local RAG pipeline on llama.cpp.
@@ -144,10 +152,21 @@ class PerCache(DocumentVerbs, IdleVerbs):
             self._shared.close()
         self._closed = True
         parts = self._parts
+        self._persist_usage()
         parts.qa_bank.close()
         parts.knowledge.close()
         parts.meta.close()
         parts.runtime.close()
+
+    def _persist_usage(self) -> None:
+        """Add this process's answer counts to the folder's record (a failed write loses
+        them, nothing else)."""
+        meta = self._parts.meta
+        try:
+            with meta.transaction():
+                meta.put(USAGE_RECORD, self._parts.usage.persisted(meta.get(USAGE_RECORD)))
+        except (StorageWriteError, OSError) as error:
+            logger.warning("answer counts not kept (%s)", error)
 
     def __enter__(self) -> PerCache:
         return self
@@ -320,11 +339,12 @@ class PerCache(DocumentVerbs, IdleVerbs):
         Returns:
             A JSON-ready dict (``qa_bank``, ``chunk_states``, ``prediction``, ...).
 
-        >>> pc.stats()["qa_bank"]["entries"]   # doctest: +SKIP
+        >>> pc.stats()["qa_bank"].get("entries")   # doctest: +SKIP
         12
         """
         self._ensure_open()
-        summary = self._parts.usage.summary()
+        summary = self._parts.usage.summary(self._parts.meta.get(USAGE_RECORD))
+        summary["counted"] = COUNTED
         summary["qa_bank"] = {
             "entries": len(self._parts.qa_bank),
             "bytes": self._parts.qa_bank.bytes,

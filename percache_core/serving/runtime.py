@@ -16,6 +16,7 @@ round trip at opening (:mod:`percache_core.kv.slicing`), and whole otherwise.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Sequence
@@ -66,6 +67,18 @@ def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbos
         repack_weights=config.engine.repack_weights,
         verbose=verbose,
     )
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under *folder* (0 when it does not exist)."""
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                continue
+    return total
 
 
 class ModelRuntime:
@@ -351,12 +364,21 @@ class ModelRuntime:
             "repack_weights": self.config.engine.repack_weights,
         }
 
+    def _budget_origin(self) -> str:
+        """Where the chunk-state budget in force comes from, in words."""
+        if self.config.budgets.chunk_state_budget_bytes:
+            return "configured"
+        if self._bytes_per_token is None:
+            return "not sized yet (1 GiB until the knowledge is measured: preload() or an idle round)"
+        return "sized from the knowledge"
+
     def stats(self) -> dict[str, Any]:
         """Nodes, bytes, budget and failures of the chunk-state tier."""
         budget = {
             "budget_bytes": self.state_budget_bytes,
-            "budget": "configured" if self.config.budgets.chunk_state_budget_bytes else "sized from the knowledge",
+            "budget": self._budget_origin(),
             "bytes_per_token": self._bytes_per_token,
+            "bytes_on_disk": folder_bytes(self._folder / "states"),  # every model's, read without loading one
         }
         if self._states is None or self._runner is None:
             return {"nodes": 0, "bytes": 0, **budget}

@@ -20,7 +20,7 @@ from langchain_tests.integration_tests import (
 )
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from percache_core import MissingDependencyError, PerCache, PerCacheConfig
+from percache_core import InvalidQuestionError, MissingDependencyError, PerCache, PerCacheConfig
 from percache_core.inspection import internals
 from percache_langchain import (
     PerCacheChatModel,
@@ -198,6 +198,15 @@ def test_bad_input_gets_clear_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "langchain_core", None)
     with pytest.raises(MissingDependencyError, match=r"pip install \"percache-langchain\""):
         require_langchain()
+
+
+def test_an_empty_question_is_refused_by_the_chain_before_any_work(make_cache):
+    pc = make_cache("empty", documents=False)
+    chain = PerCacheRetriever(inner=FixedRetriever(), percache=pc) | RunnableLambda(lambda docs: "never")
+    for question in ("", "   "):
+        with pytest.raises(InvalidQuestionError, match="empty"):
+            chain.invoke(question)
+    assert pc.chunk_count == 0  # nothing was retrieved or added
 
 
 def test_chat_model_keeps_the_text_with_or_without_cache_for_two_chains(make_cache):

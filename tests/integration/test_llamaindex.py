@@ -53,6 +53,8 @@ def test_answers_equal_the_apps_own_engine_in_every_response_mode(index, llm, tm
     assert [r.response for r in responses] == [plain.query(q).response for q in asked]
     sources = [r.metadata["percache"]["source"] for r in responses]
     assert sources == ["full", "chunk_states", "qa_bank"]  # exact mode: the same question only
+    stats = cached.percache.stats()  # the labels and the counters say the same thing
+    assert stats["chunk_state_hits"] >= 1 and stats["full"] >= 1 and stats["qa_bank_hits"] >= 1
     assert responses[0].metadata["percache"]["llm_calls"] >= 1
     assert responses[1].metadata["percache"]["reused_tokens"] > 0  # the shared nodes' states
     assert [n.node.node_id for n in responses[2].source_nodes] == [n.node.node_id for n in responses[0].source_nodes]

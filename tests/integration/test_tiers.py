@@ -1,5 +1,6 @@
 """Both tiers with the real model and embedder: budgets, persistence, streaming, threads."""
 
+import json
 import threading
 
 import pytest
@@ -143,5 +144,10 @@ def test_cli_ingest_ask_and_stats(tmp_path, capsys):
     assert cli_main(["ask", "When is the garden party?", "--cache", cache, "--max-new-tokens", "12"]) == 0
     assert "August" in capsys.readouterr().out
     assert cli_main(["stats", "--cache", cache]) == 0
-    assert '"entries": 1' in capsys.readouterr().out
+    summary = capsys.readouterr().out
+    assert "answers        1 (every process that closed this folder" in summary  # ask ran in its own PerCache
+    assert "1 entries" in summary and "1 chunks" in summary
+    assert cli_main(["stats", "--cache", cache, "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)
+    assert counted["queries"] == 1 and counted["qa_bank"]["entries"] == 1
     assert cli_main(["ask", " ", "--cache", cache]) == 2

@@ -476,3 +476,18 @@ def test_a_caller_prompt_keeps_what_the_context_holds_of_the_previous_one(fake_c
     with internals(pc).engine.lock:
         internals(pc).engine.reset()
     assert pc.caller.complete(prompts[0] + " ", decoding=Decoding(stop=[])).reused_tokens == 0
+
+
+def test_answer_counts_persist_with_the_folder_and_stats_say_what_they_count(fake_cache):
+    first = fake_cache("counted")
+    first.answer(QUESTION)
+    first.answer(QUESTION)  # the same question again: a stored answer
+    first.close()
+    second = fake_cache("counted", documents=False)  # another process, the same folder
+    assert second.stats()["queries"] == 2 and second.stats()["qa_bank_hits"] == 1
+    second.answer(QUESTION)
+    stats = second.stats()
+    assert stats["queries"] == 3 and stats["prompt_answers"] == 2
+    assert stats["counted"]["answers and tokens"].startswith("every process")
+    second.close()
+    assert fake_cache("counted", documents=False).stats()["queries"] == 3

@@ -16,8 +16,9 @@ The layers, lowest first (parts in one layer do not import each other):
    and the parts a cache is made of); the Redis tier behind the local ones;
 7. ``prediction``: idle work (the demand estimate, the predictor, the scheduler, the worker);
 8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``endpoint`` (``percache
-   serve``: the OpenAI-compatible endpoint over it), then ``cli``, ``inspection`` (the parts
-   behind a facade, for tests and benchmarks) and the package.
+   serve``: the OpenAI-compatible endpoint over it), then ``demo`` (``percache demo``),
+   then ``cli``, ``inspection`` (the parts behind a facade, for tests and benchmarks) and
+   the package.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LAYERS: list[set[str]] = [
     {"callers"},
     {"pipeline"},
     {"endpoint"},
+    {"demo"},
     {"cli", "inspection", "__init__", "__main__"},
 ]
 LAYER_OF = {part: index for index, parts in enumerate(LAYERS) for part in parts}
