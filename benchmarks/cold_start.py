@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from percache_core.cli import demo_corpus
+from percache_core.demo import demo_corpus
 from percache_core.models import percache_home, resolve_model_path
 
 from .output import write_json

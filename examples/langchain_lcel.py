@@ -21,7 +21,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from percache_core import PerCache, PerCacheConfig
-from percache_core.cli import demo_corpus
+from percache_core.demo import demo_corpus
 from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
 
 

@@ -15,7 +15,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
-from percache_core.cli import demo_corpus  # noqa: E402
+from percache_core.demo import demo_corpus  # noqa: E402
 from percache_core.knowledge.bert import BertEmbedder  # noqa: E402
 from percache_core.kv.llama_cpp import LlamaEngine  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402

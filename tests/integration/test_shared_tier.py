@@ -59,7 +59,7 @@ def wait_until(condition, timeout_s: float = 15.0) -> None:
 def populate_in_another_process(url: str, folder) -> None:
     script = textwrap.dedent(f"""
         from percache_core import PerCache, PerCacheConfig
-        from percache_core.cli import demo_corpus
+        from percache_core.demo import demo_corpus
         config = PerCacheConfig(max_new_tokens=24, shared_url={url!r}, shared_secret={SECRET!r}, shared_namespace="team")
         with PerCache.open({str(folder)!r}, config=config) as pc:
             pc.add_documents(demo_corpus()["documents"])

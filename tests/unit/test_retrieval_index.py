@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from rank_bm25 import BM25Okapi
 
-from percache_core.cli import demo_corpus
+from percache_core.demo import demo_corpus
 from percache_core.knowledge import index as chunk_index
 from percache_core.knowledge.bank import KnowledgeBank
 from percache_core.knowledge.bm25 import BM25Index, bm25_tokens
