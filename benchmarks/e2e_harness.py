@@ -752,6 +752,8 @@ def plot(result: dict[str, Any], folder: Path) -> list[Path]:
         written.append(folder / "latency_per_user.png")
         figure.savefig(written[-1], dpi=120)
         plt.close(figure)
+    if users:
+        written += _plot_ttft_by_source(result, folder, plt)
     if result["tau_sweep"]:
         sweep = result["tau_sweep"]
         figure, left = plt.subplots(figsize=(6, 4))
@@ -789,6 +791,36 @@ def plot(result: dict[str, Any], folder: Path) -> list[Path]:
         figure.savefig(written[-1], dpi=120)
         plt.close(figure)
     return written
+
+
+def _plot_ttft_by_source(result: dict[str, Any], folder: Path, plt: Any) -> list[Path]:
+    """Time to first token of PerCache's answers by where they came from, over every user,
+    beside the mean of the systems without a cache (stock llama.cpp, naive) on the same
+    questions."""
+    by_source: dict[str, list[float]] = {}
+    baselines: dict[str, list[float]] = {}
+    for records in result["queries"].values():
+        for record in records.get("percache", []):
+            by_source.setdefault(record["source"], []).append(record["ttft_s"])
+        for name in ("stock", "naive"):
+            baselines.setdefault(name, []).extend(r["ttft_s"] for r in records.get(name, []))
+    if not by_source:
+        return []
+    figure, axis = plt.subplots(figsize=(7, 4))
+    labels = [f"PerCache: {source}\n({len(values)} answers)" for source, values in by_source.items()]
+    axis.bar(labels, [sum(v) / len(v) for v in by_source.values()], color="tab:green")
+    colours = {"stock": "tab:blue", "naive": "tab:orange"}
+    for name, values in baselines.items():
+        if values:
+            axis.axhline(sum(values) / len(values), color=colours[name], linestyle="--", label=f"{name} (mean)")
+    axis.set(ylabel="mean time to first token (s)", title="Time to first token by answer source")
+    axis.legend(fontsize=7)
+    axis.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    path = folder / "ttft_by_source.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return [path]
 
 
 def write_report(result: dict[str, Any], out: Path) -> list[Path]:

@@ -68,12 +68,7 @@ class ServerAlone:
             "-c", str(N_CTX), "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = LlamaServer(url=f"http://127.0.0.1:{self.port}")
-        client._process = self.process  # only to wait for it (it is stopped by close below)
-        try:
-            client._wait_until_ready(180)
-        finally:
-            client._process = None
+        LlamaServer(url=f"http://127.0.0.1:{self.port}")._wait_until_ready(180)  # (stopped by close below)
 
     def _post(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)

@@ -112,6 +112,7 @@ class ServerProcess:
     signal) and is stopped when this object is collected.
 
     Attributes:
+        popen: the process.
         url: where it listens.
         slot_save_path: its slot-save folder.
         flags: the flags it runs with (but where).
@@ -133,14 +134,14 @@ class ServerProcess:
         self.flags = launch.flags()
         where = ("-m", str(model), "--host", launch.host, "--port", str(port), "--slot-save-path", str(slot_save_path))
         self._log: Any = tempfile.TemporaryFile(prefix="percache-llama-server-")
-        self._process = subprocess.Popen(
+        self.popen = subprocess.Popen(
             [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent
         )
-        self._finalizer = weakref.finalize(self, _stop, self._process, self._log)
+        self._finalizer = weakref.finalize(self, _stop, self.popen, self._log)
 
     def exit_code(self) -> int | None:
         """The process's exit code, or None while it runs."""
-        return self._process.poll()
+        return self.popen.poll()
 
     def log_tail(self, size: int = 2000) -> str:
         """The end of its log."""

@@ -281,8 +281,8 @@ def test_a_started_server_keeps_answering_and_stops_with_its_owner(model_path: P
     import gc
 
     server = LlamaServer.start(model_path, ServerLaunch(n_ctx=512))
-    process = server._process
-    assert process is not None
+    assert server._process is not None
+    process = server._process.popen
     client = LlamaServer(url=server.url, timeout_s=30)  # a server blocked on its log would time out
     tokens = client.tokenize("Hello there", True)
     for _ in range(200):  # its log grows past what an unread pipe holds

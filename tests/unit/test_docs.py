@@ -71,3 +71,18 @@ def test_the_readme_is_read_in_five_minutes() -> None:
     assert len(readme.splitlines()) <= 220
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).is_file(), link
+
+
+def test_every_python_block_of_the_docs_parses() -> None:
+    """The pages' Python blocks are at least valid Python (the README's also run:
+    ``tests/integration/test_readme.py``)."""
+    import ast
+
+    broken = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            try:
+                ast.parse(block)
+            except SyntaxError as error:
+                broken.append(f"{page.name}: {error}")
+    assert not broken, "\n".join(broken)
