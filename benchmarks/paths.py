@@ -517,7 +517,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"e2e agreement: {result['e2e_agreement']['same_depth']} of {len(same)} same-path questions", flush=True)
     engine.close()
     print(f"written to {write_json(result, args.out)}")
+    for path in plot_coverage(result, FolderPath(args.out).parent / "plots"):
+        print(f"written to {path}")
     return 0
+
+
+def plot_coverage(result: dict[str, Any], folder: FolderPath) -> list[FolderPath]:
+    """PNG figures beside the JSON: mean coverage per chunk-state budget (GiB per user) for
+    each policy and data set, and, with ``--idle-seconds``, per idle minute before each
+    question. Needs matplotlib (``pip install "percache-core[bench]"``); none without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in result["results"] if r["budget_gib"] != "sized"]
+    sets = sorted({d for r in rows for d in r if isinstance(r[d], dict)})
+    written = []
+    for axis_name, key, label in (
+        ("gib", "budget_gib", "chunk-state budget (GiB per user)"),
+        ("idle_minute", "idle_seconds_per_question", "idle time before each question (minutes)"),
+    ):
+        chosen = [r for r in rows if r.get(key) is not None]
+        if len({r[key] for r in chosen}) < 2:
+            continue
+        figure, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 3.6), squeeze=False)
+        for axis, dataset in zip(axes[0], sets):
+            for policy in dict.fromkeys(r["policy"] for r in chosen):
+                points = sorted((float(r[key]), r[dataset]["coverage"]) for r in chosen if r["policy"] == policy)
+                xs = [x / 60 if axis_name == "idle_minute" else x for x, _ in points]
+                axis.plot(xs, [y for _, y in points], marker="o", label=policy)
+            axis.set(xlabel=label, ylabel="coverage of a question's chunk tokens", title=dataset, ylim=(0, 1))
+            axis.legend(fontsize=7)
+        figure.tight_layout()
+        path = folder / f"coverage_per_{axis_name}.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+    return written
 
 
 if __name__ == "__main__":
