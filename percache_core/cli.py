@@ -92,8 +92,8 @@ def stats_text(stats: dict[str, Any], folder: str) -> str:
         f"{stats['generated_tokens']:,} generated",
         f"  QA bank        {qa['entries']} entries, {qa['prompt_answers']} prompt answers, "
         f"{_size(qa['bytes'] + qa['prompt_answer_bytes'])} (budget {_size(qa['budget_bytes'])} each)",
-        f"  chunk states   {states.get('nodes', 0)} states, {_size(states.get('bytes', 0))} "
-        f"(on disk, all models: {_size(states.get('bytes_on_disk', 0))}); budget {_size(budget)}, {states['budget']}",
+        f"  chunk states   {_size(states.get('bytes_on_disk', states['bytes']))} on disk; "
+        f"budget {_size(budget)}, {states['budget']}",
         f"  idle work      {rounds} rounds in this process",
     ]
     return "\n".join(lines)

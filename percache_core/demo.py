@@ -136,8 +136,7 @@ class Systems:
         started = time.perf_counter()
         engine = self.pc.config.engine
         spec = rag_prompt(self.pc.config.retrieval.system_prompt, [r.chunk for r in self.pc.retrieve(question)], question)
-        prompt = spec.prefix + "".join(text for _, text in spec.chunks) + spec.suffix
-        reply = self.stock.create_completion(prompt, max_tokens=engine.max_new_tokens, temperature=0.0, stop=list(engine.stop))
+        reply = self.stock.create_completion(spec.text, max_tokens=engine.max_new_tokens, temperature=0.0, stop=list(engine.stop))
         return reply["choices"][0]["text"].strip(), time.perf_counter() - started
 
 

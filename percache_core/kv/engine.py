@@ -164,6 +164,20 @@ class Decoding:
     prompt_lookup: bool = False
     trim: bool = False
 
+    def required_tokens(self) -> int:
+        """``max_new_tokens``, which a call straight on an engine needs (no configuration
+        fills it in).
+
+        Raises:
+            ValueError: it is None.
+
+        >>> Decoding(0).required_tokens()
+        0
+        """
+        if self.max_new_tokens is None:
+            raise ValueError("this call needs max_new_tokens (Decoding(max_new_tokens=...))")
+        return self.max_new_tokens
+
 
 @dataclass(frozen=True)
 class ChatPrompt:

@@ -371,12 +371,10 @@ class LlamaServer:
         text, the request is cancelled and :class:`UnexpectedReuse` raised (no text was
         yielded). Closing the iterator early cancels the request (the connection is closed).
         """
-        if decoding.max_new_tokens is None:
-            raise ValueError("a server completion needs max_new_tokens")
         sampling = decoding.sampling or Sampling()
         body: dict[str, Any] = {
             "prompt": list(tokens),
-            "n_predict": decoding.max_new_tokens,
+            "n_predict": decoding.required_tokens(),
             "cache_prompt": cache_prompt,
             "id_slot": SLOT,
             "stream": True,

@@ -69,7 +69,7 @@ def complete_plain(
     With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
     tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
     """
-    max_new_tokens, sampling = plain_settings(decoding)
+    max_new_tokens, sampling = decoding.required_tokens(), decoding.sampling or Sampling()
     with engine.lock:
         tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
         tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
@@ -95,10 +95,3 @@ def complete_plain(
             )
         )
         return text, len(tokens), generated
-
-
-def plain_settings(decoding: Decoding) -> tuple[int, Sampling]:
-    """The tokens and sampling of a plain completion's *decoding* (greedy by default)."""
-    if decoding.max_new_tokens is None:
-        raise ValueError("a plain completion needs max_new_tokens")
-    return decoding.max_new_tokens, decoding.sampling or Sampling()

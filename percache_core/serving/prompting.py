@@ -153,6 +153,15 @@ class PromptSpec:
     chunks: tuple[tuple[str | None, str], ...]
     suffix: str
 
+    @property
+    def text(self) -> str:
+        """The prompt as one string (what a stock LLM call completes).
+
+        >>> PromptSpec("Notes:\\n", (("c", "Lunch at noon.\\n"),), "Q: When?").text
+        'Notes:\\nLunch at noon.\\nQ: When?'
+        """
+        return self.prefix + "".join(text for _, text in self.chunks) + self.suffix
+
 
 @dataclass(frozen=True)
 class TextPrompt:

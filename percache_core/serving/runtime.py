@@ -378,10 +378,9 @@ class ModelRuntime:
             "budget_bytes": self.state_budget_bytes,
             "budget": self._budget_origin(),
             "bytes_per_token": self._bytes_per_token,
-            "bytes_on_disk": folder_bytes(self._folder / "states"),  # every model's, read without loading one
         }
-        if self._states is None or self._runner is None:
-            return {"nodes": 0, "bytes": 0, **budget}
+        if self._states is None or self._runner is None:  # what the folder holds, every model's, no model loaded
+            return {"nodes": 0, "bytes": 0, "bytes_on_disk": folder_bytes(self._folder / "states"), **budget}
         if isinstance(self._runner, ServerRunner):
             self._runner.flush()
         return {

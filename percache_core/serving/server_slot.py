@@ -246,14 +246,13 @@ class ServerSlot:
         LLM calls): (text, prompt tokens, generated tokens). The prompt keeps its last
         ``n_ctx - max_new_tokens`` tokens. Raises :class:`Preempted` when *should_stop*
         turns true."""
-        if decoding.max_new_tokens is None:
-            raise ValueError("a plain completion needs max_new_tokens")
+        max_new_tokens = decoding.required_tokens()
         server = self.server
         with server.lock:
             if should_stop is not None and should_stop():
                 raise Preempted("completion pre-empted by a user question")
             tokens = server.tokenize_chat(prompt) if chat else server.tokenize(prompt, True)
-            tokens = tokens[-(server.n_ctx - decoding.max_new_tokens) :]
+            tokens = tokens[-(server.n_ctx - max_new_tokens) :]
             self.content = None
             filter_ = StopStringFilter(list(decoding.stop or ()), strip=False)
             pieces = server.complete(tokens, decoding, cache_prompt=False)
