@@ -23,6 +23,7 @@ from typing import Any
 
 from .config import PerCacheConfig
 from .demo import run_demo
+from .document_files import document_files, read_documents
 from .errors import PerCacheError
 from .pipeline import PerCache
 
@@ -99,25 +100,6 @@ def stats_text(stats: dict[str, Any], folder: str) -> str:
     return "\n".join(lines)
 
 
-def _read_documents(paths: Sequence[str]) -> list[dict[str, Any]]:
-    documents: list[dict[str, Any]] = []
-    for name in paths:
-        path = Path(name)
-        if not path.is_file():
-            raise PerCacheError(f"not a file: {path}")
-        if path.suffix == ".jsonl":
-            for line_number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
-                if line.strip():
-                    record = json.loads(line)
-                    record.setdefault("id", record.get("doc_id") or f"{path.stem}-{line_number}")
-                    documents.append(record)
-        else:
-            documents.append(
-                {"id": path.stem, "text": path.read_text("utf-8"), "metadata": {"path": str(path)}}
-            )
-    return documents
-
-
 def run_warm(args: argparse.Namespace) -> int:
     with PerCache.open(args.cache, config=_config(args)) as pc:
         report = pc.warm(max_seconds=args.max_seconds, max_predictions=args.max_predictions)
@@ -128,7 +110,7 @@ def run_warm(args: argparse.Namespace) -> int:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    documents = _read_documents(args.paths)
+    documents = read_documents(args.paths)
     with PerCache.open(args.cache, config=_config(args)) as pc:
         chunks = pc.add_documents(documents, split=not args.no_split, progress=True)
         total = pc.stats()["knowledge"]["chunks"]
@@ -166,16 +148,44 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     try:
         from .endpoint import EndpointSettings
-        from .endpoint.serve import checked_api_key, open_server, serve, shared_config
+        from .endpoint.serve import BetweenRequests, checked_api_key, open_server, serve, shared_config
     except ImportError as error:
         raise PerCacheError(f"percache serve needs the serve extra: pip install 'percache-core[serve]' ({error})") from None
 
     key = checked_api_key(args.host, args.api_key)  # before any work
+    for pattern in args.documents or ():
+        if not Path(pattern).expanduser().is_dir() and not document_files(pattern):
+            raise PerCacheError(f"--documents {pattern}: no folder and no .txt, .md or .jsonl file there")
     config = shared_config(args.shared_url)
     server = open_server(args.upstream, args.model, args.slot_save_path)
     settings = EndpointSettings(api_key=key, max_request_bytes=args.max_request_bytes)
-    serve(args.cache, server, address=(args.host, args.port), settings=settings, config=config, idle=args.idle)
+    documents = tuple(args.documents or ())
+    between = BetweenRequests(idle=(args.idle or bool(documents)) and not args.no_idle, documents=documents)
+    serve(args.cache, server, address=(args.host, args.port), settings=settings, config=config, between=between)
     return 0
+
+
+def _add_serve_parser(commands: Any) -> None:
+    """``percache serve``'s options."""
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible endpoint with PerCache in front of a llama-server"
+    )
+    serve.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
+    serve.add_argument("--upstream", help="URL of a running llama-server (e.g. http://127.0.0.1:8081)")
+    serve.add_argument("--model", help="a GGUF file: start a llama-server on it (instead of --upstream)")
+    serve.add_argument("--slot-save-path", help="the upstream server's --slot-save-path folder (chunk states)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")
+    serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest request body")
+    serve.add_argument("--shared-url", help="Redis tier shared with other endpoints ($PERCACHE_SHARED_SECRET signs)")
+    serve.add_argument("--idle", action="store_true", help="run idle prediction between requests (on with --documents)")
+    serve.add_argument("--no-idle", action="store_true", help="no idle prediction, even with --documents")
+    serve.add_argument(
+        "--documents", action="append", metavar="DIR_OR_GLOB",
+        help="documents (.txt, .md, .jsonl) ingested at start and watched (repeatable)",
+    )
+    serve.set_defaults(handler=run_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,20 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
     stats.add_argument("--json", action="store_true", help="every counter, as JSON")
     stats.set_defaults(handler=run_stats)
-    serve = commands.add_parser(
-        "serve", help="an OpenAI-compatible endpoint with PerCache in front of a llama-server"
-    )
-    serve.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
-    serve.add_argument("--upstream", help="URL of a running llama-server (e.g. http://127.0.0.1:8081)")
-    serve.add_argument("--model", help="a GGUF file: start a llama-server on it (instead of --upstream)")
-    serve.add_argument("--slot-save-path", help="the upstream server's --slot-save-path folder (chunk states)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")
-    serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest request body")
-    serve.add_argument("--shared-url", help="Redis tier shared with other endpoints ($PERCACHE_SHARED_SECRET signs)")
-    serve.add_argument("--idle", action="store_true", help="run idle prediction between requests")
-    serve.set_defaults(handler=run_serve)
+    _add_serve_parser(commands)
     return parser
 
 

@@ -138,7 +138,8 @@ class PerCacheChatModel(BaseChatModel):
         pairs = message_pairs(messages)
         contents = [text for role, text in pairs[:1] if role == "system"] + [text for _, text in pairs[-2:-1]]
         decoding = decoding_of(self._identifying_params, stops)
-        return complete(self.percache, chat.text, decoding, keep_after=contents, add_bos=chat.add_bos)
+        question = next((text for role, text in reversed(pairs) if role == "user"), None)
+        return complete(self.percache, chat.text, decoding, keep_after=contents, add_bos=chat.add_bos, question=question)
 
     def _generate(
         self,

@@ -35,34 +35,48 @@ def generation_settings(percache: PerCache, max_new_tokens: int | None, temperat
     }
 
 
-def decoding_of(settings: dict[str, Any], stop: list[str] | None, trim: bool = False) -> Decoding:
+def decoding_of(settings: dict[str, Any], stop: Sequence[str], trim: bool = False) -> Decoding:
     """The :class:`~percache_core.Decoding` of :func:`generation_settings`' *settings* with
-    *stop* (None: the configured stop strings) and *trim* (drop the white space around the
-    answer, for chat replies; without it the text is llama.cpp's as decoded)."""
+    *stop* (the app's stop strings only: PerCache's configured ones are for its own prompt)
+    and *trim* (drop the white space around the answer, for chat replies; without it the
+    text is llama.cpp's as decoded)."""
     sampling = Sampling(settings["temperature"], settings["top_p"], settings["seed"])
-    return Decoding(settings["max_new_tokens"], sampling, stop, trim=trim)
+    return Decoding(settings["max_new_tokens"], sampling, list(stop), trim=trim)
 
 
 def complete(
-    percache: PerCache, prompt: str, decoding: Decoding, keep_after: Sequence[str] = (), add_bos: bool | None = None
+    percache: PerCache,
+    prompt: str,
+    decoding: Decoding,
+    keep_after: Sequence[str] = (),
+    add_bos: bool | None = None,
+    question: str | None = None,
 ) -> AnswerStream:
     """*prompt* continued through *percache*'s chunk states with *decoding*: the text
     pieces (joined, they are the text ``invoke`` returns), then ``.answer``. States are
     kept after the documents a retriever of *percache* returned and after the texts
-    *keep_after* (a chat's messages). *add_bos*: see ``pc.caller.complete``."""
-    documents = [d.page_content for d in recorder_for(percache).documents_in(prompt)]
+    *keep_after* (a chat's messages). *add_bos*: see ``pc.caller.complete``. The user's
+    question is the one a retriever of *percache* recorded in the prompt, else *question*
+    (a chat's last user message)."""
+    recorder = recorder_for(percache)
+    documents = [d.page_content for d in recorder.documents_in(prompt)]
     documents += [text for text in keep_after if text.strip()]
-    stream = percache.caller.complete(prompt, documents=documents, decoding=decoding, add_bos=add_bos, stream=True)
+    question = recorder.question_in(prompt) or question
+    stream = percache.caller.complete(
+        prompt, documents=documents, decoding=decoding, add_bos=add_bos, stream=True, question=question
+    )
     assert isinstance(stream, AnswerStream)
     return stream
 
 
 class PerCacheLLM(LLM):
-    """Generates with the PerCache's engine and settings (``max_new_tokens`` and
-    ``temperature`` override them for this LLM); ``stop`` replaces the configured stop
-    strings for one call.
+    """Generates with the PerCache's engine and decoding settings (greedy by default;
+    ``max_new_tokens`` and ``temperature`` override them for this LLM). Stop strings are
+    the app's only, as LangChain's ``LlamaCpp`` has them: a call's ``stop``, else this
+    LLM's ``stop``, else none (PerCache's configured stop strings belong to its own
+    prompt and are never added), so the text is what stock llama.cpp gives the same prompt.
 
-    >>> llm = PerCacheLLM(percache=pc, max_new_tokens=48)   # doctest: +SKIP
+    >>> llm = PerCacheLLM(percache=pc, max_new_tokens=48, stop=["\\n"])   # doctest: +SKIP
     >>> (retriever | prompt | llm).invoke("When is the rehearsal?")   # doctest: +SKIP
     """
 
@@ -71,6 +85,7 @@ class PerCacheLLM(LLM):
     percache: Any
     max_new_tokens: int | None = Field(default=None, gt=0)
     temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    stop: list[str] | None = Field(default=None, description="stop strings of calls that give none (default: none)")
 
     @field_validator("percache")
     @classmethod
@@ -83,7 +98,11 @@ class PerCacheLLM(LLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return generation_settings(self.percache, self.max_new_tokens, self.temperature)
+        return {**generation_settings(self.percache, self.max_new_tokens, self.temperature), "stop": self.stop}
+
+    def _decoding(self, stop: list[str] | None) -> Decoding:
+        """One call's decoding: the call's *stop*, else this LLM's, else none."""
+        return decoding_of(self._identifying_params, stop if stop is not None else self.stop or [])
 
     def _call(
         self,
@@ -92,7 +111,7 @@ class PerCacheLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> str:
-        return "".join(complete(self.percache, prompt, decoding_of(self._identifying_params, stop)))
+        return "".join(complete(self.percache, prompt, self._decoding(stop)))
 
     def _stream(
         self,
@@ -101,7 +120,7 @@ class PerCacheLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for piece in complete(self.percache, prompt, decoding_of(self._identifying_params, stop)):
+        for piece in complete(self.percache, prompt, self._decoding(stop)):
             chunk = GenerationChunk(text=piece)
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)

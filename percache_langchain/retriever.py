@@ -48,6 +48,7 @@ class PerCacheRetriever(BaseRetriever):
 
     def _keep(self, query: str, documents: list[Document]) -> list[Document]:
         recorder_for(self.percache).record(query, documents)
+        self.percache.caller.retrieves_with(self._passages)  # idle work builds requests as this chain does
         if self.add_to_knowledge:
             usable = [d for d in documents if d.page_content.strip()]
             if usable:
@@ -55,6 +56,11 @@ class PerCacheRetriever(BaseRetriever):
                     [{"id": _document_id(d), "text": d.page_content} for d in usable], split=False
                 )
         return documents
+
+    def _passages(self, question: str, count: int) -> list[str]:
+        """The texts the inner retriever returns for *question* (at most *count*), for
+        idle work's predicted requests (``pc.caller.retrieves_with``)."""
+        return [d.page_content for d in self.inner.invoke(question)][:count]
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun

@@ -59,6 +59,7 @@ class CacheScope:
 
     percache: PerCache
     documents: tuple[str, ...]
+    question: str | None = None  # the user's query the calls answer (learned with the prompts' shape)
     answers: list[Answer] = field(default_factory=list)
 
     @property
@@ -74,10 +75,11 @@ _scope: ContextVar[CacheScope | None] = ContextVar("percache_llamaindex_cache_sc
 
 
 @contextmanager
-def cache_scope(percache: PerCache, documents: Sequence[str]) -> Iterator[CacheScope]:
+def cache_scope(percache: PerCache, documents: Sequence[str], question: str | None = None) -> Iterator[CacheScope]:
     """Within this block, LLM calls reuse and keep *percache*'s chunk states; a state is
-    kept where one of *documents* (the retrieved nodes' texts) ends in the prompt."""
-    scope = CacheScope(percache, tuple(documents))
+    kept where one of *documents* (the retrieved nodes' texts) ends in the prompt; the
+    calls answer *question* (the user's query, where known)."""
+    scope = CacheScope(percache, tuple(documents), question)
     token = _scope.set(scope)
     try:
         yield scope
@@ -244,7 +246,7 @@ class PerCacheLlamaCPP(CustomLLM):
         if scope is not None and scope.percache.caller.runs_on(self.engine):
             decoding = Decoding(self.max_new_tokens, sampling, stop, prompt_lookup=self.prompt_lookup)
             stream = scope.percache.caller.complete(
-                prompt, documents=scope.documents, decoding=decoding, add_bos=add_bos, stream=True
+                prompt, documents=scope.documents, decoding=decoding, add_bos=add_bos, stream=True, question=scope.question
             )  # llama.cpp's text as decoded (trim=False), as stock LlamaCPP gives it
             assert isinstance(stream, AnswerStream)
             yield from stream

@@ -331,7 +331,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         with the LLM's calls through the chunk states; stored under *binding*."""
         record_chunks(self._percache, chunks)
         documents = [c.text for c in chunks] if self._uses_states else []
-        with cache_scope(self._percache, documents) as scope:
+        with cache_scope(self._percache, documents, query_bundle.query_str) as scope:
             response = self._inner.synthesize(query_bundle, nodes)
         question = query_bundle.query_str
         info: dict[str, Any] = {"source": "full", "llm_calls": 0, "reused_tokens": 0, "prefilled_tokens": 0}

@@ -19,6 +19,7 @@ from ..kv.engine import Decoding, Engine, TextModel
 from ..serving.parts import CacheParts
 from ..serving.prompting import TextPrompt
 from ..serving.request_path import RequestPath
+from ..serving.shapes import decoding_record
 from ..serving.state_runner import RelayedRequest
 from ..serving.streaming import AnswerStream, delivered
 from ..types import Answer, Chunk
@@ -42,6 +43,7 @@ class PromptVerbs:
         decoding: Decoding | None = None,
         add_bos: bool | None = None,
         stream: bool = False,
+        question: str | None = None,
     ) -> Answer | AnswerStream:
         """Continue a finished prompt string (a framework's template, a chat template) as
         the model does without a cache, reusing stored states of its leading part.
@@ -58,6 +60,9 @@ class PromptVerbs:
         starts with it; a :class:`~percache_core.kv.engine.ChatPrompt` says). No QA-bank
         entry: the question's answer is the caller's to :meth:`remember`.
 
+        Its shape is learned (:mod:`percache_core.serving.shapes`), so that idle work
+        runs predicted questions as the app sends them.
+
         Args:
             prompt: the finished prompt (non-empty).
             documents: texts in the prompt after which states are kept.
@@ -65,6 +70,8 @@ class PromptVerbs:
                 stop strings, no prompt lookup, the text as decoded).
             add_bos: whether tokenizing adds BOS (None: unless the prompt starts with it).
             stream: return an :class:`AnswerStream` of text pieces instead of an Answer.
+            question: the user's question the prompt asks (a retriever's query, the last
+                user message), where the caller knows it: it is learned with the shape.
 
         Returns:
             The :class:`Answer` (``prompt_answer`` when the prompt was answered before), or a
@@ -84,8 +91,39 @@ class PromptVerbs:
         if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
             raise TypeError("documents must be a sequence of strings")
         resolved = self._parts.config.engine.resolve(decoding)
+        if self._parts.activity.background_stop() is None:  # a request the app sent, not idle work's
+            self._learn_shape(prompt, question, resolved, add_bos)
         events = self._path.complete(prompt, TextPrompt(prompt, tuple(documents), add_bos), resolved)
         return delivered(self._parts.activity.in_user_turn(events), stream)
+
+    def _learn_shape(self, prompt: str, question: str | None, decoding: Decoding, add_bos: bool | None) -> None:
+        """Learn the shape of a request the app sent (see :mod:`percache_core.serving.shapes`)."""
+        if not len(self._parts.knowledge):
+            return
+        passages = self.quoted_passages(prompt)
+        if not passages:
+            return
+        question = question.strip() if isinstance(question, str) and question.strip() else None
+        self._parts.shapes.observe(prompt, passages, question, decoding_record(decoding), add_bos)
+        activity = self._parts.activity
+        if question and (not activity.history or activity.history[-1] != question):
+            activity.record_question(question, None, None)  # the app's questions feed history prediction
+
+    def retrieves_with(self, retrieve: Callable[[str, int], list[str]] | None) -> None:
+        """Give idle work the app's own retriever: *retrieve(question, n)* returns the
+        texts of the passages the app puts in its prompt for *question* (at most *n*, in
+        prompt order). Predicted questions are then built into requests with the app's
+        passages rather than PerCache's retrieval (:mod:`percache_core.serving.shapes`).
+        ``PerCacheRetriever`` registers its inner retriever; None forgets it.
+
+        Args:
+            retrieve: (question, n) -> passage texts, or None.
+
+        >>> pc.caller.retrieves_with(lambda q, n: [d.page_content for d in retriever.invoke(q)][:n])  # doctest: +SKIP
+        """
+        if retrieve is not None and not callable(retrieve):
+            raise TypeError("retrieve must be a callable (question, n) -> list of passage texts, or None")
+        self._parts.shapes.retrieve = retrieve
 
     def relay(
         self, request: RelayedRequest, prompt: str, *, documents: Sequence[str] = (), stream: bool = False

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import PerCacheConfig
@@ -17,6 +18,7 @@ from ..errors import PerCacheError
 from ..kv.llama_server import LlamaServer, ServerLaunch, free_port
 from ..pipeline import PerCache
 from .app import EndpointSettings, create_app
+from .documents import WatchedDocuments
 
 API_KEY_ENV = "PERCACHE_API_KEY"
 SHARED_SECRET_ENV = "PERCACHE_SHARED_SECRET"
@@ -54,6 +56,17 @@ def checked_api_key(host: str, api_key: str | None) -> str | None:
     return key
 
 
+@dataclass(frozen=True)
+class BetweenRequests:
+    """What ``percache serve`` does besides answering: *documents* (folders or globs of
+    ``.txt``, ``.md``, ``.jsonl`` files) ingested at start and watched while serving
+    (:class:`~percache_core.endpoint.documents.WatchedDocuments`), and *idle* prediction
+    between requests."""
+
+    idle: bool = False
+    documents: tuple[str, ...] = ()
+
+
 def serve(
     cache: str | Path,
     server: LlamaServer,
@@ -61,7 +74,7 @@ def serve(
     address: tuple[str, int] = ("127.0.0.1", 8080),
     settings: EndpointSettings = EndpointSettings(),
     config: PerCacheConfig | None = None,
-    idle: bool = False,
+    between: BetweenRequests = BetweenRequests(),
 ) -> None:
     """Serve *cache* over *server* at ``http://host:port/v1`` until interrupted.
 
@@ -71,7 +84,7 @@ def serve(
         address: (host, port) to listen on.
         settings: the API key and the largest request body.
         config: the cache's settings (None: the defaults).
-        idle: run idle prediction between requests.
+        between: documents to ingest and watch, and idle prediction between requests.
 
     >>> serve("~/.percache/me", LlamaServer("http://127.0.0.1:8081"))   # doctest: +SKIP
     """
@@ -79,13 +92,19 @@ def serve(
 
     host, port = address
     pc = PerCache.open(Path(cache).expanduser(), config=config, engine=server)
+    watched = WatchedDocuments(pc, between.documents)
     try:
+        if between.documents:
+            added, _ = watched.sync()
+            print(f"percache serve: {added} documents from {', '.join(between.documents)} (watched)")
+            watched.start()
         pc.preload()
-        if idle:
+        if between.idle:
             pc.start_worker()
         print(f"percache serve: http://{host}:{port}/v1 over {server.url} ({server.model_name}), cache {cache}")
         uvicorn.run(create_app(pc, server, settings), host=host, port=port, log_level="warning")
     finally:
+        watched.stop()
         pc.close()
         if server.owns_process:
             server.close()

@@ -18,6 +18,14 @@ and :data:`BUDGET_FLOOR_BYTES` (a knowledge whose prefill takes 256 MiB or more)
 64.0
 >>> sized_state_budget(needed_bytes=100 * 1024**2, free_disk_bytes=100 * 1024**3) / 1024**2
 400.0
+
+Apps that bring their own prompts (a LangChain chat, an OpenAI client through ``percache
+serve``) store states of prompts the knowledge does not predict: the budget then also
+follows what requests stored (:func:`demand_budget`), so a user's conversations are not
+evicted while the disk has room:
+
+>>> demand_budget(knowledge_bytes=0, request_bytes=300 * 1024**2, free_disk_bytes=100 * 1024**3) / 1024**2
+600.0
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ BUDGET_MIN_BYTES = 64 * 1024**2  # the least any knowledge gets
 SMALL_KNOWLEDGE_HEADROOM = 4  # a small knowledge's budget: this many times its prefill's bytes
 BUDGET_DISK_SHARE = 0.25
 PREFILL_BUDGET_SHARE = 0.8  # idle population fills the chunk-state budget up to this share
+REQUEST_HEADROOM = 2  # the budget holds this many times the bytes of the states requests stored
 _TOKEN_SAMPLE = 32  # segments tokenized to estimate the knowledge's tokens per character
 
 
@@ -69,3 +78,12 @@ def sized_state_budget(*, needed_bytes: int, free_disk_bytes: int) -> int:
     wanted = needed_bytes / PREFILL_BUDGET_SHARE
     floor = max(BUDGET_MIN_BYTES, min(BUDGET_FLOOR_BYTES, SMALL_KNOWLEDGE_HEADROOM * needed_bytes))
     return int(max(floor, min(wanted, BUDGET_DISK_SHARE * free_disk_bytes)))
+
+
+def demand_budget(*, knowledge_bytes: int, request_bytes: int, free_disk_bytes: int) -> int:
+    """The budget that holds the knowledge prefill's *knowledge_bytes* within the prefill's
+    share and :data:`REQUEST_HEADROOM` times the *request_bytes* that requests' states
+    (not idle work's) take, at most :data:`BUDGET_DISK_SHARE` of *free_disk_bytes*: a
+    request's states are evicted only once the disk share is reached."""
+    wanted = knowledge_bytes / PREFILL_BUDGET_SHARE + REQUEST_HEADROOM * request_bytes
+    return int(min(wanted, BUDGET_DISK_SHARE * free_disk_bytes))

@@ -122,6 +122,7 @@ class ChunkStateTree:
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}
         self.bytes = 0
+        self.request_bytes = 0  # of those, the states requests stored (not idle work's)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -172,6 +173,7 @@ class ChunkStateTree:
                 return self._nodes[node.key]
             self._nodes[node.key] = node
             self.bytes += node.size
+            self.request_bytes += 0 if node.idle else node.size
             parent = self._nodes.get(node.parent_key)
             if parent is not None:
                 parent.children += 1
@@ -188,10 +190,25 @@ class ChunkStateTree:
             if node is None:
                 return None
             self.bytes -= node.size
+            self.request_bytes -= 0 if node.idle else node.size
             parent = self._nodes.get(node.parent_key)
             if parent is not None:
                 parent.children -= 1
             return node
+
+    def tokens_covered(self) -> int:
+        """The prompt tokens the stored states cover, each once: every node's tokens past
+        its stored parent's (all of them where the parent is gone).
+
+        >>> tree = ChunkStateTree("root")
+        >>> _ = tree.insert(StateNode("a", "root", depth=1, n_tokens=10, label="text", size=1))
+        >>> _ = tree.insert(StateNode("b", "a", depth=2, n_tokens=25, label="text", size=1))
+        >>> tree.tokens_covered()
+        25
+        """
+        with self._lock:
+            parents = {node.key: node.n_tokens for node in self._nodes.values()}
+            return sum(node.n_tokens - parents.get(node.parent_key, 0) for node in self._nodes.values())
 
     def touch(self, node: StateNode) -> None:
         """Count one restore of *node*."""

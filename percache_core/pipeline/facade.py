@@ -337,7 +337,8 @@ class PerCache(DocumentVerbs, IdleVerbs):
         prefilled, bytes and entries of each tier, idle work, the engine's self-check.
 
         Returns:
-            A JSON-ready dict (``qa_bank``, ``chunk_states``, ``prediction``, ...).
+            A JSON-ready dict (``qa_bank``, ``chunk_states``, ``prediction``,
+            ``app_requests``: the shapes learned from apps' own prompts, ...).
 
         >>> pc.stats()["qa_bank"].get("entries")   # doctest: +SKIP
         12
@@ -354,6 +355,7 @@ class PerCache(DocumentVerbs, IdleVerbs):
             "prompt_answer_bytes": self._parts.prompt_answers.bytes,
         }
         summary["knowledge"] = {"chunks": len(self._parts.knowledge)}
+        summary["app_requests"] = self._parts.shapes.stats()
         summary["idle"] = self._scheduler.stats()
         summary["prediction"] = self._scheduler.demand_stats()
         summary["approximate"] = self._scheduler.approximate_stats()

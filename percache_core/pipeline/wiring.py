@@ -20,6 +20,7 @@ from ..qa.prompt_answers import PromptAnswers
 from ..serving.activity import UserActivity
 from ..serving.parts import CacheParts
 from ..serving.runtime import ModelRuntime
+from ..serving.shapes import RequestShapes
 from ..shared.redis_tier import SharedTier, open_shared_tier
 from ..storage import Store, private_folder
 from ..usage import UsageCounters
@@ -77,6 +78,7 @@ def open_parts(
         usage=UsageCounters(),
         meta=meta,
         calibration=Calibration(meta),
+        shapes=RequestShapes(meta),
     )
     return parts, shared
 

@@ -206,6 +206,7 @@ class PredictAndPopulate:
         self.stride = 0
         self.use_knowledge = True
         self.answer: Callable[[str], bool] | None = None
+        self.for_apps: list[str] = []  # predicted questions left for the apps' requests (app_requests.py)
 
     def wants_round(self, own_pipeline: bool) -> bool:
         parts, config = self.parts, self.parts.config
@@ -226,6 +227,9 @@ class PredictAndPopulate:
         part.predicted = [p.text for p, _ in predicted]
         if self.answer is not None:
             self._through_caller(round, part, [p for p, _ in predicted])
+            return part
+        if not round.own_pipeline:  # only apps ask: their requests, not this cache's prompt
+            self.for_apps = [p.text for p, _ in predicted]
             return part
         decode = round.strategy == PREFILL_DECODE
         qa_bank = parts.config.tiers.qa_bank

@@ -50,6 +50,7 @@ from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath
 from ..serving.state_runner import Preempted
 from .abstract import KnowledgeAbstract
+from .app_requests import AppLeadingStates, AppPredictedRequests
 from .calibrating import CalibrationWork
 from .idle_round import (
     PREFILL_DECODE,
@@ -104,10 +105,12 @@ class Scheduler:
         self.prediction = PredictAndPopulate(parts, self.abstract, lambda: self.predictor())
         self.steps: list[IdleStep] = [
             self.predicted_paths,
+            AppLeadingStates(parts),
             SummariseKnowledge(parts, self.abstract, self._llm, self._chat_format),
             RefreshStale(parts),
             AnswerFollowUps(parts),
             self.prediction,
+            AppPredictedRequests(parts, request_path, self.prediction),
             KnowledgePrefill(parts),
             Convert(parts),
             Calibrate(CalibrationWork(parts, request_path)),
@@ -130,10 +133,17 @@ class Scheduler:
         """The population strategy now (see :func:`population_strategy`)."""
         return population_strategy(self.parts.config, threshold)
 
+    def own_prompt_asked(self) -> bool:
+        """Whether idle work runs this cache's own prompt: unless apps bring their own
+        prompts (shapes learned) and nobody asked ``pc.answer`` in this process."""
+        return self.parts.activity.asked_total > 0 or not self.parts.shapes.shapes()
+
     def has_work(self, own_pipeline: bool = True) -> bool:
         """Whether an idle round would do anything useful now (with ``prediction=False``
         only refreshing stale answers and prefilling chunk states remain; without
-        *own_pipeline*, as for ``warm(answer=...)``, only summarising and predicting)."""
+        *own_pipeline*, as for ``warm(answer=...)``, or where only apps' own prompts came,
+        only summarising, predicting and the apps' requests)."""
+        own_pipeline = own_pipeline and self.own_prompt_asked()
         return any(step.wants_round(own_pipeline) for step in self.steps)
 
     # -- the round ------------------------------------------------------------------------
@@ -150,18 +160,17 @@ class Scheduler:
     ) -> WarmReport:
         """Run one idle round (see the module docstring); stops early when a user question
         waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
-        With ``knowledge_prediction=False`` only history-based prediction runs.
-
-        *answer* populates a predicted question through the caller's own pipeline (a
+        With ``knowledge_prediction=False`` only history-based prediction runs. *answer* populates a predicted question through the caller's own pipeline (a
         framework's query engine) instead of this cache's prompt, and returns whether it
         stored an answer; then the round only summarises and predicts, and the steps that
         run this cache's own prompt (refresh, follow-ups, knowledge prefill, conversions)
-        are left out: their answers and states would not be the caller's. The caller's
+        are left out: their answers and states would not be the caller's; so they are where
+        only apps' prompts came (:meth:`own_prompt_asked`: see ``app_requests``). The caller's
         calls into this cache are idle work (``UserActivity.background``): no activity,
         history or usage counts, and a user's question pre-empts their model runs."""
         parts = self.parts
         waiting = should_stop or parts.activity.waiting
-        own_pipeline = answer is None
+        own_pipeline = answer is None and self.own_prompt_asked()
         with self._lock:
             started = time.perf_counter()
             deadline = None if max_seconds is None else started + max_seconds

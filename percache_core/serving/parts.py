@@ -27,6 +27,7 @@ from ..usage import UsageCounters
 from .activity import UserActivity
 from .binding import answer_binding
 from .runtime import ModelRuntime
+from .shapes import RequestShapes
 
 QUESTION_EMBEDDINGS_KEPT = 64
 
@@ -45,6 +46,7 @@ class CacheParts:
     usage: UsageCounters
     meta: Store  # small records: the embedder's name, the knowledge abstract, calibration labels
     calibration: Calibration  # how often approximate answers are wrong (qa/calibration.py)
+    shapes: RequestShapes  # the shapes of the requests apps bring (serving/shapes.py)
     answers: AnswerPolicy = field(init=False)  # how stored answers may be served
     states: StatePolicy = field(init=False)  # how chunk states may be reused
     _question_embeddings: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict, repr=False)

@@ -27,6 +27,7 @@ from ..config import LiveConfig, PerCacheConfig
 from ..kv.budget import (
     BUDGET_FLOOR_BYTES,
     PREFILL_BUDGET_SHARE,
+    demand_budget,
     knowledge_tokens,
     prefill_state_bytes,
     sized_state_budget,
@@ -107,6 +108,7 @@ class ModelRuntime:
         self._states: TieredStateStore | None = None
         self._runner: StateRunner | None = None
         self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
+        self._knowledge_bytes = 0  # what the knowledge prefill's states take (size_state_budget)
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
         self._model_id: tuple[Engine, str] | None = None  # (engine, its fingerprint)
@@ -193,8 +195,25 @@ class ModelRuntime:
     @property
     def state_budget_bytes(self) -> int:
         """The chunk-state budget in force: ``chunk_state_budget_bytes``, or (None) the one
-        :meth:`size_state_budget` sized from the knowledge (1 GiB until then)."""
-        return self.config.budgets.chunk_state_budget_bytes or self._sized_budget
+        sized from the knowledge (:meth:`size_state_budget`; 1 GiB until then) and grown
+        with what requests stored (:func:`~percache_core.kv.budget.demand_budget`)."""
+        configured = self.config.budgets.chunk_state_budget_bytes
+        if configured:
+            return configured
+        request_bytes = self._states.tree.request_bytes if self._states is not None else 0
+        if not request_bytes:
+            return self._sized_budget
+        demand = demand_budget(
+            knowledge_bytes=self._knowledge_bytes, request_bytes=request_bytes, free_disk_bytes=self._free_disk()
+        )
+        return max(self._sized_budget, demand)
+
+    def _free_disk(self) -> int:
+        """The free disk under the states folder plus what the states take (0 unreadable)."""
+        try:
+            return shutil.disk_usage(self._folder / "states").free + (self._states.bytes if self._states else 0)
+        except OSError:
+            return 0
 
     def size_state_budget(self, chunks: Sequence[Chunk]) -> int:
         """Size the budget from the knowledge's *chunks* when none is configured (see
@@ -203,12 +222,8 @@ class ModelRuntime:
         knowledge prefill fills the budget), never on a user's path. Returns the budget
         in force."""
         if self.config.budgets.chunk_state_budget_bytes is None and self.engine_loaded and self.config.tiers.chunk_states:
-            needed = self.knowledge_prefill_bytes(chunks)
-            try:
-                free = shutil.disk_usage(self._folder / "states").free + self.states.bytes
-            except OSError:
-                free = 0
-            self._sized_budget = sized_state_budget(needed_bytes=needed, free_disk_bytes=free)
+            self._knowledge_bytes = self.knowledge_prefill_bytes(chunks)
+            self._sized_budget = sized_state_budget(needed_bytes=self._knowledge_bytes, free_disk_bytes=self._free_disk())
         return self.state_budget_bytes
 
     def knowledge_prefill_bytes(self, chunks: Sequence[Chunk]) -> int:
@@ -368,12 +383,17 @@ class ModelRuntime:
         """Where the chunk-state budget in force comes from, in words."""
         if self.config.budgets.chunk_state_budget_bytes:
             return "configured"
+        if self.state_budget_bytes > self._sized_budget:
+            return "sized from the knowledge and grown with the states requests stored (2x their bytes)"
         if self._bytes_per_token is None:
             return "not sized yet (1 GiB until the knowledge is measured: preload() or an idle round)"
         return "sized from the knowledge"
 
     def stats(self) -> dict[str, Any]:
-        """Nodes, bytes, budget and failures of the chunk-state tier."""
+        """Nodes, bytes, budget and failures of the chunk-state tier; the stored bytes per
+        prompt token they cover against the model's KV bytes per token (the duplication
+        factor: 1.0 where each token's cells are stored once), restores and evictions per
+        state."""
         budget = {
             "budget_bytes": self.state_budget_bytes,
             "budget": self._budget_origin(),
@@ -383,11 +403,21 @@ class ModelRuntime:
             return {"nodes": 0, "bytes": 0, "bytes_on_disk": folder_bytes(self._folder / "states"), **budget}
         if isinstance(self._runner, ServerRunner):
             self._runner.flush()
+        tree = self._states.tree
+        nodes = tree.nodes
+        covered = tree.tokens_covered()
+        per_token = self._states.bytes / covered if covered else None
         return {
-            "nodes": len(self._states.tree),
+            "nodes": len(tree),
             "bytes": self._states.bytes,
             **budget,
+            "request_bytes": tree.request_bytes,
+            "prompt_tokens_stored": covered,
+            "bytes_per_stored_token": per_token,
+            "duplication": per_token / self._bytes_per_token if per_token and self._bytes_per_token else None,
+            "restores_per_state": sum(node.hits for node in nodes) / len(nodes) if nodes else None,
             "evictions": self._states.evictions,
+            "evictions_per_state": self._states.evictions / max(1, len(nodes) + self._states.evictions),
             "restore_failures": self._runner.restore_failures,
             "storage_failures": self._runner.storage_failures,
             "corrupt_dropped": self._states.local.corrupt_dropped,

@@ -208,6 +208,25 @@ class StateRunner:
         events = self.run(layout, RunOptions(max_new_tokens=1, prefix_only=True, idle=True), should_stop=should_stop)
         return drain(events).prefilled_tokens
 
+    def prefill_text(self, spec: TextPrompt, *, should_stop: StopCheck | None = None) -> int:
+        """Prefill a caller's prompt *spec* through its last kept cut (the end of its last
+        document) and keep the states there, with no decode (idle work's population of an
+        app's leading states); returns the tokens prefilled (0 where
+        :meth:`text_needs_prefill` says no)."""
+        layout = self.lay_out("", [], spec=spec, max_new_tokens=1)
+        if not self._needs_prefill(layout):
+            return 0
+        events = self.run(layout, RunOptions(max_new_tokens=1, prefix_only=True, idle=True), should_stop=should_stop)
+        return drain(events).prefilled_tokens
+
+    def text_needs_prefill(self, spec: TextPrompt) -> bool:
+        """Whether *spec* (a caller's prompt) keeps a state at a cut whose state is not stored."""
+        return self._needs_prefill(self.lay_out("", [], spec=spec, max_new_tokens=1))
+
+    def _needs_prefill(self, layout: PromptLayout) -> bool:
+        keys = self._keys(layout, self.states if self.config.tiers.chunk_states else None)
+        return len(layout.segments) >= 2 and bool(keys) and keys[-1] not in self.states
+
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
         layout = self.lay_out(question, chunks, max_new_tokens=max_new_tokens)

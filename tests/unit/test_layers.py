@@ -5,8 +5,8 @@ runs this file).
 The layers, lowest first (parts in one layer do not import each other):
 
 1. ``errors``, ``types``, ``eviction``: names every part shares;
-2. ``storage``, ``inputs``, ``usage``, ``models``: the record store, input checks, usage
-   counts, finding a model file;
+2. ``storage``, ``inputs``, ``usage``, ``models``, ``document_files``: the record store,
+   input checks, usage counts, finding a model file, documents read from files;
 3. ``kv``: llama.cpp engines, their text model, chunk states and their budget;
 4. ``config``: the settings (they name the engine's sampling and stop strings);
 5. ``knowledge``, ``qa``: the documents with retrieval; the QA bank and prompt answers;
@@ -30,7 +30,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "percache_core"
 
 LAYERS: list[set[str]] = [
     {"errors", "types", "eviction", "memo"},
-    {"storage", "inputs", "usage", "models"},
+    {"storage", "inputs", "usage", "models", "document_files"},
     {"kv"},
     {"config"},
     {"knowledge", "qa"},

@@ -1,0 +1,196 @@
+"""Existing apps before and after the swap, end to end over users' question sequences.
+
+Each app is written as its framework's docs write it, over a user's documents (the chunks
+PerCache made of them, so both sides retrieve from the same passages):
+
+- ``langchain``: an LCEL chain ``{context: retriever | join, question} | prompt | llm |
+  parser`` with its own ``InMemoryVectorStore`` retriever (the bundled MiniLM), its own
+  template and ``"\\n"`` as its stop string; before on stock ``llama_cpp.Llama`` (as
+  LangChain's ``LlamaCpp`` calls it: one model, its own prefix reuse on), after with the
+  README's swap (``PerCacheRetriever`` around the same retriever, ``PerCacheLLM`` with
+  ``PerCacheLLMCache``) and an idle round (``pc.warm``) before the first question and after
+  each answer;
+- ``llamaindex``: ``VectorStoreIndex`` + ``as_query_engine(similarity_top_k=k)`` on stock
+  ``llama_cpp.Llama`` (before) against ``PerCacheQueryEngine.from_index`` with its own idle
+  rounds (``engine.warm``).
+
+Questions are asked of both sides in turn, the order alternating per question (this
+machine's speed drifts), idle rounds never overlap a timed question. Reported per app and
+user: mean latency before and after, the ratio, the answers identical to the app's own
+fresh text (the before side's), where the time went (answers by source, restored and
+prefilled tokens), the learned shapes and their agreement, and the idle seconds spent.
+
+    python -m benchmarks.apps --data ../shared/data --qmsum-users 1 --squad-users 1 \\
+        --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
+from benchmarks.output import write_json
+from percache_core import PerCache, PerCacheConfig
+from percache_core.inspection import internals
+from percache_core.kv.llama_cpp import LlamaEngine
+from percache_core.models import bundled_model_path
+
+TEMPLATE = "Answer the question from the notes below.\n\n{context}\n\nQuestion: {question}\nAnswer:"
+
+
+class Stock:
+    """Stock ``llama_cpp.Llama`` (its prefix reuse on), greedy, as a framework's wrapper calls it."""
+
+    def __init__(self, model_path: Path, threads: int, max_tokens: int) -> None:
+        from llama_cpp import Llama
+
+        self.model = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.max_tokens = max_tokens
+
+    def complete(self, prompt: str, stop: Sequence[str] = ("\n",)) -> str:
+        out = self.model.create_completion(prompt, max_tokens=self.max_tokens, temperature=0.0, stop=list(stop))
+        return out["choices"][0]["text"]
+
+
+def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
+    """The LCEL app before (stock) and after (PerCache), and the prompts each sent."""
+    from langchain_core.documents import Document
+    from langchain_core.embeddings import Embeddings
+    from langchain_core.language_models.llms import LLM
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import PromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
+
+    class MiniLM(Embeddings):
+        def embed_documents(self, texts: list[str]) -> list[list[float]]:
+            return pc.embedder.embed(texts).tolist()
+
+        def embed_query(self, text: str) -> list[float]:
+            return self.embed_documents([text])[0]
+
+    class StockLLM(LLM):  # what LangChain's LlamaCpp does with these settings
+        @property
+        def _llm_type(self) -> str:
+            return "stock-llama-cpp"
+
+        def _call(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any) -> str:
+            return stock.complete(prompt, stop or [])
+
+    notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]  # the user's documents, chunked
+    store = InMemoryVectorStore.from_documents(notes, MiniLM())
+    retriever = store.as_retriever(search_kwargs={"k": k})
+    prompt = PromptTemplate.from_template(TEMPLATE)
+    sent: list[str] = []
+
+    def keep(value: Any) -> Any:
+        sent.append(value.to_string())
+        return value
+
+    join = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731
+    before = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | keep | StockLLM().bind(stop=["\n"]) | StrOutputParser()
+    wrapped = PerCacheRetriever(inner=retriever, percache=pc, add_to_knowledge=False)
+    llm = PerCacheLLM(percache=pc, cache=PerCacheLLMCache(pc), max_new_tokens=max_tokens, stop=["\n"])
+    after = {"context": wrapped | join, "question": RunnablePassthrough()} | prompt | keep | llm | StrOutputParser()
+    return before.invoke, after.invoke, sent
+
+
+def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine, stock: Stock, folder: Path) -> dict[str, Any]:
+    """One user's questions through one app, before and after, side by side."""
+    config = PerCacheConfig(max_new_tokens=args.max_tokens, top_k=args.k)
+    pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=engine)
+    pc.add_documents(user.documents, progress=False)
+    before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
+    rows: list[dict[str, Any]] = []
+    idle = [pc.warm(progress=False, max_seconds=args.idle_seconds)] if args.idle_seconds else []
+    for index, query in enumerate(user.queries):
+        question = query["question"]
+        timings: dict[str, float] = {}
+        texts: dict[str, str] = {}
+        counters = pc.stats()
+        for side in (("before", "after") if index % 2 == 0 else ("after", "before")):
+            started = time.perf_counter()
+            texts[side] = (before if side == "before" else after)(question)
+            timings[side] = time.perf_counter() - started
+        now = pc.stats()
+        rows.append(
+            {
+                "question": question,
+                "before_s": timings["before"],
+                "after_s": timings["after"],
+                "identical": texts["before"] == texts["after"],
+                "prompt_answers": now["prompt_answers"] - counters["prompt_answers"],
+                "reused_tokens": now["reused_tokens"] - counters["reused_tokens"],
+                "prefilled_tokens": now["prefilled_tokens"] - counters["prefilled_tokens"],
+            }
+        )
+        if args.idle_seconds:
+            idle.append(pc.warm(progress=False, max_seconds=args.idle_seconds))
+        print(f"{app} {user.name} q{index}: {timings['before']:.2f}s -> {timings['after']:.2f}s same={rows[-1]['identical']}", flush=True)
+    stats = pc.stats()
+    pc.close()
+    before_mean = sum(r["before_s"] for r in rows) / len(rows)
+    after_mean = sum(r["after_s"] for r in rows) / len(rows)
+    return {
+        "app": app,
+        "user": user.name,
+        "dataset": user.dataset,
+        "before_mean_s": before_mean,
+        "after_mean_s": after_mean,
+        "ratio": after_mean / before_mean,
+        "identical": sum(r["identical"] for r in rows),
+        "questions": len(rows),
+        "idle_seconds": sum(r.seconds for r in idle),
+        "idle": {
+            "app_states_prefilled": sum(r.app_states_prefilled for r in idle),
+            "app_requests_run": sum(r.app_requests_run for r in idle),
+            "app_answers_stored": sum(r.app_answers_stored for r in idle),
+            "predicted": [q for r in idle for q in r.predicted],
+        },
+        "shapes": stats["app_requests"]["shapes"],
+        "chunk_states": stats["chunk_states"],
+        "rows": rows,
+        "prompts_sent": len(sent),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_user_arguments(parser, qmsum_users=1, squad_users=1, queries=8)
+    parser.add_argument("--apps", default="langchain", help="comma-separated: langchain")
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--k", type=int, default=3, help="passages per question")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/apps.json")
+    args = parser.parse_args(argv)
+    users = users_from_arguments(args)
+    model = bundled_model_path()
+    engine = LlamaEngine(model, n_ctx=2048, n_batch=512, n_threads=args.threads)
+    stock = Stock(model, args.threads, args.max_tokens)
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for app in args.apps.split(","):
+            for user in users:
+                results.append(run_user(user, app, args, engine, stock, Path(folder)))
+                r = results[-1]
+                print(f"== {app} {user.name}: {r['before_mean_s']:.3f}s -> {r['after_mean_s']:.3f}s ({r['ratio']:.3f}x), "
+                      f"{r['identical']}/{r['questions']} identical, idle {r['idle_seconds']:.0f}s", flush=True)
+    before = sum(r["before_mean_s"] * r["questions"] for r in results)
+    after = sum(r["after_mean_s"] * r["questions"] for r in results)
+    summary = {"ratio": after / before if before else None, "identical": sum(r["identical"] for r in results),
+               "questions": sum(r["questions"] for r in results)}
+    print(f"all: {summary}")
+    write_json({"summary": summary, "per_user": results, "settings": vars(args)}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

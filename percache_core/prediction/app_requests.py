@@ -1,0 +1,170 @@
+"""Idle work in the apps' own requests: the steps of an idle round that fill what an app
+that brings its own prompt will restore (:mod:`percache_core.serving.shapes` learns the
+shapes of its requests).
+
+- :class:`AppLeadingStates`: first the agreement checks of the requests the app sent, then
+  the leading states of the app's requests over the knowledge: [prefix + passage] for every
+  chunk (the chunks the app quoted lately first), then [prefix + passage + separator +
+  neighbour] for shapes of several passages;
+- :class:`AppPredictedRequests`: the round's predicted questions built into requests as the
+  app sends them (its own retriever's passages where PerCache holds it, else PerCache's
+  retrieval) and run as the app's request runs: decoded, so that the app's identical
+  request is answered from its stored answer, where the shape's agreement says the app
+  sends exactly such requests; else prefilled through their last passage (their leading
+  states).
+
+Both run for apps only: not where the round hands predicted questions to the app's own
+pipeline (``warm(answer=...)``) for the predicted requests, and never change a request's
+text: a rendered prompt runs as any caller's prompt does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..kv.budget import PREFILL_BUDGET_SHARE
+from ..serving.parts import CacheParts
+from ..serving.prompting import TextPrompt
+from ..serving.request_path import RequestPath
+from ..serving.shapes import RequestShape, decoding_from
+from ..serving.state_runner import Preempted
+from ..serving.streaming import drain
+from ..types import Chunk
+from .idle_round import IdleRound, WarmReport
+from .idle_steps import PredictAndPopulate
+
+AGREEMENT_TO_ANSWER = 0.8  # the least agreement at which predicted requests are decoded
+LATEST_SHAPES = 1  # shapes seen once that still get leading states: the latest ones
+
+
+def shapes_to_fill(parts: CacheParts) -> list[RequestShape]:
+    """The shapes whose leading states idle work fills: every shape seen twice or more,
+    and the latest seen (a chat's turns each have a shape of their own: only the latest
+    one's is worth states), most seen first."""
+    shapes = parts.shapes.shapes()
+    latest = sorted(shapes, key=lambda s: s.last_seen, reverse=True)[:LATEST_SHAPES]
+    return [s for s in shapes if s.seen >= 2 or s in latest]
+
+
+def passages_for(parts: CacheParts) -> Any:
+    """The app's retriever where an adapter registered one, else PerCache's retrieval
+    (question, n) -> passage texts."""
+    if parts.shapes.retrieve is not None:
+        return parts.shapes.retrieve
+
+    def retrieve(question: str, n: int) -> list[str]:
+        return [r.chunk.text for r in parts.knowledge.retrieve(question, n)]
+
+    return retrieve
+
+
+class AppLeadingStates:
+    """Step: the agreement checks, then the leading states of the apps' requests over the
+    knowledge (see the module docstring), within the prefill share of the budget."""
+
+    name = "app leading states"
+    own_pipeline_only = False
+
+    def __init__(self, parts: CacheParts) -> None:
+        self.parts = parts
+
+    def wants_round(self, own_pipeline: bool) -> bool:
+        parts = self.parts
+        if parts.shapes.pending_checks:
+            return True
+        if not (parts.config.tiers.chunk_states and parts.config.idle.knowledge_prefill and len(parts.knowledge)):
+            return False
+        return any(True for _ in self._prompts(limit_to_one=True))
+
+    def run(self, round: IdleRound, part: WarmReport) -> WarmReport:
+        parts = self.parts
+        part.agreement_checks += parts.shapes.check_agreement(passages_for(parts), round.should_stop)
+        if round.should_stop():
+            raise Preempted("idle round pre-empted during the agreement checks")
+        if not (parts.config.tiers.chunk_states and parts.config.idle.knowledge_prefill):
+            return part
+        runner = parts.runtime.runner
+        for spec in self._prompts():
+            round.tick()
+            tokens = runner.prefill_text(spec, should_stop=round.should_stop)
+            part.prefill_tokens += tokens
+            part.app_states_prefilled += tokens > 0
+        return part
+
+    def _prompts(self, limit_to_one: bool = False) -> Iterator[TextPrompt]:
+        """The leading prompts whose states are not stored, in the order to prefill them,
+        while the states are under the prefill share of the budget."""
+        parts = self.parts
+        runner = parts.runtime.runner if parts.runtime.engine_loaded else None
+        if runner is None or runner.states is None:
+            return
+        limit = PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes
+        chunks = self._ordered_chunks()
+        for shape in shapes_to_fill(parts):
+            paths: list[list[Chunk]] = [[c] for c in chunks]
+            if shape.passages >= 2 and shape.separator:
+                neighbours = parts.config.idle.knowledge_prefill_neighbours
+                paths += [[c, n] for c in chunks for n in parts.knowledge.neighbours(c, neighbours)]
+            for path in paths:
+                if runner.states.bytes >= limit:
+                    return
+                texts = [c.text for c in path]
+                spec = TextPrompt(shape.leading(texts), tuple(texts), shape.add_bos)
+                if runner.text_needs_prefill(spec):
+                    yield spec
+                    if limit_to_one:
+                        return
+
+    def _ordered_chunks(self) -> list[Chunk]:
+        """The knowledge's chunks: those of the latest observed requests' passages first."""
+        chunks = self.parts.knowledge.chunks
+        quoted = self.parts.shapes.recent_passages()
+        first = [c for c in chunks if c.text in quoted]
+        return first + [c for c in chunks if c.text not in quoted]
+
+
+class AppPredictedRequests:
+    """Step: the round's predicted questions as the apps' requests (see the module
+    docstring)."""
+
+    name = "app requests"
+    own_pipeline_only = False
+
+    def __init__(self, parts: CacheParts, request_path: RequestPath, prediction: PredictAndPopulate) -> None:
+        self.parts = parts
+        self.request_path = request_path
+        self.prediction = prediction  # leaves its questions here when no pipeline answers them
+
+    def wants_round(self, own_pipeline: bool) -> bool:
+        return False  # its questions come from the prediction step
+
+    def run(self, round: IdleRound, part: WarmReport) -> WarmReport:
+        questions, self.prediction.for_apps = self.prediction.for_apps, []
+        shapes = [s for s in shapes_to_fill(self.parts) if s.predicts]
+        if not questions or not shapes:
+            return part
+        retrieve = passages_for(self.parts)
+        runner = self.parts.runtime.runner
+        for question in questions:
+            for shape in shapes:
+                round.tick()
+                if round.should_stop():
+                    raise Preempted("idle round pre-empted between predicted requests")
+                passages = retrieve(question, shape.passages)
+                if not passages:
+                    continue
+                spec = TextPrompt(shape.render(passages, question), tuple(passages), shape.add_bos)
+                if (shape.agreement or 0.0) >= AGREEMENT_TO_ANSWER:
+                    with self.parts.activity.background(round.should_stop):
+                        answer = drain(self.request_path.complete(spec.text, spec, self._decoding(shape)))
+                    part.prefill_tokens += answer.prefilled_tokens
+                    part.decode_tokens += answer.generated_tokens
+                    part.app_answers_stored += 1
+                else:
+                    part.prefill_tokens += runner.prefill_text(spec, should_stop=round.should_stop)
+                part.app_requests_run += 1
+        return part
+
+    def _decoding(self, shape: RequestShape) -> Any:
+        return self.parts.config.engine.resolve(decoding_from(shape.decoding))
