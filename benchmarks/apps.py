@@ -56,6 +56,13 @@ class Stock:
         out = self.model.create_completion(prompt, max_tokens=self.max_tokens, temperature=0.0, stop=list(stop))
         return out["choices"][0]["text"]
 
+    def fresh(self, prompt: str, stop: Sequence[str] = ("\n",)) -> str:
+        """The app's fresh text for *prompt*: one call from an empty context (the prefix
+        reuse of ``complete`` cuts the prefill where the previous prompt ends, which can
+        change the text); not timed."""
+        self.model.reset()
+        return self.complete(prompt, stop)
+
 
 def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
     """The LCEL app before (stock) and after (PerCache), and the prompts each sent."""
@@ -120,12 +127,15 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
             texts[side] = (before if side == "before" else after)(question)
             timings[side] = time.perf_counter() - started
         now = pc.stats()
+        fresh = stock.fresh(sent[-1])  # both sides sent this prompt (the after side's, checked below)
         rows.append(
             {
                 "question": question,
                 "before_s": timings["before"],
                 "after_s": timings["after"],
-                "identical": texts["before"] == texts["after"],
+                "same_prompt": sent[-1] == sent[-2],
+                "identical": texts["after"] == fresh,
+                "stock_identical": texts["before"] == fresh,
                 "prompt_answers": now["prompt_answers"] - counters["prompt_answers"],
                 "reused_tokens": now["reused_tokens"] - counters["reused_tokens"],
                 "prefilled_tokens": now["prefilled_tokens"] - counters["prefilled_tokens"],

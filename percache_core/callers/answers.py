@@ -94,7 +94,7 @@ class StoredAnswerVerbs:
         the best verified one at or above *similarity_threshold*; counted as a hit, and
         *asked* (default *question*) recorded for history prediction."""
         parts, question, scope = self._parts, request.question, request.scope
-        embedding = request.embedding = parts.embed_question(question)
+        embedding = request.embedding = parts.embed_key(question)
         hit, offered = parts.answers.caller_hit(self._path.lookup(request, similarity_threshold))
         if hit is None and offered:  # the caller's answer, when it remembers one, labels them
             self._offered[_offer_key(question, request.binding, scope)] = offered
@@ -187,7 +187,7 @@ class StoredAnswerVerbs:
         if scope_dict:
             extra["scope"] = scope_dict
         extra["binding"] = binding or self._parts.binding()
-        embedding = self._parts.embed_question(question)
+        embedding = self._parts.embed_key(question)
         offered = self._offered.pop(_offer_key(question, extra["binding"], scope_dict), [])
         self._parts.calibration.add_many(  # the stored answers a lookup offered, against the caller's own
             self._path.records.label(question, hit, answer, "asked")

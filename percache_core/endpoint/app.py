@@ -142,7 +142,7 @@ class _Endpoint:
         self._authorize(request)
         raw = await self._body(request)
         models = await run_in_threadpool(self._model_names)
-        body = read_request(raw, kind, models)
+        body = read_request(raw, kind, models if self._model_count() > 1 else None)
         model = str(body.get("model") or models[0])
         reason = pass_reason(body, kind, self.defaults)
         if reason is not None:
@@ -284,6 +284,10 @@ class _Endpoint:
             except ServerError as error:
                 raise _server_fault(error) from None
         return self._models
+
+    def _model_count(self) -> int:
+        """How many models the upstream serves (one: it ignores a request's model name)."""
+        return len(self._model_list().get("data", []))
 
     def _model_names(self) -> list[str]:
         names = [str(m.get("id")) for m in self._model_list().get("data", []) if m.get("id")]

@@ -64,12 +64,16 @@ class ServerDefaults:
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's "a new seed each time" (-1) as /props reports it
 
 
-def read_request(raw: bytes, kind: Kind, models: Sequence[str]) -> dict[str, Any]:
+def read_request(raw: bytes, kind: Kind, models: Sequence[str] | None) -> dict[str, Any]:
     """The request body *raw* of a *kind* request, checked: JSON object, its messages or
-    prompt present and well formed, its model (when given) one of *models*.
+    prompt present and well formed, its model (when given) one of *models* (None: any
+    name, as a llama-server with one model serves every request whatever it names, and
+    echoes the name in its reply).
 
     >>> read_request(b'{"prompt": "Hi"}', "text", ["m"])
     {'prompt': 'Hi'}
+    >>> read_request(b'{"prompt": "Hi", "model": "gpt-3.5-turbo"}', "text", None)["model"]
+    'gpt-3.5-turbo'
     >>> read_request(b'{"messages": []}', "chat", ["m"])
     Traceback (most recent call last):
     ...
@@ -77,7 +81,7 @@ def read_request(raw: bytes, kind: Kind, models: Sequence[str]) -> dict[str, Any
     """
     body = json_object(raw)
     model = body.get("model")
-    if model is not None and model not in models:
+    if model is not None and models is not None and model not in models:
         raise APIError(404, f"The model '{model}' does not exist (this endpoint serves {', '.join(models)})",
                        param="model", code="model_not_found")
     if kind == "chat":

@@ -105,7 +105,7 @@ class AnswerPolicy:
         if entry is None or entry.from_shared_tier:
             return None, []
         self.bank.record_hit(entry.id)
-        return QAHit(entry, float(min(1.0, float(entry.embedding @ lookup.embedding)))), []
+        return QAHit(entry, 1.0), []  # the very text
 
     def estimated_accuracy(self, hit: QAHit, context: str = "unknown") -> float | None:
         """The estimated probability that a served *hit* is right (None: exact, or no bound)."""
@@ -188,6 +188,8 @@ class SemanticAnswers(AnswerPolicy):
         return candidate.similarity > self.calibration.floor(candidate.entry.id)
 
     def caller_hit(self, lookup: AnswerLookup) -> tuple[QAHit | None, list[QAHit]]:
+        if not lookup.embedding.any():  # a whole prompt as the key (CacheParts.embed_key): its very text only
+            return super().caller_hit(lookup)
         return self.served(lookup)
 
     def estimated_accuracy(self, hit: QAHit, context: str = "unknown") -> float | None:

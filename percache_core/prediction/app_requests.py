@@ -3,9 +3,9 @@ that brings its own prompt will restore (:mod:`percache_core.serving.shapes` lea
 shapes of its requests).
 
 - :class:`AppLeadingStates`: first the agreement checks of the requests the app sent, then
-  the leading states of the app's requests over the knowledge: [prefix + passage] for every
-  chunk (the chunks the app quoted lately first), then [prefix + passage + separator +
-  neighbour] for shapes of several passages;
+  the leading states of the app's requests over the knowledge: [prefix + passage] and, for
+  shapes of several passages, [prefix + passage + separator + neighbour], first for the
+  chunks the app quoted lately and their neighbours, then for every other chunk;
 - :class:`AppPredictedRequests`: the round's predicted questions built into requests as the
   app sends them (its own retriever's passages where PerCache holds it, else PerCache's
   retrieval) and run as the app's request runs: decoded, so that the app's identical
@@ -100,13 +100,9 @@ class AppLeadingStates:
         if runner is None or runner.states is None:
             return
         limit = PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes
-        chunks = self._ordered_chunks()
+        hot, rest = self._ordered_chunks()
         for shape in shapes_to_fill(parts):
-            paths: list[list[Chunk]] = [[c] for c in chunks]
-            if shape.passages >= 2 and shape.separator:
-                neighbours = parts.config.idle.knowledge_prefill_neighbours
-                paths += [[c, n] for c in chunks for n in parts.knowledge.neighbours(c, neighbours)]
-            for path in paths:
+            for path in self._paths(shape, hot, rest):
                 if runner.states.bytes >= limit:
                     return
                 texts = [c.text for c in path]
@@ -116,12 +112,30 @@ class AppLeadingStates:
                     if limit_to_one:
                         return
 
-    def _ordered_chunks(self) -> list[Chunk]:
-        """The knowledge's chunks: those of the latest observed requests' passages first."""
-        chunks = self.parts.knowledge.chunks
+    def _paths(self, shape: RequestShape, hot: list[Chunk], rest: list[Chunk]) -> Iterator[list[Chunk]]:
+        """[chunk] for the *hot* chunks (those the app quoted lately and their neighbours),
+        then for a shape of several passages [chunk, neighbour] for them, then the same for
+        the *rest*, lazily."""
+        pairs = shape.passages >= 2 and bool(shape.separator)
+        count = self.parts.config.idle.knowledge_prefill_neighbours
+        for chunks in (hot, rest):
+            yield from ([c] for c in chunks)
+            for chunk in chunks if pairs else ():
+                for neighbour in self.parts.knowledge.neighbours(chunk, count):
+                    yield [chunk, neighbour]
+
+    def _ordered_chunks(self) -> tuple[list[Chunk], list[Chunk]]:
+        """The knowledge's chunks in the order their leading states are worth having: the
+        *hot* ones, the passages the app quoted lately (a question after them is likely to
+        start there too) and their nearest neighbours (the next question's passages are
+        likely near the last ones'), then the rest in knowledge order."""
+        knowledge = self.parts.knowledge
         quoted = self.parts.shapes.recent_passages()
-        first = [c for c in chunks if c.text in quoted]
-        return first + [c for c in chunks if c.text not in quoted]
+        hot = {c.id: c for c in knowledge.chunks if c.text in quoted}
+        count = self.parts.config.idle.knowledge_prefill_neighbours
+        for chunk in list(hot.values()):
+            hot.update((n.id, n) for n in knowledge.neighbours(chunk, count) if n.id not in hot)
+        return list(hot.values()), [c for c in knowledge.chunks if c.id not in hot]
 
 
 class AppPredictedRequests:

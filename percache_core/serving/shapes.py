@@ -45,6 +45,7 @@ from ..kv.engine import Decoding, Sampling
 SHAPES_KEPT = 16  # shapes kept (the most seen, then the latest)
 CHECKS_KEPT = 64  # observed requests waiting for their agreement check (idle work runs it)
 _PREFIX = "shape:"
+STAND_IN_QUESTION = "What do the notes above say about this?"  # follows a leading prompt's last passage
 
 Retrieve = Callable[[str, int], list[str]]  # (question, passages) -> passage texts, in prompt order
 
@@ -89,11 +90,19 @@ class RequestShape:
         return self.prefix + self.separator.join(passages) + self.middle + question + self.suffix
 
     def leading(self, passages: Sequence[str]) -> str:
-        """A prompt that starts as the app's requests with these leading *passages* do and
-        goes on as the app's text after a passage does (what follows the last one is not
-        prefilled: a prefix run stops at the last passage's end)."""
-        after = self.separator if len(passages) < self.passages and self.separator else (self.middle or self.suffix)
-        return self.prefix + self.separator.join(passages) + after + "?" + self.suffix
+        """A prompt that starts as the app's requests with these leading *passages* do,
+        then goes on as the app's text after a passage does, with a stand-in question
+        (what follows the last passage is not prefilled: a prefix run stops at its end;
+        the stand-in only leaves the engine's cut rule room for a cut there).
+
+        >>> RequestShape("k", "Notes: ", " | ", " Q: ", " A:", 2, {}).leading(["x"])
+        'Notes: x | What do the notes above say about this? A:'
+        """
+        if len(passages) < self.passages and self.separator:
+            after = self.separator
+        else:
+            after = self.middle if self.middle is not None else ""
+        return self.prefix + self.separator.join(passages) + after + STAND_IN_QUESTION + self.suffix
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -53,7 +53,7 @@ def test_a_completion_of_several_prompts_passes_through() -> None:
         (b"[1, 2]", "chat", 400, None),
         (b'{"messages": "hi"}', "chat", 400, "messages"),
         (b'{"messages": [{"content": "hi"}]}', "chat", 400, "messages"),
-        (b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}', "chat", 404, "model"),
+        (b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}', "chat", 404, "model"),  # not listed by a multi-model upstream
         (b'{"prompt": ""}', "text", 400, "prompt"),
         (b'{"prompt": "hi", "max_tokens": -3}', "text", 400, "max_tokens"),
         (b'{"prompt": "hi", "stream": "yes"}', "text", 400, "stream"),
