@@ -4,7 +4,9 @@ caller retrieved), :meth:`~PromptVerbs.relay` and :meth:`~PromptVerbs.lend_engin
 client's OpenAI request on a llama-server), and what the caller's prompts are made for:
 :meth:`~PromptVerbs.model_id`, :meth:`~PromptVerbs.binding`, :meth:`~PromptVerbs.text_model`,
 :meth:`~PromptVerbs.runs_on`, :meth:`~PromptVerbs.stored_order`,
-:meth:`~PromptVerbs.quoted_passages` and :meth:`~PromptVerbs.chunk`.
+:meth:`~PromptVerbs.quoted_passages`, :meth:`~PromptVerbs.chunk` and
+:meth:`~PromptVerbs.retrieves_with` (the app's own retriever, for idle work's predicted
+requests in the app's shape: :mod:`percache_core.serving.shapes`).
 """
 
 from __future__ import annotations
