@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import StorageWriteError
 from ..kv.engine import Decoding, Sampling
 
 SHAPES_KEPT = 16  # shapes kept (the most seen, then the latest)
@@ -200,7 +201,10 @@ class RequestShapes:
         self.retrieve: Retrieve | None = None
         if store is not None:
             for record in store.records(_PREFIX):
-                shape = RequestShape(**record.value)
+                try:
+                    shape = RequestShape(**record.value)
+                except TypeError:  # written by another version: learned again
+                    continue
                 self._shapes[shape.key] = shape
 
     def observe(
@@ -247,7 +251,7 @@ class RequestShapes:
         if self._store is not None:
             try:
                 self._store.put(_PREFIX + shape.key, shape.as_dict())
-            except Exception:  # a full disk: the shape stays learned in this process
+            except StorageWriteError:  # a full disk: the shape stays learned in this process
                 pass
 
     def check_agreement(self, retrieve: Retrieve, should_stop: Callable[[], bool] = lambda: False) -> int:
