@@ -12,6 +12,10 @@ whose engine is a :class:`~percache_core.kv.llama_server.LlamaServer`.
 - ``POST /v1/percache/documents``, ``DELETE /v1/percache/documents/{id}``: the cache's
   documents (their passages' states are kept where a prompt quotes them);
   ``GET /v1/percache/stats``: ``pc.stats()``.
+- every other route (``/health``, ``/props``, ``/tokenize``, ``/v1/embeddings``,
+  ``/metrics``, ...): passed through to the server with its method, query and body, the
+  server's status, headers and body streamed back (the API key checked as on the cached
+  routes; a request that sends a body holds the server, as a completion does).
 
 Starlette and uvicorn serve it: HTTP parsing, keep-alive, streaming and client disconnects
 are theirs (well-kept, and what the Python model servers use); the model work runs in
@@ -21,8 +25,10 @@ worker threads, one request on the server at a time, in the order the lock grant
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE_HEADER = "X-PerCache-Source"
 _END = object()
+PASSED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}  # set per hop
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ def create_app(pc: PerCache, server: LlamaServer, settings: EndpointSettings = E
             Route("/v1/percache/documents", endpoint.add_documents, methods=["POST"]),
             Route("/v1/percache/documents/{doc_id:path}", endpoint.delete_document, methods=["DELETE"]),
             Route("/v1/percache/stats", endpoint.stats, methods=["GET"]),
+            Route("/{path:path}", endpoint.other, methods=PASSED_METHODS),
         ],
         exception_handlers={APIError: _error_response, Exception: _error_response},  # type: ignore[dict-item]
     )
@@ -95,6 +104,17 @@ async def _error_response(request: Request, error: Exception) -> Response:
         logger.exception("the endpoint failed on %s", request.url.path, exc_info=error)
         error = APIError(500, f"PerCache failed: {type(error).__name__}: {error}", type="server_error")
     return JSONResponse(error.body(), status_code=error.status)
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A request sent to the server as it is: whether it *hold*s the server meanwhile."""
+
+    method: str
+    url: str
+    content: bytes
+    headers: dict[str, str]
+    hold: bool = True
 
 
 class _Endpoint:
@@ -114,6 +134,14 @@ class _Endpoint:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         return JSONResponse(await run_in_threadpool(self._model_list))
+
+    async def other(self, request: Request) -> Response:
+        """Any route PerCache does not serve itself, passed through to the server."""
+        self._authorize(request)
+        raw = await self._body(request)
+        url = self.server.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
+        return await self._relay_reply(_Forward(request.method, url, raw, headers, hold=bool(raw)), {})
 
     async def add_documents(self, request: Request) -> Response:
         self._authorize(request)
@@ -222,18 +250,19 @@ class _Endpoint:
     async def _pass_through(self, kind: Kind, body: dict[str, Any], reason: str) -> Response:
         """Send *body* to the server as it is (its reply unchanged, ``X-PerCache-Source:
         passthrough`` and ``X-PerCache-Reason`` added), holding the server meanwhile."""
-        url = self.server.url + PATHS[kind]
-        headers = {"Content-Type": "application/json"}
-        if self.server.api_key:
-            headers["Authorization"] = f"Bearer {self.server.api_key}"
-        stream = BackgroundStream(self._forward(url, body, headers))
+        forward = _Forward("POST", self.server.url + PATHS[kind], json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return await self._relay_reply(forward, {SOURCE_HEADER: "passthrough", "X-PerCache-Reason": reason})
+
+    async def _relay_reply(self, forward: _Forward, about: dict[str, str]) -> Response:
+        """The server's reply to *forward*, streamed back with its status and headers (and
+        *about*'s)."""
+        stream = BackgroundStream(self._forward(forward))
         pieces = iter(stream)
         head = await run_in_threadpool(next, pieces, _END)
         if not isinstance(head, tuple):
             stream.close()
             raise APIError(502, "the llama-server did not answer", type="upstream_error")
-        status, content_type = head
-        about = {SOURCE_HEADER: "passthrough", "X-PerCache-Reason": reason}
+        status, headers = head
 
         async def rest() -> AsyncIterator[bytes]:
             try:
@@ -242,15 +271,21 @@ class _Endpoint:
             finally:
                 stream.close()
 
-        return StreamingResponse(rest(), status_code=status, media_type=content_type, headers=about)
+        kept = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+        return StreamingResponse(rest(), status_code=status, headers={**kept, **about})
 
-    def _forward(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Iterator[Any]:
-        """The server's reply to *body*: (status, content type), then its bytes; the
-        server is held (no PerCache run on it meanwhile) until the reply ends."""
-        with self.pc.caller.lend_engine(), httpx.Client(timeout=None) as client:
+    def _forward(self, forward: _Forward) -> Iterator[Any]:
+        """The server's reply to *forward*: (status, headers), then its bytes; where
+        ``forward.hold`` the server is held (no PerCache run on it meanwhile) until the
+        reply ends."""
+        headers = dict(forward.headers)
+        if self.server.api_key:
+            headers["Authorization"] = f"Bearer {self.server.api_key}"
+        with self.pc.caller.lend_engine() if forward.hold else nullcontext(), httpx.Client(timeout=None) as client:
             try:
-                with client.stream("POST", url, json=body, headers=headers) as reply:
-                    yield reply.status_code, reply.headers.get("content-type", "application/json")
+                content = forward.content or None
+                with client.stream(forward.method, forward.url, content=content, headers=headers) as reply:
+                    yield reply.status_code, dict(reply.headers)
                     yield from reply.iter_raw()
             except httpx.HTTPError as error:
                 logger.warning("a passed-through request failed: %s", error)
