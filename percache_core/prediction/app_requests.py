@@ -13,21 +13,21 @@ shapes of its requests).
   sends exactly such requests; else prefilled through their last passage (their leading
   states).
 
-Both run for apps only: not where the round hands predicted questions to the app's own
-pipeline (``warm(answer=...)``) for the predicted requests, and never change a request's
-text: a rendered prompt runs as any caller's prompt does.
+Both run where apps bring their own prompts (the first also where a round hands predicted
+questions to the app's own pipeline, ``warm(answer=...)``, which then runs them), and never
+change what a request gets: a rendered prompt runs as any caller's prompt does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from ..kv.budget import PREFILL_BUDGET_SHARE
+from ..kv.engine import Decoding
 from ..serving.parts import CacheParts
 from ..serving.prompting import TextPrompt
 from ..serving.request_path import RequestPath
-from ..serving.shapes import RequestShape, decoding_from
+from ..serving.shapes import RequestShape, Retrieve, decoding_from
 from ..serving.state_runner import Preempted
 from ..serving.streaming import drain
 from ..types import Chunk
@@ -47,7 +47,7 @@ def shapes_to_fill(parts: CacheParts) -> list[RequestShape]:
     return [s for s in shapes if s.seen >= 2 or s in latest]
 
 
-def passages_for(parts: CacheParts) -> Any:
+def passages_for(parts: CacheParts) -> Retrieve:
     """The app's retriever where an adapter registered one, else PerCache's retrieval
     (question, n) -> passage texts."""
     if parts.shapes.retrieve is not None:
@@ -180,5 +180,5 @@ class AppPredictedRequests:
                 part.app_requests_run += 1
         return part
 
-    def _decoding(self, shape: RequestShape) -> Any:
+    def _decoding(self, shape: RequestShape) -> Decoding:
         return self.parts.config.engine.resolve(decoding_from(shape.decoding))

@@ -319,4 +319,4 @@ def _short(text: str, size: int = 60) -> str:
     return text if len(text) <= size else text[: size // 2] + "…" + text[-size // 2 :]
 
 
-__all__ = ["Observed", "RequestShape", "RequestShapes", "decoding_from", "decoding_record", "split_request"]
+__all__ = ["Observed", "RequestShape", "RequestShapes", "Retrieve", "decoding_from", "decoding_record", "split_request"]
