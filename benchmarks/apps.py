@@ -109,14 +109,57 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
     return before.invoke, after.invoke, sent
 
 
+def llamaindex_sides(
+    pc: PerCache, stock: Stock, k: int, max_tokens: int, folder: Path
+) -> tuple[Callable[[str], str], Callable[[str], str], list[str], Any]:
+    """The LlamaIndex app before (``index.as_query_engine`` on stock) and after
+    (``PerCacheQueryEngine.from_index`` with ``PerCacheLlamaCPP``), the prompts each sent,
+    and the after side's engine (its ``warm`` is the idle round)."""
+    from llama_index.core import Document, VectorStoreIndex
+    from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
+    from llama_index.core.llms.callbacks import llm_completion_callback
+    from llama_index.core.llms.custom import CustomLLM
+
+    from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
+
+    sent: list[str] = []
+
+    class StockLlamaCPP(CustomLLM):  # what LlamaIndex's LlamaCPP does with these settings
+        @property
+        def metadata(self) -> LLMMetadata:
+            return LLMMetadata(context_window=2048, num_output=max_tokens, model_name="stock")
+
+        @llm_completion_callback()
+        def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+            sent.append(prompt)
+            return CompletionResponse(text=stock.complete(prompt))
+
+        @llm_completion_callback()
+        def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    notes = [Document(text=c.text, id_=c.id) for c in internals(pc).knowledge.chunks]
+    index = VectorStoreIndex.from_documents(notes, embed_model=PerCacheEmbedding(pc.embedder))
+    plain = index.as_query_engine(llm=StockLlamaCPP(), similarity_top_k=k)
+    llm = PerCacheLlamaCPP(engine=internals(pc).engine, max_new_tokens=max_tokens, stop=["\n"])
+    engine = PerCacheQueryEngine.from_index(index, cache_dir=folder, llm=llm, similarity_top_k=k)
+    return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), sent, engine
+
+
 def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine, stock: Stock, folder: Path) -> dict[str, Any]:
     """One user's questions through one app, before and after, side by side."""
     config = PerCacheConfig(max_new_tokens=args.max_tokens, top_k=args.k)
     pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=engine)
     pc.add_documents(user.documents, progress=False)
-    before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
+    if app == "llamaindex":  # the engine's own cache, over the same chunks
+        before, after, sent, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
+        pc.close()
+        pc, warm = app_engine.percache, app_engine.warm
+    else:
+        before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
+        warm = pc.warm
     rows: list[dict[str, Any]] = []
-    idle = [pc.warm(progress=False, max_seconds=args.idle_seconds)] if args.idle_seconds else []
+    idle = [warm(progress=False, max_seconds=args.idle_seconds)] if args.idle_seconds else []
     for index, query in enumerate(user.queries):
         question = query["question"]
         timings: dict[str, float] = {}
@@ -127,13 +170,12 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
             texts[side] = (before if side == "before" else after)(question)
             timings[side] = time.perf_counter() - started
         now = pc.stats()
-        fresh = stock.fresh(sent[-1])  # both sides sent this prompt (the after side's, checked below)
+        fresh = stock.fresh(sent[-1])  # the prompt the app sent (both sides retrieve alike)
         rows.append(
             {
                 "question": question,
                 "before_s": timings["before"],
                 "after_s": timings["after"],
-                "same_prompt": sent[-1] == sent[-2],
                 "identical": texts["after"] == fresh,
                 "stock_identical": texts["before"] == fresh,
                 "prompt_answers": now["prompt_answers"] - counters["prompt_answers"],
@@ -142,7 +184,7 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
             }
         )
         if args.idle_seconds:
-            idle.append(pc.warm(progress=False, max_seconds=args.idle_seconds))
+            idle.append(warm(progress=False, max_seconds=args.idle_seconds))
         print(f"{app} {user.name} q{index}: {timings['before']:.2f}s -> {timings['after']:.2f}s same={rows[-1]['identical']}", flush=True)
     stats = pc.stats()
     pc.close()
@@ -174,7 +216,7 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_user_arguments(parser, qmsum_users=1, squad_users=1, queries=8)
-    parser.add_argument("--apps", default="langchain", help="comma-separated: langchain")
+    parser.add_argument("--apps", default="langchain,llamaindex", help="comma-separated: langchain, llamaindex")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--k", type=int, default=3, help="passages per question")
     parser.add_argument("--max-tokens", type=int, default=32)

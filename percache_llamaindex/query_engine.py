@@ -126,6 +126,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         self._percache = percache
         self._uses_states = isinstance(llm, PerCacheLlamaCPP)
         self._unforgotten: set[str] = set()  # deleted nodes whose removal from PerCache failed
+        percache.caller.retrieves_with(self._passages)  # idle work rebuilds requests with this engine's retriever
 
     def _current_engine(self) -> RetrieverQueryEngine:
         """The app's engine; built again (with any prompts updated since) when nodes were
@@ -269,6 +270,11 @@ class PerCacheQueryEngine(BaseQueryEngine):
             for _ in response.response_gen:  # the answer is stored when the stream ends
                 pass
         return self._percache.caller.find(question, binding=binding) is not None
+
+    def _passages(self, question: str, count: int) -> list[str]:
+        """The texts the LLM sees of the nodes this engine retrieves for *question* (at
+        most *count*), for idle work's agreement checks (``pc.caller.retrieves_with``)."""
+        return [c.text for c in node_chunks(self._current_engine().retrieve(QueryBundle(question)))][:count]
 
     def _binding(self, chunks: list[Chunk]) -> str:
         """What decides this engine's answer besides the question: the LLM, the response
