@@ -139,6 +139,8 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    if not Path(args.cache).expanduser().is_dir():  # a read-only verb creates no cache
+        raise PerCacheError(f"no cache here: {args.cache}")
     with PerCache.open(args.cache) as pc:  # loads no model: what the folder holds and counted
         stats = pc.stats()
     print(json.dumps(stats, indent=2) if args.json else stats_text(stats, args.cache))

@@ -4,6 +4,7 @@ through and why, the error statuses, and the replies built from stored answers."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,13 @@ def test_serve_refuses_an_open_address_without_a_key_before_any_work(
     monkeypatch.delenv("PERCACHE_SHARED_SECRET", raising=False)
     assert main(["serve", "--upstream", "http://127.0.0.1:9", "--shared-url", "redis://127.0.0.1:9/0"]) == 2
     assert "PERCACHE_SHARED_SECRET" in capsys.readouterr().err
+
+
+def test_read_only_and_serve_options_are_checked_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-cache"
+    assert main(["stats", "--cache", str(missing)]) == 2
+    assert "no cache here" in capsys.readouterr().err and not missing.exists()  # nothing created
+    assert main(["serve", "--upstream", "http://127.0.0.1:9", "--documents", str(tmp_path / "none/*.txt")]) == 2
+    assert "no folder and no .txt" in capsys.readouterr().err
