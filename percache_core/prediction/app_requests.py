@@ -93,8 +93,9 @@ class AppLeadingStates:
         return part
 
     def _prompts(self, limit_to_one: bool = False) -> Iterator[TextPrompt]:
-        """The leading prompts whose states are not stored, in the order to prefill them,
-        while the states are under the prefill share of the budget."""
+        """The leading prompts in the order to prefill them, while the states are under the
+        prefill share of the budget (with *limit_to_one*, the first whose state is not
+        stored)."""
         parts = self.parts
         runner = parts.runtime.runner if parts.runtime.engine_loaded else None
         if runner is None or runner.states is None:
@@ -107,10 +108,11 @@ class AppLeadingStates:
                     return
                 texts = [c.text for c in path]
                 spec = TextPrompt(shape.leading(texts), tuple(texts), shape.add_bos)
-                if runner.text_needs_prefill(spec):
+                if not limit_to_one:
+                    yield spec  # prefill_text lays it out once and skips a stored one
+                elif runner.text_needs_prefill(spec):
                     yield spec
-                    if limit_to_one:
-                        return
+                    return
 
     def _paths(self, shape: RequestShape, hot: list[Chunk], rest: list[Chunk]) -> Iterator[list[Chunk]]:
         """[chunk] for the *hot* chunks (those the app quoted lately and their neighbours),

@@ -160,12 +160,13 @@ class Scheduler:
     ) -> WarmReport:
         """Run one idle round (see the module docstring); stops early when a user question
         waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
-        With ``knowledge_prediction=False`` only history-based prediction runs. *answer* populates a predicted question through the caller's own pipeline (a
-        framework's query engine) instead of this cache's prompt, and returns whether it
-        stored an answer; then the round only summarises and predicts, and the steps that
-        run this cache's own prompt (refresh, follow-ups, knowledge prefill, conversions)
-        are left out: their answers and states would not be the caller's; so they are where
-        only apps' prompts came (:meth:`own_prompt_asked`: see ``app_requests``). The caller's
+        With ``knowledge_prediction=False`` only history-based prediction runs. *answer*
+        populates a predicted question through the caller's own pipeline (a framework's
+        query engine) instead of this cache's prompt, and returns whether it stored an
+        answer; then the round only summarises and predicts, and the steps that run this
+        cache's own prompt (refresh, follow-ups, knowledge prefill, conversions) are left
+        out: their answers and states would not be the caller's; so they are where only
+        apps' prompts came (:meth:`own_prompt_asked`: see ``app_requests``). The caller's
         calls into this cache are idle work (``UserActivity.background``): no activity,
         history or usage counts, and a user's question pre-empts their model runs."""
         parts = self.parts
