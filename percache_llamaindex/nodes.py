@@ -25,9 +25,10 @@ def node_chunks(nodes: list[NodeWithScore]) -> list[Chunk]:
 
 
 def record_chunks(percache: PerCache, chunks: list[Chunk]) -> None:
-    """Add the chunks of retrieved nodes (``node_chunks``) to the knowledge bank (known
-    nodes with the same text are skipped)."""
+    """Give the chunks of retrieved nodes (``node_chunks``) to the knowledge bank: the
+    next idle round embeds and adds them (``pc.caller.record_passages``; known nodes with
+    the same text are skipped then), so no answer waits for them."""
     kept = [c for c in chunks if c.text.strip()]
     if kept:
-        percache.add_documents([{"id": c.id, "text": c.text, "metadata": c.metadata} for c in kept], split=False)
+        percache.caller.record_passages([{"id": c.id, "text": c.text, "metadata": c.metadata} for c in kept])
 

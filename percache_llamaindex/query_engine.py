@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from typing import Any
 
 from llama_index.core import Settings
@@ -127,6 +127,8 @@ class PerCacheQueryEngine(BaseQueryEngine):
         self._uses_states = isinstance(llm, PerCacheLlamaCPP)
         self._unforgotten: set[str] = set()  # deleted nodes whose removal from PerCache failed
         percache.caller.retrieves_with(self._passages)  # idle work rebuilds requests with this engine's retriever
+        if self._uses_states:  # idle work predicts from the index's nodes (embedded then, not here)
+            self._record(self._indexed or ())
 
     def _current_engine(self) -> RetrieverQueryEngine:
         """The app's engine; built again (with any prompts updated since) when nodes were
@@ -141,9 +143,17 @@ class PerCacheQueryEngine(BaseQueryEngine):
             prompts = self._inner.get_prompts()
             self._inner = self._index.as_query_engine(llm=self._llm, **self._engine_kwargs)
             self._inner.update_prompts(prompts)
+            if self._uses_states and indexed is not None:
+                self._record(set(indexed) - set(self._indexed or ()))
             self._indexed = indexed
         self._forget(deleted)
         return self._inner
+
+    def _record(self, node_ids: Iterable[str]) -> None:
+        """Give idle work the text of these nodes of the index's docstore (those it holds)."""
+        docstore = getattr(self._index, "docstore", None)
+        nodes = [docstore.get_node(i, raise_error=False) for i in node_ids] if docstore is not None else []
+        record_chunks(self._percache, node_chunks([NodeWithScore(node=n) for n in nodes if n is not None]))
 
     def _forget(self, deleted: set[str]) -> None:
         """Delete these nodes from PerCache; after a storage failure (logged: answers stay

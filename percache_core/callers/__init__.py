@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath
-from ..types import Chunk, QAHit
+from ..types import QAHit
 from .answers import StoredAnswerVerbs
 from .prompts import PromptVerbs
 
@@ -59,4 +59,4 @@ class CallerCache(StoredAnswerVerbs, PromptVerbs):
         # semantic lookups that served nothing: the stored answers they saw, until the
         # caller remembers its own answer to the question (a calibration label each)
         self._offered: OrderedDict[tuple[str, str, str], list[QAHit]] = OrderedDict()
-        self._quote_index: tuple[int, dict[str, list[Chunk]]] = (-1, {})  # knowledge version, index
+        self._quote_index: tuple[int, dict[str, list[str]]] = (-1, {})  # knowledge version, index

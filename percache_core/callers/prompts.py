@@ -12,11 +12,12 @@ requests in the app's shape: :mod:`percache_core.serving.shapes`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from ..inputs import as_chunks, positive_override, validated_question, validated_scope
+from ..knowledge.bank import DocumentInput
 from ..kv.engine import Decoding, Engine, TextModel
 from ..serving.parts import CacheParts
 from ..serving.prompting import TextPrompt
@@ -35,7 +36,7 @@ class PromptVerbs:
     _parts: CacheParts
     _path: RequestPath
     _ensure_open: Callable[[], None]
-    _quote_index: tuple[int, dict[str, list[Chunk]]]
+    _quote_index: tuple[int, dict[str, list[str]]]
 
     def complete(
         self,
@@ -100,7 +101,8 @@ class PromptVerbs:
 
     def _learn_shape(self, prompt: str, question: str | None, decoding: Decoding, add_bos: bool | None) -> None:
         """Learn the shape of a request the app sent (see :mod:`percache_core.serving.shapes`)."""
-        if not len(self._parts.knowledge):
+        knowledge = self._parts.knowledge
+        if not len(knowledge) and not knowledge.deferred_texts:
             return
         passages = self.quoted_passages(prompt)
         if not passages:
@@ -110,6 +112,28 @@ class PromptVerbs:
         activity = self._parts.activity
         if question and (not activity.history or activity.history[-1] != question):
             activity.record_question(question, None, None)  # the app's questions feed history prediction
+
+    def record_passages(self, passages: Iterable[DocumentInput]) -> int:
+        """Passages the app retrieved, for the knowledge idle work predicts from: found in
+        the app's prompts at once (:meth:`quoted_passages`), embedded and added as chunks
+        (one each, as ``add_documents(split=False)``) by the next idle round, so that no
+        answer waits for their embedding. An id known with the same text is skipped then.
+
+        Args:
+            passages: dicts with ``text`` and optional ``id`` and ``metadata``, or strings.
+
+        Returns:
+            How many passages wait for an idle round.
+
+        Raises:
+            TypeError: a single passage instead of a list.
+            InvalidDocumentError: an empty text, a bad id or metadata that cannot be stored.
+
+        >>> pc.caller.record_passages([{"id": "node-7", "text": "The review moved to Thursday."}])  # doctest: +SKIP
+        1
+        """
+        self._ensure_open()
+        return self._parts.knowledge.defer_documents(passages)
 
     def retrieves_with(self, retrieve: Callable[[str, int], list[str]] | None) -> None:
         """Give idle work the app's own retriever: *retrieve(question, n)* returns the
@@ -322,17 +346,16 @@ class PromptVerbs:
         knowledge = self._parts.knowledge
         version, index = self._quote_index
         if version != knowledge.version:
-            index = {}
-            for chunk in knowledge.chunks:
-                if len(chunk.text) >= QUOTE_KEY:
-                    index.setdefault(chunk.text[:QUOTE_KEY], []).append(chunk)
+            index = _quote_keys(c.text for c in knowledge.chunks)
             self._quote_index = (knowledge.version, index)
+        deferred = _quote_keys(knowledge.deferred_texts)  # retrieved passages idle work adds
         found: list[str] = []
         start = 0
         while start <= len(text) - QUOTE_KEY:
             best = ""
-            for chunk in index.get(text[start : start + QUOTE_KEY], ()):
-                span = os.path.commonprefix([text[start : start + len(chunk.text)], chunk.text])
+            key = text[start : start + QUOTE_KEY]
+            for passage in (*index.get(key, ()), *deferred.get(key, ())):
+                span = os.path.commonprefix([text[start : start + len(passage)], passage])
                 best = span if len(span) > len(best) else best
             if best:
                 found.append(best)
@@ -354,3 +377,13 @@ class PromptVerbs:
         """
         knowledge = self._parts.knowledge
         return knowledge.get_chunk(chunk_id) or knowledge.get_chunk(f"{chunk_id}#c000")
+
+
+def _quote_keys(texts: Iterable[str]) -> dict[str, list[str]]:
+    """The passages long enough to be found by :meth:`PromptVerbs.quoted_passages`, by
+    their first ``QUOTE_KEY`` characters."""
+    index: dict[str, list[str]] = {}
+    for text in texts:
+        if len(text) >= QUOTE_KEY:
+            index.setdefault(text[:QUOTE_KEY], []).append(text)
+    return index

@@ -145,6 +145,7 @@ class KnowledgeBank:
         self._snapshot_min_chunks = snapshot_min_chunks
         self._snapshot_version = -1  # the store version of the snapshot on disk, when known
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
+        self._deferred: dict[str, _Document] = {}  # see defer_documents()
         self.full_reads = 0  # times every record was read (no usable snapshot, or a removal)
         self.sync()
 
@@ -292,6 +293,35 @@ class KnowledgeBank:
                 self.sync()
         return new_chunks
 
+    def defer_documents(self, documents: Iterable[DocumentInput]) -> int:
+        """Queue documents (each one chunk, as ``split=False``) for :meth:`add_deferred`:
+        checked now, embedded and written when idle work adds them. A queued id queued
+        again keeps the latest text. Returns how many documents wait."""
+        parsed = _parsed_documents(documents)
+        with self._lock:
+            self._deferred.update((document.id, document) for document in parsed)
+            return len(self._deferred)
+
+    @property
+    def deferred_texts(self) -> list[str]:
+        """The texts of the queued documents (:meth:`defer_documents`)."""
+        with self._lock:
+            return [document.text for document in self._deferred.values()]
+
+    def deferred_chunks(self, doc_ids: Iterable[str]) -> list[Chunk]:
+        """The chunks that the queued documents among *doc_ids* will be."""
+        with self._lock:
+            queued = [self._deferred[i] for i in doc_ids if i in self._deferred]
+        return [Chunk(f"{d.id}#c000", d.id, d.text.strip(), d.metadata) for d in queued]
+
+    def add_deferred(self, count: int) -> list[Chunk]:
+        """Add up to *count* queued documents, oldest first (known ones with the same text
+        are skipped, as in :meth:`add_documents`); return the new chunks."""
+        with self._lock:
+            batch = [self._deferred.pop(doc_id) for doc_id in list(self._deferred)[:count]]
+            items = [{"id": d.id, "text": d.text, "metadata": d.metadata} for d in batch]
+            return self.add_documents(items, split=False) if items else []
+
     def _chunked(self, document: _Document, split: bool) -> tuple[_Document, str, list[Chunk]] | None:
         """*document*, the digest of its text and its chunks; None when it is stored with
         the same text already."""
@@ -325,6 +355,8 @@ class KnowledgeBank:
         the removed chunks. One transaction: all of them go, or none."""
         wanted = validated_document_ids(doc_ids)
         with self._lock:
+            for doc_id in wanted:
+                self._deferred.pop(doc_id, None)
             self.sync()
             removed = [chunk for chunk in self._index.chunks if chunk.doc_id in wanted]
             known = [doc_id for doc_id in wanted if doc_id in self._documents]

@@ -79,13 +79,14 @@ class DocumentVerbs:
         self._ensure_open()
         ids = validated_document_ids(doc_ids)
         with self._parts.activity.user_turn():  # an idle round stops first
-            removing = [chunk for chunk in self._parts.knowledge.chunks if chunk.doc_id in ids]
+            knowledge = self._parts.knowledge
+            removing = [chunk for chunk in knowledge.chunks if chunk.doc_id in ids] + knowledge.deferred_chunks(ids)
             self._scheduler.invalidation.documents_deleted(removing, ids)
             if removing:
                 self._parts.prompt_answers.clear()  # a key does not say which texts its prompt held
             # the chunks go last: a failure (or kill) before leaves the documents, so a
             # retry does the whole work again
-            return len(self._parts.knowledge.delete_documents(ids))
+            return len(knowledge.delete_documents(ids))
 
     def retrieve(self, question: str, k: int | None = None) -> list[RetrievedChunk]:
         """The chunks hybrid retrieval (embeddings and BM25, fused) gives for *question*.

@@ -60,6 +60,7 @@ class WarmReport:
     calibration_labels: int = 0  # labels they gave
     calibration_seconds: float = 0.0
     paths_reprefilled: int = 0
+    passages_added: int = 0  # chunks apps retrieved, added to the knowledge (pc.caller.record_passages)
     agreement_checks: int = 0  # apps' requests rebuilt from their question (serving/shapes.py)
     app_states_prefilled: int = 0  # leading states of the apps' requests over the knowledge
     app_requests_run: int = 0  # predicted questions run as the apps' requests

@@ -50,7 +50,7 @@ from ..serving.parts import CacheParts
 from ..serving.request_path import RequestPath
 from ..serving.state_runner import Preempted
 from .abstract import KnowledgeAbstract
-from .app_requests import AppLeadingStates, AppPredictedRequests
+from .app_requests import AppLeadingStates, AppPassages, AppPredictedRequests
 from .calibrating import CalibrationWork
 from .idle_round import (
     PREFILL_DECODE,
@@ -104,14 +104,16 @@ class Scheduler:
         self.predicted_paths = PredictedPaths(parts)
         self.prediction = PredictAndPopulate(parts, self.abstract, lambda: self.predictor())
         self.steps: list[IdleStep] = [
+            AppPassages(parts, self.invalidation),
             self.predicted_paths,
-            AppLeadingStates(parts),
+            AppLeadingStates(parts, hot=True),
             SummariseKnowledge(parts, self.abstract, self._llm, self._chat_format),
             RefreshStale(parts),
             AnswerFollowUps(parts),
             self.prediction,
             AppPredictedRequests(parts, request_path, self.prediction),
             KnowledgePrefill(parts),
+            AppLeadingStates(parts, hot=False),
             Convert(parts),
             Calibrate(CalibrationWork(parts, request_path)),
         ]

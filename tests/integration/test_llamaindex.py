@@ -231,6 +231,8 @@ def test_node_postprocessor_records_and_reorders(make_cache):
     ]
     recorder = PerCacheNodePostprocessor(pc)
     assert recorder.postprocess_nodes(nodes) == nodes
+    assert len(internals(pc).knowledge) == 0  # embedded by idle work, not on the answer's path
+    assert len(internals(pc).knowledge.add_deferred(16)) == 2  # what the next idle round does first
     assert len(internals(pc).knowledge) == 2
     pc.caller.generate("How much are tickets?", [c for c in reversed(internals(pc).knowledge.chunks)])  # stores [n1, n0]
     reordering = PerCacheNodePostprocessor(pc, reorder=True)

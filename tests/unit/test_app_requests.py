@@ -6,6 +6,8 @@ tests/integration/test_app_requests.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from percache_core import Decoding
 from percache_core.inspection import internals
 from percache_core.serving.shapes import RequestShapes, decoding_from, decoding_record, split_request
@@ -132,6 +134,27 @@ def test_the_apps_own_retriever_builds_the_predicted_requests(fake_cache, monkey
     assert pc.stats()["app_requests"]["shapes"][0]["agreement"] == 0.0
     assert report.app_requests_run == 2 and report.app_answers_stored == 0  # low agreement: leading states only
     assert pc.stats()["app_requests"]["app_retriever"]
+
+
+def test_passages_an_app_retrieved_join_the_knowledge_in_idle_time_not_on_the_answers_path(fake_cache):
+    pc = fake_cache("passages", documents=False, qa_bank=False, engine=FakeEngine(name="fake"))
+    passages = ["The morning ferry leaves the north pier at seven sharp.", "Boarding closes ten minutes before the ferry leaves the pier."]
+    waiting = pc.caller.record_passages([{"id": f"node-{i}", "text": t} for i, t in enumerate(passages)])
+    assert waiting == 2 and len(internals(pc).knowledge) == 0  # nothing embedded on the answer's path
+    prompt = TEMPLATE.format(context="\n\n".join(passages), question="When does the ferry leave?")
+    assert pc.caller.quoted_passages(prompt) == passages  # found in the app's prompts at once
+    pc.caller.complete(prompt, documents=passages, decoding=DECODING, question="When does the ferry leave?")
+    assert pc.stats()["app_requests"]["shapes"][0]["passages"] == 2  # the shape is learned from them
+    assert pc.caller.record_passages([{"id": "node-2", "text": "Gone before idle time."}]) == 3
+    pc.delete_documents(["node-2"])  # deleted before idle work came: never added
+    report = pc.warm(progress=False, max_predictions=0)
+    assert report.passages_added == 2
+    assert sorted(c.doc_id for c in internals(pc).knowledge.chunks) == ["node-0", "node-1"]
+    assert internals(pc).knowledge.deferred_texts == []
+    assert pc.caller.record_passages([{"id": "node-0", "text": passages[0]}]) == 1  # known: skipped
+    assert pc.warm(progress=False, max_predictions=0).passages_added == 0
+    with pytest.raises(TypeError):
+        pc.caller.record_passages("one passage, not a list")
 
 
 def test_the_states_of_requests_grow_the_budget_instead_of_being_evicted(fake_cache):
