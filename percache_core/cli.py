@@ -173,7 +173,7 @@ def _add_serve_parser(commands: Any) -> None:
         "serve", help="an OpenAI-compatible endpoint with PerCache in front of a llama-server"
     )
     serve.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
-    serve.add_argument("--upstream", help="URL of a running llama-server (e.g. http://127.0.0.1:8081)")
+    serve.add_argument("--upstream", help="URL of a running llama-server (e.g. http://127.0.0.1:8081) or another OpenAI-compatible server (stored replies only)")
     serve.add_argument("--model", help="a GGUF file: start a llama-server on it (instead of --upstream)")
     serve.add_argument("--slot-save-path", help="the upstream server's --slot-save-path folder (chunk states)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")

@@ -8,7 +8,8 @@ until stopped and :func:`serving_in_thread` from a thread (:mod:`.serve`); :mod:
 reads and writes the OpenAI protocol. Needs the ``serve`` extra (starlette, uvicorn, httpx).
 """
 
-from .app import EndpointSettings, create_app
+from .app import EndpointSettings
+from .routes import create_app
 from .serve import serve, serving_in_thread
 
 __all__ = ["EndpointSettings", "create_app", "serve", "serving_in_thread"]

@@ -33,11 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from ..errors import ContextOverflowError, PerCacheError
 from ..kv.llama_server import LlamaServer, ServerError, ServerUnreachable
@@ -77,28 +75,7 @@ class EndpointSettings:
     max_request_bytes: int = 8 * 1024 * 1024
 
 
-def create_app(pc: PerCache, server: LlamaServer, settings: EndpointSettings = EndpointSettings()) -> Starlette:
-    """The endpoint's application over *pc* (opened with *server* as its engine).
-
-    >>> app = create_app(PerCache.open("cache", engine=server), server)   # doctest: +SKIP
-    >>> uvicorn.run(app, host="127.0.0.1", port=8080)                     # doctest: +SKIP
-    """
-    endpoint = _Endpoint(pc, server, settings)
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", endpoint.chat, methods=["POST"]),
-            Route("/v1/completions", endpoint.text, methods=["POST"]),
-            Route("/v1/models", endpoint.models, methods=["GET"]),
-            Route("/v1/percache/documents", endpoint.add_documents, methods=["POST"]),
-            Route("/v1/percache/documents/{doc_id:path}", endpoint.delete_document, methods=["DELETE"]),
-            Route("/v1/percache/stats", endpoint.stats, methods=["GET"]),
-            Route("/{path:path}", endpoint.other, methods=PASSED_METHODS),
-        ],
-        exception_handlers={APIError: _error_response, Exception: _error_response},  # type: ignore[dict-item]
-    )
-
-
-async def _error_response(request: Request, error: Exception) -> Response:
+async def error_response(request: Request, error: Exception) -> Response:
     """An OpenAI error body: the request's fault as raised, anything else a server error."""
     if not isinstance(error, APIError):
         logger.exception("the endpoint failed on %s", request.url.path, exc_info=error)
@@ -107,7 +84,7 @@ async def _error_response(request: Request, error: Exception) -> Response:
 
 
 @dataclass(frozen=True)
-class _Forward:
+class Forward:
     """A request sent to the server as it is: whether it *hold*s the server meanwhile."""
 
     method: str
@@ -117,7 +94,12 @@ class _Forward:
     hold: bool = True
 
 
-class _Endpoint:
+class Endpoint:
+    """The routes over *pc* on a llama-server (see the module docstring); :func:`~percache_core.endpoint.routes.create_app`
+    serves them."""
+
+    holds_engine = True  # a passed-through request with a body holds the server (no PerCache run meanwhile)
+
     def __init__(self, pc: PerCache, server: LlamaServer, settings: EndpointSettings) -> None:
         self.pc, self.server, self.settings = pc, server, settings
         self.defaults = ServerDefaults.from_props(server.props)
@@ -141,7 +123,7 @@ class _Endpoint:
         raw = await self._body(request)
         url = self.server.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
-        return await self._relay_reply(_Forward(request.method, url, raw, headers, hold=bool(raw)), {})
+        return await self._relay_reply(Forward(request.method, url, raw, headers, hold=bool(raw)), {})
 
     async def add_documents(self, request: Request) -> Response:
         self._authorize(request)
@@ -250,18 +232,18 @@ class _Endpoint:
     async def _pass_through(self, kind: Kind, body: dict[str, Any], reason: str) -> Response:
         """Send *body* to the server as it is (its reply unchanged, ``X-PerCache-Source:
         passthrough`` and ``X-PerCache-Reason`` added), holding the server meanwhile."""
-        forward = _Forward("POST", self.server.url + PATHS[kind], json.dumps(body).encode(), {"Content-Type": "application/json"})
+        forward = Forward("POST", self.server.url + PATHS[kind], json.dumps(body).encode(), {"Content-Type": "application/json"})
         return await self._relay_reply(forward, {SOURCE_HEADER: "passthrough", "X-PerCache-Reason": reason})
 
-    async def _relay_reply(self, forward: _Forward, about: dict[str, str]) -> Response:
-        """The server's reply to *forward*, streamed back with its status and headers (and
-        *about*'s)."""
-        stream = BackgroundStream(self._forward(forward))
+    async def _relay_reply(self, forward: Forward, about: dict[str, str], replies: Iterator[Any] | None = None) -> Response:
+        """The server's reply to *forward* (as *replies* gives it: default :meth:`_forward`),
+        streamed back with its status and headers (and *about*'s)."""
+        stream = BackgroundStream(replies if replies is not None else self._forward(forward))
         pieces = iter(stream)
         head = await run_in_threadpool(next, pieces, _END)
         if not isinstance(head, tuple):
             stream.close()
-            raise APIError(502, "the llama-server did not answer", type="upstream_error")
+            raise APIError(502, "the upstream server did not answer", type="upstream_error")
         status, headers = head
 
         async def rest() -> AsyncIterator[bytes]:
@@ -274,14 +256,15 @@ class _Endpoint:
         kept = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
         return StreamingResponse(rest(), status_code=status, headers={**kept, **about})
 
-    def _forward(self, forward: _Forward) -> Iterator[Any]:
+    def _forward(self, forward: Forward) -> Iterator[Any]:
         """The server's reply to *forward*: (status, headers), then its bytes; where
         ``forward.hold`` the server is held (no PerCache run on it meanwhile) until the
         reply ends."""
         headers = dict(forward.headers)
         if self.server.api_key:
             headers["Authorization"] = f"Bearer {self.server.api_key}"
-        with self.pc.caller.lend_engine() if forward.hold else nullcontext(), httpx.Client(timeout=None) as client:
+        held = self.pc.caller.lend_engine() if forward.hold and self.holds_engine else nullcontext()
+        with held, httpx.Client(timeout=None) as client:
             try:
                 content = forward.content or None
                 with client.stream(forward.method, forward.url, content=content, headers=headers) as reply:

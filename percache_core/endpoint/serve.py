@@ -17,25 +17,33 @@ from ..config import PerCacheConfig
 from ..errors import PerCacheError
 from ..kv.llama_server import LlamaServer, ServerLaunch, free_port
 from ..pipeline import PerCache
-from .app import EndpointSettings, create_app
+from .app import EndpointSettings
 from .documents import WatchedDocuments
+from .routes import create_app
+from .upstream import PlainUpstream, detect_upstream
 
 API_KEY_ENV = "PERCACHE_API_KEY"
 SHARED_SECRET_ENV = "PERCACHE_SHARED_SECRET"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def open_server(upstream: str | None, model: str | None, slot_save_path: str | None) -> LlamaServer:
-    """The llama-server to serve with: the one at *upstream* (its ``--slot-save-path`` folder
-    as *slot_save_path*, else stored answers only), or one started on the GGUF *model*.
+def open_server(upstream: str | None, model: str | None, slot_save_path: str | None) -> LlamaServer | PlainUpstream:
+    """The server to serve over: the one at *upstream*, a llama-server (its
+    ``--slot-save-path`` folder as *slot_save_path*, else stored answers only) or another
+    OpenAI-compatible server (:func:`~percache_core.endpoint.upstream.detect_upstream`:
+    stored replies only), or a llama-server started on the GGUF *model*.
 
     Raises:
-        PerCacheError: neither or both of *upstream* and *model*.
+        PerCacheError: neither or both of *upstream* and *model*; nothing OpenAI-compatible
+            at *upstream*.
     """
     if (upstream is None) == (model is None):
         raise PerCacheError("give either --upstream URL (a running llama-server) or --model GGUF")
     if upstream is not None:
-        return LlamaServer(upstream, slot_save_path=slot_save_path, api_key=os.environ.get("LLAMA_API_KEY"))
+        key = os.environ.get("LLAMA_API_KEY")
+        if detect_upstream(upstream, key) == "openai":
+            return PlainUpstream(upstream, key)
+        return LlamaServer(upstream, slot_save_path=slot_save_path, api_key=key)
     return LlamaServer.start(model, ServerLaunch(slot_save_path=slot_save_path))
 
 
@@ -69,7 +77,7 @@ class BetweenRequests:
 
 def serve(
     cache: str | Path,
-    server: LlamaServer,
+    server: LlamaServer | PlainUpstream,
     *,
     address: tuple[str, int] = ("127.0.0.1", 8080),
     settings: EndpointSettings = EndpointSettings(),
@@ -91,6 +99,9 @@ def serve(
     import uvicorn  # the serve extra; loaded only to serve
 
     host, port = address
+    if isinstance(server, PlainUpstream):
+        _serve_plain(Path(cache).expanduser(), server, address, settings, config, between)
+        return
     pc = PerCache.open(Path(cache).expanduser(), config=config, engine=server)
     watched = WatchedDocuments(pc, between.documents)
     try:
@@ -108,6 +119,30 @@ def serve(
         pc.close()
         if server.owns_process:
             server.close()
+
+
+def _serve_plain(
+    cache: Path,
+    upstream: PlainUpstream,
+    address: tuple[str, int],
+    settings: EndpointSettings,
+    config: PerCacheConfig | None,
+    between: BetweenRequests,
+) -> None:
+    """:func:`serve` over an upstream that is not a llama-server: stored replies only."""
+    import uvicorn
+
+    if between.documents or between.idle:
+        raise PerCacheError(
+            f"{upstream.url} is an OpenAI-compatible server but not a llama-server: documents and idle "
+            "prediction need a llama-server's tokenizer and slots (leave out --documents and --idle)"
+        )
+    host, port = address
+    with PerCache.open(cache, config=config) as pc:  # its model never loads: nothing runs on it
+        print(f"percache serve: http://{host}:{port}/v1 over {upstream.url} ({upstream.model_name}), cache {cache}")
+        print("percache serve: the upstream is not a llama-server: identical requests get stored replies, "
+              "everything else passes through")
+        uvicorn.run(create_app(pc, upstream, settings), host=host, port=port, log_level="warning")
 
 
 def shared_config(shared_url: str | None) -> PerCacheConfig | None:
@@ -130,7 +165,7 @@ def shared_config(shared_url: str | None) -> PerCacheConfig | None:
 
 @contextmanager
 def serving_in_thread(
-    pc: PerCache, server: LlamaServer, settings: EndpointSettings = EndpointSettings(), *, host: str = "127.0.0.1"
+    pc: PerCache, server: LlamaServer | PlainUpstream, settings: EndpointSettings = EndpointSettings(), *, host: str = "127.0.0.1"
 ) -> Iterator[str]:
     """Serve *pc* over *server* on a free port of *host* from a thread until the block ends:
     the base URL (``http://host:port/v1``). The cache stays open.

@@ -193,3 +193,9 @@ class BertEmbedder(RecentTexts):
             w[prefix + "output.LayerNorm.bias"],
             eps,
         )
+
+
+def default_embedder() -> BertEmbedder:
+    """The embedder a cache uses when none is given: the bundled all-MiniLM-L6-v2 run
+    with numpy (loaded on first use)."""
+    return BertEmbedder()

@@ -147,14 +147,6 @@ class SentenceTransformerEmbedder(RecentTexts):
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
-def default_embedder() -> Embedder:
-    """The embedder a cache uses when none is given: the bundled all-MiniLM-L6-v2 run
-    with numpy (:class:`~percache_core.knowledge.bert.BertEmbedder`; loaded on first use)."""
-    from .bert import BertEmbedder
-
-    return BertEmbedder()
-
-
 def embedding_dimension(embedder: Embedder) -> int:
     """The embedder's vector size (asked of it when it does not say)."""
     dimension = getattr(embedder, "dimension", -1)

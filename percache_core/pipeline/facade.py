@@ -13,7 +13,8 @@ from ..callers import CallerCache
 from ..config import PerCacheConfig
 from ..errors import CacheClosedError, CacheFolderError, StorageWriteError
 from ..inputs import positive_override, similarity_override, validated_question, validated_scope
-from ..knowledge.embedding import Embedder, default_embedder
+from ..knowledge.bert import default_embedder
+from ..knowledge.embedding import Embedder
 from ..kv.engine import Engine
 from ..kv.llama_server import LlamaServer
 from ..models import resolve_model_path

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..prediction.idle_round import WarmOptions
 from ..prediction.scheduler import Scheduler, WarmReport
 from ..prediction.worker import IdleWorker
 from ..serving.parts import CacheParts
@@ -60,14 +61,7 @@ class IdleVerbs:
         ['When is the launch talk?', ...]
         """
         self._ensure_open()
-        return self._scheduler.warm(
-            max_seconds=max_seconds,
-            max_predictions=max_predictions,
-            knowledge_prediction=knowledge_prediction,
-            progress=progress,
-            should_stop=should_stop,
-            answer=answer,
-        )
+        return self._scheduler.warm(WarmOptions(max_seconds, max_predictions, knowledge_prediction, progress, should_stop, answer))
 
     def start_worker(
         self,

@@ -32,6 +32,26 @@ class OutOfTime(Exception):
     """The round's time budget is spent (checked between steps and between questions)."""
 
 
+@dataclass(frozen=True)
+class WarmOptions:
+    """How one idle round runs (``PerCache.warm``'s keywords): *max_seconds* (it stops
+    after this long), *max_predictions* (questions predicted per view; None:
+    ``prediction_stride``), *knowledge_prediction* (also from the knowledge abstract),
+    *progress* (a progress bar), *should_stop* (asked between segments and tokens) and
+    *answer* (question -> whether the app's own pipeline stored an answer to it).
+
+    >>> WarmOptions(max_seconds=20).progress
+    True
+    """
+
+    max_seconds: float | None = None
+    max_predictions: int | None = None
+    knowledge_prediction: bool = True
+    progress: bool = True
+    should_stop: Callable[[], bool] | None = None
+    answer: Callable[[str], bool] | None = None
+
+
 @dataclass
 class WarmReport:
     """What one idle round (or one of its steps) did."""

@@ -59,6 +59,7 @@ from .idle_round import (
     IdleRound,
     IdleStep,
     OutOfTime,
+    WarmOptions,
     WarmReport,
     population_strategy,
     run_steps,
@@ -106,14 +107,13 @@ class Scheduler:
         self.steps: list[IdleStep] = [
             AppPassages(parts, self.invalidation),
             self.predicted_paths,
-            AppLeadingStates(parts, hot=True),
+            AppLeadingStates(parts),
             SummariseKnowledge(parts, self.abstract, self._llm, self._chat_format),
             RefreshStale(parts),
             AnswerFollowUps(parts),
             self.prediction,
             AppPredictedRequests(parts, request_path, self.prediction),
             KnowledgePrefill(parts),
-            AppLeadingStates(parts, hot=False),
             Convert(parts),
             Calibrate(CalibrationWork(parts, request_path)),
         ]
@@ -150,19 +150,11 @@ class Scheduler:
 
     # -- the round ------------------------------------------------------------------------
 
-    def warm(
-        self,
-        *,
-        max_seconds: float | None = None,
-        max_predictions: int | None = None,
-        knowledge_prediction: bool = True,
-        progress: bool = True,
-        should_stop: Callable[[], bool] | None = None,
-        answer: Callable[[str], bool] | None = None,
-    ) -> WarmReport:
-        """Run one idle round (see the module docstring); stops early when a user question
-        waits (``report.preempted``) or *max_seconds* run out (``report.out_of_time``).
-        With ``knowledge_prediction=False`` only history-based prediction runs. *answer*
+    def warm(self, options: WarmOptions = WarmOptions()) -> WarmReport:
+        """Run one idle round (see the module docstring) as *options* say; stops early when
+        a user question waits (``report.preempted``) or its seconds run out
+        (``report.out_of_time``). With ``knowledge_prediction=False`` only history-based
+        prediction runs. An *answer*
         populates a predicted question through the caller's own pipeline (a framework's
         query engine) instead of this cache's prompt, and returns whether it stored an
         answer; then the round only summarises and predicts, and the steps that run this
@@ -172,22 +164,23 @@ class Scheduler:
         calls into this cache are idle work (``UserActivity.background``): no activity,
         history or usage counts, and a user's question pre-empts their model runs."""
         parts = self.parts
-        waiting = should_stop or parts.activity.waiting
-        own_pipeline = answer is None and self.own_prompt_asked()
+        waiting = options.should_stop or parts.activity.waiting
+        own_pipeline = options.answer is None and self.own_prompt_asked()
         with self._lock:
             started = time.perf_counter()
-            deadline = None if max_seconds is None else started + max_seconds
+            deadline = None if options.max_seconds is None else started + options.max_seconds
 
             def stop() -> bool:  # checked between segments and tokens
                 return waiting() or (deadline is not None and time.perf_counter() > deadline)
 
             strategy = self.strategy() if own_pipeline else PREFILL_DECODE
             steps = sum(1 for step in self.steps if own_pipeline or not step.own_pipeline_only)
-            bar = _progress_bar(progress, steps=steps)
+            bar = _progress_bar(options.progress, steps=steps)
             round = IdleRound(parts, self.request_path, stop, deadline, bar, strategy, own_pipeline)
-            self.prediction.stride = max_predictions if max_predictions is not None else parts.config.idle.prediction_stride
-            self.prediction.use_knowledge = knowledge_prediction
-            self.prediction.answer = answer
+            stride = options.max_predictions
+            self.prediction.stride = stride if stride is not None else parts.config.idle.prediction_stride
+            self.prediction.use_knowledge = options.knowledge_prediction
+            self.prediction.answer = options.answer
             report = self._report = WarmReport(strategy)
             self._round = round
             try:

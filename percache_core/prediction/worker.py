@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from .idle_round import WarmOptions
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -78,14 +79,14 @@ class IdleWorker:
                     continue
                 self.busy.set()
                 try:
-                    report = self._scheduler.warm(
+                    report = self._scheduler.warm(WarmOptions(
                         max_seconds=self._round_seconds,
                         progress=False,
                         should_stop=lambda: (
                             self._stop.is_set() or self._activity.waiting() or not self._should_run()
                         ),
                         answer=self._answer,
-                    )
+                    ))
                 finally:
                     self.busy.clear()
                 self.rounds += 1

@@ -1,7 +1,8 @@
 """Decoding an answer on an in-process engine after its prompt: sampled, or greedy with
 drafts (stored answers, prompt phrases) verified in batches where the engine's self-check
 found that batches pay (:mod:`percache_core.serving.drafting`); the tokens turned into text
-through the stop strings (:func:`decode_text`).
+through the stop strings (:func:`decode_text`); and the plain completions of idle work (the
+predictor's and the abstract's LLM calls: :func:`complete_plain`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 
 from ..config import PerCacheConfig
-from ..kv.engine import Engine
+from ..kv.engine import Decoding, Engine, Sampling
 from ..kv.stopping import StopStringFilter
 from .drafting import (
     AnswerDraft,
@@ -130,3 +131,42 @@ def decode_text(
     tail = stop.finish()
     if tail:
         yield tail
+
+
+def complete_plain(
+    engine: Engine, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
+) -> tuple[str, int, int]:
+    """Complete *prompt* on *engine* with *decoding* (its tokens, sampling and stop strings
+    set) without chunk states or stored answers (idle work's plain LLM calls: the
+    predictor's and the abstract's): (text, prompt tokens, generated tokens). The prompt
+    keeps its last ``n_ctx - max_new_tokens`` tokens.
+
+    With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
+    tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
+    """
+    max_new_tokens, sampling = decoding.required_tokens(), decoding.sampling or Sampling()
+    with engine.lock:
+        tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
+        tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
+        engine.reset()
+        engine.eval(tokens, should_stop)
+        if engine.n_past != len(tokens):
+            raise Preempted("completion pre-empted by a user question")
+        generated = 0
+
+        def count_token(token: int) -> None:
+            nonlocal generated
+            if not engine.is_end_of_generation(token):
+                generated += 1
+
+        stops = StopStringFilter(decoding.stop or ())
+        text = "".join(
+            decode_text(
+                engine,
+                engine.generate(max_new_tokens=max_new_tokens, sampling=sampling),
+                stops,
+                should_stop,
+                count_token,
+            )
+        )
+        return text, len(tokens), generated

@@ -1,21 +1,17 @@
 """Completion without a cache: a caller's prompt as stock llama.cpp completes it
-(:class:`UncachedCompletion`, for an adapter's LLM used outside a cache), and the plain
-completions of idle work (the predictor's and the abstract's LLM calls:
-:func:`complete_plain`)."""
+(:class:`UncachedCompletion`, for an adapter's LLM used outside a cache)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
 from ..config import PerCacheConfig
-from ..kv.engine import Decoding, Engine, Sampling
+from ..kv.engine import Engine, Sampling
 from ..kv.llama_server import LlamaServer
-from ..kv.stopping import StopStringFilter
-from .answer_decoder import decode_text
 from .generation import PromptRunner
 from .prompting import TextPrompt
 from .server_runner import ServerRunner
-from .state_runner import Preempted, RunOptions, StateRunner, StopCheck
+from .state_runner import RunOptions, StateRunner
 from .streaming import BackgroundStream
 
 
@@ -56,42 +52,3 @@ class UncachedCompletion:
         )
         events = self._runner.run(layout, options)
         return BackgroundStream(events)
-
-
-def complete_plain(
-    engine: Engine, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
-) -> tuple[str, int, int]:
-    """Complete *prompt* on *engine* with *decoding* (its tokens, sampling and stop strings
-    set) without chunk states or stored answers (idle work's plain LLM calls: the
-    predictor's and the abstract's): (text, prompt tokens, generated tokens). The prompt
-    keeps its last ``n_ctx - max_new_tokens`` tokens.
-
-    With ``chat=True`` the prompt came from ``engine.chat_prompt`` and its markup is
-    tokenized as special tokens. Raises :class:`Preempted` when *should_stop* turns true.
-    """
-    max_new_tokens, sampling = decoding.required_tokens(), decoding.sampling or Sampling()
-    with engine.lock:
-        tokens = engine.tokenize_chat(prompt) if chat else engine.tokenize(prompt, True)
-        tokens = tokens[-(engine.n_ctx - max_new_tokens) :]
-        engine.reset()
-        engine.eval(tokens, should_stop)
-        if engine.n_past != len(tokens):
-            raise Preempted("completion pre-empted by a user question")
-        generated = 0
-
-        def count_token(token: int) -> None:
-            nonlocal generated
-            if not engine.is_end_of_generation(token):
-                generated += 1
-
-        stops = StopStringFilter(decoding.stop or ())
-        text = "".join(
-            decode_text(
-                engine,
-                engine.generate(max_new_tokens=max_new_tokens, sampling=sampling),
-                stops,
-                should_stop,
-                count_token,
-            )
-        )
-        return text, len(tokens), generated

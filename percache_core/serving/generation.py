@@ -21,10 +21,10 @@ import numpy as np
 from ..config import LiveConfig, PerCacheConfig
 from ..errors import PerCacheError
 from ..kv.cuts import batch_bounds, measure_cut_rule
-from ..kv.engine import Engine
+from ..kv.engine import Decoding, Engine
 from ..kv.tiers import TieredStateStore
 from ..types import Chunk
-from .answer_decoder import AnswerDecoder
+from .answer_decoder import AnswerDecoder, complete_plain
 from .live_prefix import LiveContext, call_starts
 from .prompting import (
     PromptLayout,
@@ -108,6 +108,12 @@ class PromptRunner(StateRunner):
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
+
+    def complete_plain(
+        self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
+    ) -> tuple[str, int, int]:
+        """Idle work's LLM calls, with nothing reused (see :func:`complete_plain`)."""
+        return complete_plain(self.engine, prompt, decoding, chat=chat, should_stop=should_stop)
 
     def lay_out(
         self,

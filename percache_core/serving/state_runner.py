@@ -185,11 +185,8 @@ class StateRunner:
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
     ) -> tuple[str, int, int]:
         """Idle work's free-form completion of *prompt* with *decoding* (no chunk states,
-        no stored answers): (text, prompt tokens, generated tokens); on an in-process
-        engine :func:`~percache_core.serving.completion.complete_plain`."""
-        from .completion import complete_plain  # completion builds on the runners
-
-        return complete_plain(self.engine, prompt, decoding, chat=chat, should_stop=should_stop)
+        no stored answers): (text, prompt tokens, generated tokens)."""
+        raise NotImplementedError
 
     def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
         """The stored-state keys of the layout's prefixes (all but the whole prompt): a

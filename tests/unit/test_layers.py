@@ -112,12 +112,58 @@ def test_adapters_use_the_public_package_only():
     assert adapter_inner_imports() == []
 
 
+def import_circles() -> list[list[str]]:
+    """Modules that import each other, directly or around a circle, counting imports inside
+    functions (one list per circle, found as strongly connected components)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for module, target, _ in imports(path):
+            graph.setdefault(module, set())
+            graph.setdefault(target, set())
+            if target != module:
+                graph[module].add(target)
+    # a name imported from a package may be one of its modules: "pkg.name" is the edge then
+    graph = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_around_a_circle():
+    assert import_circles() == []
+
+
 def test_every_part_has_a_layer():
     parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
     assert parts <= set(LAYER_OF), sorted(parts - set(LAYER_OF))
 
 
 if __name__ == "__main__":  # make lint
-    problems = upward_imports() + adapter_inner_imports()
+    problems = upward_imports() + adapter_inner_imports() + [f"import circle: {c}" for c in import_circles()]
     print("\n".join(problems) or "layers: every import runs down")
     raise SystemExit(1 if problems else 0)
