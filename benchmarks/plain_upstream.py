@@ -34,7 +34,7 @@ from percache_core.endpoint.upstream import PlainUpstream
 from percache_core.kv.llama_server import free_port
 from percache_core.models import resolve_model_path
 
-from .endpoint import Messages, side_by_side
+from .endpoint import Messages, streamed
 from .output import write_json
 from .server import lc_messages
 from .stock import QMSUM_USER, rag_chat_turns, user_rows
@@ -62,7 +62,37 @@ def llama_cpp_server(model: Path, threads: int) -> Iterator[str]:
 
 
 def client(url: str, max_tokens: int) -> ChatOpenAI:
-    return ChatOpenAI(base_url=url, api_key="none", model="local", temperature=0, max_tokens=max_tokens)
+    """ChatOpenAI as a user points it at the server (it sends ``max_completion_tokens``,
+    which llama_cpp.server ignores: the limit goes as ``max_tokens``)."""
+    return ChatOpenAI(base_url=url, api_key="none", model="local", temperature=0, extra_body={"max_tokens": max_tokens})
+
+
+def side_by_side(name: str, prompts: list[Messages], ours: ChatOpenAI, alone: ChatOpenAI, *, first: int = 0
+                 ) -> dict[str, Any]:
+    """Each prompt streamed to both sides (alone first on even prompts, counted from
+    *first*), the upstream's context moved off the prompt before each (a one-token request
+    on other text: llama-cpp-python reuses the longest prefix of its previous prompt, which
+    would favour whichever side asks second)."""
+    reset = alone.bind(extra_body={"max_tokens": 1})
+    sums = {"percache_s": 0.0, "upstream_alone_s": 0.0, "percache_ttft_s": 0.0, "upstream_alone_ttft_s": 0.0}
+    same = 0
+    for index, messages in enumerate(prompts, start=first):
+        runs = {}
+        for side in (("alone", "ours") if index % 2 == 0 else ("ours", "alone")):
+            reset.invoke("Reply with one word.")
+            runs[side] = streamed(alone if side == "alone" else ours, messages)
+        sums["percache_s"] += runs["ours"][2]
+        sums["upstream_alone_s"] += runs["alone"][2]
+        sums["percache_ttft_s"] += runs["ours"][1]
+        sums["upstream_alone_ttft_s"] += runs["alone"][1]
+        same += runs["ours"][0] == runs["alone"][0]
+    row: dict[str, Any] = {"workload": name, "prompts": len(prompts), **{k: round(v, 3) for k, v in sums.items()}}
+    row["ratio"] = round(sums["percache_s"] / sums["upstream_alone_s"], 4)
+    row["ttft_ratio"] = round(sums["percache_ttft_s"] / sums["upstream_alone_ttft_s"], 4)
+    row["identical_to_upstream_alone"] = same
+    print(f"  {name:12s} PerCache {row['percache_s']:7.2f} s  alone {row['upstream_alone_s']:7.2f} s  ratio {row['ratio']}"
+          f"  TTFT ratio {row['ttft_ratio']}  = alone {same}/{len(prompts)}", flush=True)
+    return row
 
 
 def load(url: str, prompts: list[Messages], reference: dict[int, str], clients: int, requests: int,
@@ -85,13 +115,17 @@ def load(url: str, prompts: list[Messages], reference: dict[int, str], clients: 
         replies = list(pool.map(run, range(clients)))
     seconds = time.perf_counter() - started
     errors = sum(isinstance(r, BaseException) for batch in replies for r in batch)
-    differing = sum(
-        not isinstance(r, BaseException) and r != reference[(index + request) % len(prompts)]
-        for index, batch in enumerate(replies) for request, r in enumerate(batch)
-    )
+    differing = [
+        (index + request) % len(prompts) for index, batch in enumerate(replies) for request, r in enumerate(batch)
+        if not isinstance(r, BaseException) and r != reference[(index + request) % len(prompts)]
+    ]
+    stored = len(prompts) // 2  # the prompts asked (and so stored) before the load
     row = {"workload": "load", "clients": clients, "requests": clients * requests, "errors": errors,
-           "differing": differing, "seconds": round(seconds, 2)}
-    print(f"  load         {clients} x {requests}: {errors} errors, {differing} differing, {seconds:.1f} s", flush=True)
+           "differing": len(differing), "differing_of_stored_prompts": sum(i < stored for i in differing),
+           "differing_prompts": sorted(set(differing)), "seconds": round(seconds, 2)}
+    print(f"  load         {clients} x {requests}: {errors} errors, {len(differing)} differing from the upstream's "
+          f"fresh reply ({row['differing_of_stored_prompts']} of prompts stored before), prompts "
+          f"{row['differing_prompts']}, {seconds:.1f} s", flush=True)
     return row
 
 
@@ -112,11 +146,20 @@ def main() -> None:
         with PerCache.open(Path(folder) / "cache") as pc, serving_in_thread(pc, PlainUpstream(upstream)) as url:
             alone = client(upstream + "/v1", args.max_tokens)
             ours = client(url, args.max_tokens)
-            rows = [side_by_side("first", measured, ours, alone, alone),
-                    side_by_side("repeat", measured, ours, alone, alone, first=1)]
+            rows = [side_by_side("first", measured, ours, alone), side_by_side("repeat", measured, ours, alone, first=1)]
             everything = measured + extra
-            reference = {i: str(alone.invoke(lc_messages(m)).content) for i, m in enumerate(everything)}
-            rows.append(load(url, everything, reference, args.clients, args.requests, args.max_tokens))
+            reset = alone.bind(extra_body={"max_tokens": 1})
+            fresh, sequential = {}, {}
+            for i, m in enumerate(everything):  # each prompt from a context moved off it, then right after another
+                reset.invoke("Reply with one word.")
+                fresh[i] = str(alone.invoke(lc_messages(m)).content)
+            for i, m in enumerate(everything):
+                sequential[i] = str(alone.invoke(lc_messages(m)).content)
+            row = load(url, everything, fresh, args.clients, args.requests, args.max_tokens)
+            row["upstream_alone_after_another_prompt_differing"] = sum(fresh[i] != sequential[i] for i in fresh)
+            print(f"  the upstream alone, each prompt right after another against from a moved context: "
+                  f"{row['upstream_alone_after_another_prompt_differing']} of {len(fresh)} replies differed", flush=True)
+            rows.append(row)
     result = {"upstream": "llama_cpp.server", "model": resolve_model_path(None).name, "rows": rows}
     print(f"wrote {write_json(result, args.out)}")
 
