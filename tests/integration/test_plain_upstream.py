@@ -171,3 +171,13 @@ def test_concurrent_clients_get_the_upstream_alones_replies(endpoint: tuple[str,
     with ThreadPoolExecutor(4) as pool:
         results = [same for batch in pool.map(client, range(4)) for same in batch]
     assert len(results) == 24 and all(results)
+
+
+def test_percache_serve_opens_a_plain_upstream_and_refuses_what_needs_a_llama_server(upstream: str, tmp_path: Path) -> None:
+    from percache_core.endpoint.serve import BetweenRequests, open_server, serve
+
+    server = open_server(upstream, None, None)
+    assert isinstance(server, PlainUpstream) and server.model_name
+    for between in (BetweenRequests(idle=True), BetweenRequests(documents=(str(tmp_path),))):
+        with pytest.raises(PerCacheError, match="not a llama-server"):
+            serve(tmp_path / "cache", server, between=between)
