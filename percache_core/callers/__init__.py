@@ -60,3 +60,4 @@ class CallerCache(StoredAnswerVerbs, PromptVerbs):
         # caller remembers its own answer to the question (a calibration label each)
         self._offered: OrderedDict[tuple[str, str, str], list[QAHit]] = OrderedDict()
         self._quote_index: tuple[int, dict[str, list[str]]] = (-1, {})  # knowledge version, index
+        self._deferred_quote_index: tuple[int, dict[str, list[str]]] = (-1, {})  # queued passages' version, index

@@ -37,6 +37,7 @@ class PromptVerbs:
     _path: RequestPath
     _ensure_open: Callable[[], None]
     _quote_index: tuple[int, dict[str, list[str]]]
+    _deferred_quote_index: tuple[int, dict[str, list[str]]]
 
     def complete(
         self,
@@ -117,7 +118,7 @@ class PromptVerbs:
         """Passages the app retrieved, for the knowledge idle work predicts from: found in
         the app's prompts at once (:meth:`quoted_passages`), embedded and added as chunks
         (one each, as ``add_documents(split=False)``) by the next idle round, so that no
-        answer waits for their embedding. An id known with the same text is skipped then.
+        answer waits for their embedding. An id stored with the same text is not queued.
 
         Args:
             passages: dicts with ``text`` and optional ``id`` and ``metadata``, or strings.
@@ -344,11 +345,11 @@ class PromptVerbs:
         """
         self._ensure_open()
         knowledge = self._parts.knowledge
-        version, index = self._quote_index
-        if version != knowledge.version:
-            index = _quote_keys(c.text for c in knowledge.chunks)
-            self._quote_index = (knowledge.version, index)
-        deferred = _quote_keys(knowledge.deferred_texts)  # retrieved passages idle work adds
+        self._quote_index = _refreshed(self._quote_index, knowledge.version, lambda: [c.text for c in knowledge.chunks])
+        self._deferred_quote_index = _refreshed(  # retrieved passages idle work adds
+            self._deferred_quote_index, knowledge.deferred_version, lambda: knowledge.deferred_texts
+        )
+        index, deferred = self._quote_index[1], self._deferred_quote_index[1]
         found: list[str] = []
         start = 0
         while start <= len(text) - QUOTE_KEY:
@@ -387,3 +388,11 @@ def _quote_keys(texts: Iterable[str]) -> dict[str, list[str]]:
         if len(text) >= QUOTE_KEY:
             index.setdefault(text[:QUOTE_KEY], []).append(text)
     return index
+
+
+def _refreshed(
+    cached: tuple[int, dict[str, list[str]]], version: int, texts: Callable[[], list[str]]
+) -> tuple[int, dict[str, list[str]]]:
+    """*cached* (a version and its :func:`_quote_keys`) where it is of *version*, else the
+    index of *texts* now."""
+    return cached if cached[0] == version else (version, _quote_keys(texts()))

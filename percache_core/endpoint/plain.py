@@ -11,10 +11,11 @@ its finished reply is kept. Every other request passes through unchanged. The st
 replies are bound to what the upstream lists in ``/v1/models``
 (:meth:`~percache_core.endpoint.upstream.PlainUpstream.identity`).
 
-Requests with a body go to the upstream one at a time, as on a llama-server: measured with
-4 clients x 25 requests, llama-cpp-python's server cut a running completion short when the
-next arrived (its ``interrupt_requests`` default), and 45 of 100 replies differed from its
-replies to the same requests sent alone; a reply cut short that way would be stored.
+Requests with a body go to the upstream one at a time, as on a llama-server:
+llama-cpp-python's server (its ``interrupt_requests``, on by default) ends a streamed
+completion early, with ``[DONE]`` and no finish reason, when another request waits, so
+concurrent clients would cut each other's streams short. Such a reply is never stored
+(it has no finish reason), but the client would get it.
 """
 
 from __future__ import annotations

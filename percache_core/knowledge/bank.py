@@ -146,6 +146,7 @@ class KnowledgeBank:
         self._snapshot_version = -1  # the store version of the snapshot on disk, when known
         self.last_replaced: set[str] = set()  # documents whose text changed in the last add
         self._deferred: dict[str, _Document] = {}  # see defer_documents()
+        self.deferred_version = 0  # counts the changes of the queue (callers key their indexes on it)
         self.full_reads = 0  # times every record was read (no usable snapshot, or a removal)
         self.sync()
 
@@ -295,11 +296,19 @@ class KnowledgeBank:
 
     def defer_documents(self, documents: Iterable[DocumentInput]) -> int:
         """Queue documents (each one chunk, as ``split=False``) for :meth:`add_deferred`:
-        checked now, embedded and written when idle work adds them. A queued id queued
-        again keeps the latest text. Returns how many documents wait."""
+        checked now, embedded and written when idle work adds them. One stored with the
+        same text is not queued; a queued id queued again keeps the latest text. Returns
+        how many documents wait."""
         parsed = _parsed_documents(documents)
         with self._lock:
-            self._deferred.update((document.id, document) for document in parsed)
+            self.sync()
+            for document in parsed:
+                digest = hashlib.sha1(document.text.encode("utf-8")).hexdigest()
+                if self._documents.get(document.id, {}).get("digest") == digest:
+                    continue
+                if self._deferred.get(document.id) != document:
+                    self._deferred[document.id] = document
+                    self.deferred_version += 1
             return len(self._deferred)
 
     @property
@@ -319,6 +328,7 @@ class KnowledgeBank:
         are skipped, as in :meth:`add_documents`); return the new chunks."""
         with self._lock:
             batch = [self._deferred.pop(doc_id) for doc_id in list(self._deferred)[:count]]
+            self.deferred_version += bool(batch)
             items = [{"id": d.id, "text": d.text, "metadata": d.metadata} for d in batch]
             return self.add_documents(items, split=False) if items else []
 
@@ -356,7 +366,7 @@ class KnowledgeBank:
         wanted = validated_document_ids(doc_ids)
         with self._lock:
             for doc_id in wanted:
-                self._deferred.pop(doc_id, None)
+                self.deferred_version += self._deferred.pop(doc_id, None) is not None
             self.sync()
             removed = [chunk for chunk in self._index.chunks if chunk.doc_id in wanted]
             known = [doc_id for doc_id in wanted if doc_id in self._documents]

@@ -151,7 +151,7 @@ def test_passages_an_app_retrieved_join_the_knowledge_in_idle_time_not_on_the_an
     assert report.passages_added == 2
     assert sorted(c.doc_id for c in internals(pc).knowledge.chunks) == ["node-0", "node-1"]
     assert internals(pc).knowledge.deferred_texts == []
-    assert pc.caller.record_passages([{"id": "node-0", "text": passages[0]}]) == 1  # known: skipped
+    assert pc.caller.record_passages([{"id": "node-0", "text": passages[0]}]) == 0  # stored with this text: not queued
     assert pc.warm(progress=False, max_predictions=0).passages_added == 0
     with pytest.raises(TypeError):
         pc.caller.record_passages("one passage, not a list")
