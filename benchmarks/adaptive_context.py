@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.answering.context import SIGNALS, confidence_signals, is_confident
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.serving.context import SIGNALS, confidence_signals, is_confident
 from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments

@@ -36,8 +36,8 @@ from typing import Any
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from benchmarks.output import write_json
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import bundled_model_path
 
 TEMPLATE = "Answer the question from the notes below.\n\n{context}\n\nQuestion: {question}\nAnswer:"

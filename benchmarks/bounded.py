@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.policies import recompute_ladder
 from percache_core.qa.calibration import COMPOSED, CONTEXTS, error_upper_bound

@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 
 from percache_core.config import PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
+from percache_core.engines.llama_server.server import LlamaServer, ServerLaunch
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.kv.llama_server import LlamaServer, ServerLaunch
 from percache_core.models import resolve_model_path
 from percache_core.pipeline import PerCache
 from percache_core.types import ANSWERED_BEFORE

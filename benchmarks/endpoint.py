@@ -43,8 +43,8 @@ from langchain_openai import ChatOpenAI
 
 from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
+from percache_core.engines.llama_server.server import free_port
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_server import free_port
 from percache_core.models import resolve_model_path
 
 from .output import write_json

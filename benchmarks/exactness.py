@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.qa.verifier import make_verifier
 from percache_core.types import ANSWERED_BEFORE, QAEntry

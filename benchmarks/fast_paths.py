@@ -37,12 +37,12 @@ from typing import Any
 import numpy as np
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.drafting import known_bound, known_drafts_pay
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.cuts import measure_cut_rule
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
-from percache_core.serving.drafting import known_bound, known_drafts_pay
 from percache_core.types import ANSWERED_BEFORE
 
 from .data_sets import read_jsonl

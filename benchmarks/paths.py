@@ -63,10 +63,10 @@ from pathlib import Path as FolderPath
 from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.budget import PREFILL_BUDGET_SHARE, prefill_state_bytes, sized_state_budget
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_core.prediction.demand import DemandEstimate, Knowledge
 from percache_core.serving.activity import AskedQuestion

@@ -31,7 +31,7 @@ from langchain_openai import ChatOpenAI
 from percache_core import PerCache
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.endpoint.upstream import PlainUpstream
-from percache_core.kv.llama_server import free_port
+from percache_core.engines.llama_server.server import free_port
 from percache_core.models import resolve_model_path
 
 from .endpoint import Messages, streamed

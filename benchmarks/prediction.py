@@ -27,8 +27,8 @@ from pathlib import Path
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from percache_core import PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 
 KINDS = {"qmsum": "meeting transcripts", "squad11-dev": "encyclopedia articles"}

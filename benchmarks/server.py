@@ -43,9 +43,9 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
 from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
+from percache_core.engines.llama_server.server import find_server_binary
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_server import find_server_binary
 from percache_core.models import resolve_model_path
 from percache_langchain import PerCacheChatModel
 
@@ -60,7 +60,7 @@ class ServerAlone:
     """``llama-server -m MODEL -c 4096 -np 1 -t N`` with its defaults, over plain HTTP."""
 
     def __init__(self, model_path: Path, threads: int, extra_args: tuple[str, ...] = ()) -> None:
-        from percache_core.kv.llama_server import free_port
+        from percache_core.engines.llama_server.server import free_port
 
         self.port = free_port("127.0.0.1")
         args = [

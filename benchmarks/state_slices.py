@@ -24,10 +24,10 @@ from typing import Any
 
 from percache_core import PerCache, PerCacheConfig
 from percache_core.config import MB
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_core.kv.budget import BUDGET_FLOOR_BYTES, PREFILL_BUDGET_SHARE
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 
 from .data_sets import add_user_arguments, query_scope, users_from_arguments

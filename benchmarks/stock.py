@@ -48,9 +48,9 @@ import numpy as np
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from percache_core import Decoding, PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.models import resolve_model_path
 from percache_langchain import PerCacheChatModel, PerCacheLLM
 from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP

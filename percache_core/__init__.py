@@ -7,6 +7,7 @@
 Importing this package loads no model and touches no file.
 """
 
+from .answering.completion import UncachedCompletion
 from .callers import CallerCache
 from .config import (
     BoundSettings,
@@ -18,6 +19,8 @@ from .config import (
     SharedSettings,
     TierSettings,
 )
+from .engines.llama_cpp.kind import open_engine
+from .engines.llama_server.server import LlamaServer, ServerError, ServerLaunch
 from .errors import (
     CacheClosedError,
     CacheFolderError,
@@ -34,13 +37,10 @@ from .errors import (
 from .knowledge.bert import BertEmbedder
 from .knowledge.embedding import Embedder, SentenceTransformerEmbedder
 from .kv.engine import ChatPrompt, Decoding, Engine, EngineFeatures, Sampling
-from .kv.llama_server import LlamaServer, ServerError, ServerLaunch
 from .pipeline import AnswerStream, PerCache
 from .prediction.scheduler import WarmReport
 from .serving.binding import chunk_sources
-from .serving.completion import UncachedCompletion
 from .serving.prompting import TextPrompt, chat_prompt
-from .serving.runtime import open_engine
 from .types import Answer, Chunk, QAEntry, QAHit, RetrievedChunk, combined_source
 
 __version__ = "0.2.0"  # the distributions' version (pyproject.toml)

@@ -25,7 +25,7 @@ from .kv.stopping import stop_strings
 
 QAMode = Literal["exact", "semantic"]
 StateReuse = Literal["exact", "approximate"]
-ContextMode = Literal["fixed", "adaptive"]  # see percache_core.serving.context
+ContextMode = Literal["fixed", "adaptive"]  # see percache_core.answering.context
 Signal = Literal["top_probability", "margin", "entropy"]
 DraftDecoding = Literal["auto", "on", "off"]
 VerifierName = Literal["lexical", "none"]
@@ -156,7 +156,7 @@ class RetrievalSettings:
         context: ``"fixed"`` (default): the prompt gets every retrieved chunk.
             ``"adaptive"`` (opt-in): chunks are added one at a time in retrieval order until
             the first answer token's ``adaptive_signal`` passes ``adaptive_threshold`` (see
-            :mod:`percache_core.serving.context`; with the bundled model it did not beat
+            :mod:`percache_core.answering.context`; with the bundled model it did not beat
             fixed counts in our calibration, so it is off by default).
         adaptive_signal: ``"top_probability"``, ``"margin"`` or ``"entropy"``.
         adaptive_threshold: the signal's threshold (entropy: at or below it).

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .answering.parts import CacheParts
+from .answering.request_path import RequestPath
+from .answering.runtime import ModelRuntime
 from .knowledge.bank import KnowledgeBank
 from .kv.engine import Engine
 from .kv.tiers import TieredStateStore
@@ -26,10 +29,7 @@ from .prediction.scheduler import Scheduler
 from .qa.bank import QABank
 from .qa.prompt_answers import PromptAnswers
 from .serving.activity import UserActivity
-from .serving.generation import PromptRunner
-from .serving.parts import CacheParts
-from .serving.request_path import RequestPath
-from .serving.runtime import ModelRuntime
+from .serving.state_runner import StateRunner
 from .shared.redis_tier import SharedTier
 from .usage import UsageCounters
 
@@ -83,7 +83,7 @@ class CacheInternals:
         return self.parts.runtime.tree
 
     @property
-    def runner(self) -> PromptRunner:
+    def runner(self) -> StateRunner:
         return self.parts.runtime.runner
 
     @property

@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
 from percache_core.demo import demo_corpus  # noqa: E402
+from percache_core.engines.llama_cpp.engine import LlamaEngine  # noqa: E402
 from percache_core.knowledge.bert import BertEmbedder  # noqa: E402
-from percache_core.kv.llama_cpp import LlamaEngine  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
 from tests.fakes import HashingEmbedder  # noqa: E402

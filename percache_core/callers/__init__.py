@@ -5,7 +5,7 @@ and over the caller's own prompts (:mod:`percache_core.callers.prompts`).
 
 A LlamaIndex query engine, a LangChain chain or your own code builds its prompts and
 retrieves on its own; what it needs of a cache is a short verb list over the same parts
-and the same answering path (:class:`~percache_core.serving.request_path.RequestPath`)
+and the same answering path (:class:`~percache_core.answering.request_path.RequestPath`)
 that ``PerCache.answer`` uses:
 
 - :meth:`~CallerCache.lookup`: a stored answer the caller may serve (counted as a hit);
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ..serving.parts import CacheParts
-from ..serving.request_path import RequestPath
+from ..answering.parts import CacheParts
+from ..answering.request_path import RequestPath
 from ..types import QAHit
 from .answers import StoredAnswerVerbs
 from .prompts import PromptVerbs

@@ -13,10 +13,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..answering.parts import CacheParts
+from ..answering.request import Request, stored_answer
+from ..answering.request_path import RequestPath
 from ..inputs import similarity_override, validated_question, validated_scope
-from ..serving.parts import CacheParts
-from ..serving.request import Request, stored_answer
-from ..serving.request_path import RequestPath
 from ..types import Answer, QAEntry, QAHit
 
 OFFERS_KEPT = 64

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+from ..answering.parts import CacheParts
+from ..answering.request_path import RequestPath
 from ..inputs import as_chunks, positive_override, validated_question, validated_scope
 from ..knowledge.bank import DocumentInput
 from ..kv.engine import Decoding, Engine, TextModel
-from ..serving.parts import CacheParts
 from ..serving.prompting import TextPrompt
-from ..serving.request_path import RequestPath
 from ..serving.shapes import decoding_record
 from ..serving.state_runner import RelayedRequest
 from ..serving.streaming import AnswerStream, delivered

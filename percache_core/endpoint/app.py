@@ -1,5 +1,5 @@
 """The endpoint's web application: OpenAI's routes over a :class:`~percache_core.PerCache`
-whose engine is a :class:`~percache_core.kv.llama_server.LlamaServer`.
+whose engine is a :class:`~percache_core.engines.llama_server.server.LlamaServer`.
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: a request the cache can bind
   runs through ``pc.caller.relay`` (stored answer, or chunk states restored and the request
@@ -37,8 +37,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..engines.llama_server.server import LlamaServer, ServerError, ServerUnreachable
 from ..errors import ContextOverflowError, PerCacheError
-from ..kv.llama_server import LlamaServer, ServerError, ServerUnreachable
 from ..pipeline import PerCache
 from ..serving.state_runner import RelayedRequest
 from ..serving.streaming import BackgroundStream

@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from ..kv.llama_server import LlamaServer
+from ..engines.llama_server.server import LlamaServer
 from ..pipeline import PerCache
 from .app import PASSED_METHODS, Endpoint, EndpointSettings, error_response
 from .plain import PlainEndpoint

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import PerCacheConfig
+from ..engines.llama_server.server import LlamaServer, ServerLaunch, free_port
 from ..errors import PerCacheError
-from ..kv.llama_server import LlamaServer, ServerLaunch, free_port
 from ..pipeline import PerCache
 from .app import EndpointSettings
 from .documents import WatchedDocuments

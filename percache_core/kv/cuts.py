@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .engine import Decoding, Engine, EngineVerdicts
-
-if TYPE_CHECKING:
-    from .llama_server import LlamaServer
+from .engine import Engine, EngineVerdicts
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +51,7 @@ class CutRule:
 
 CANDIDATES = (CutRule(8), CutRule(8, 4), CutRule(16, 4), CutRule(16, 16))
 _LENGTHS = (97, 102)  # prompt lengths checked (not multiples of 4: the one call's last rows)
-_PROMPT = (
+PROBE_PROMPT = (
     "Minutes of the planning call, Tuesday. Present: Lena Okafor, Priya Natarajan, Tom Weiss.\n"
     "1. The quarterly review moved to Thursday at 10 am in room 4; bring the budget sheet.\n"
     "2. Finance approved 18,500 euros for the field study; the invoice goes to Tom by Friday.\n"
@@ -128,20 +124,20 @@ def known_cut_rule(engine: Engine) -> tuple[bool, CutRule | None]:
 
 
 def _first_exact_rule(engine: Engine) -> CutRule | None:
-    tokens = engine.tokenize(_PROMPT, True)
+    tokens = engine.tokenize(PROBE_PROMPT, True)
     prompts = [tokens[:n] for n in _LENGTHS if n <= len(tokens)]
     references = [_last_logits(engine, [prompt]) for prompt in prompts]
     for rule in CANDIDATES:
         if all(
             np.array_equal(_last_logits(engine, pieces), reference)
             for prompt, reference in zip(prompts, references)
-            for pieces in _schedules(prompt, rule)
+            for pieces in cut_schedules(prompt, rule)
         ):
             return rule
     return None
 
 
-def _schedules(tokens: list[int], rule: CutRule) -> list[list[list[int]]]:
+def cut_schedules(tokens: list[int], rule: CutRule) -> list[list[list[int]]]:
     """Ways to cut *tokens* under *rule*: the shortest first piece, the shortest last
     piece, three pieces, and cuts near a third and two thirds."""
     n, size, multiple = len(tokens), rule.min_tokens, rule.multiple
@@ -171,83 +167,3 @@ def _last_logits(engine: Engine, pieces: list[list[int]]) -> np.ndarray:
         engine.eval(piece)
     return np.array(engine.last_logits(), copy=True)
 
-
-# -- the same check through a llama-server ------------------------------------------------
-
-_server_verdicts: EngineVerdicts[CutRule | None] = EngineVerdicts(
-    "server_cut_rule",
-    encode=lambda rule: None if rule is None else [rule.min_tokens, rule.multiple],
-    decode=lambda value: None if value is None else CutRule(int(value[0]), int(value[1])),
-)
-_PROBE_LOGPROBS = 20  # top log-probabilities compared (a proxy for the logits the server keeps)
-# a server's flash attention (on by default) takes another kernel below 64 rows: longer
-# pieces, so longer prompts (measured here: pieces of 64+ tokens at multiples of 4 gave a
-# fresh prefill's output with Gemma 3 270M and SmolLM2-135M, shorter ones did not)
-SERVER_CANDIDATES = (CutRule(8, 4), CutRule(16, 4), CutRule(32, 4), CutRule(64, 4), CutRule(64, 16), CutRule(128, 16))
-_SERVER_LENGTHS = (401, 406)  # three pieces of 128 fit
-
-
-def measure_server_cut_rule(server: LlamaServer) -> CutRule | None:
-    """The first rule of :data:`SERVER_CANDIDATES` under which *server*'s output does not depend
-    on where a prompt's prefill is cut, measured through the server itself (None: none
-    holds), once per server and remembered (on disk for a server PerCache started, whose
-    flags it knows). A cut is made the way PerCache makes one: a prefill of the prefix
-    alone (``n_predict: 0``, nothing reused), then the whole prompt with ``cache_prompt``;
-    the reference is the whole prompt with nothing reused. The first token's top
-    log-probabilities and the reuse the server reports must agree, for every schedule.
-    Takes ``server.lock``; leaves the slot's content unknown.
-
-    >>> measure_server_cut_rule(LlamaServer.start())   # doctest: +SKIP
-    CutRule(min_tokens=8, multiple=4)
-    """
-    known, rule = known_server_cut_rule(server)
-    if known:
-        return rule
-    with server.lock:
-        known, rule = known_server_cut_rule(server)
-        if known:
-            return rule
-        tokens = server.tokenize(_PROMPT + "\n\n" + _PROMPT + "\n\n" + _PROMPT + "\n\n" + _PROMPT, True)
-        prompts = [tokens[:n] for n in _SERVER_LENGTHS if n <= len(tokens)]
-        references = [_server_logprobs(server, prompt, []) for prompt in prompts]
-        rule = next(
-            (
-                candidate for candidate in SERVER_CANDIDATES
-                if all(
-                    _server_logprobs(server, prompt, [len(piece) for piece in pieces[:-1]]) == reference
-                    for prompt, reference in zip(prompts, references)
-                    for pieces in _schedules(prompt, candidate)
-                )
-            ),
-            None,
-        )
-        _server_verdicts.keep(server, rule)
-    if rule is None:
-        logger.warning("the server's output depends on where a prompt is cut: no chunk states are kept for it")
-    return rule
-
-
-def known_server_cut_rule(server: LlamaServer) -> tuple[bool, CutRule | None]:
-    """Whether :func:`measure_server_cut_rule` has run for *server*, and its rule."""
-    return _server_verdicts.known(server)
-
-
-def _server_logprobs(server: LlamaServer, prompt: list[int], piece_lengths: list[int]) -> object:
-    """The first token's top log-probabilities of *prompt* prefilled in pieces of
-    *piece_lengths* (then the rest), or a marker when the server reused other than
-    planned."""
-    from .llama_server import UnexpectedReuse
-
-    end = 0
-    try:
-        for length in piece_lengths:
-            end += length
-            for _ in server.complete(prompt[:end], Decoding(0), cache_prompt=end > length, expected_cached=end - length):
-                pass
-        for _ in server.complete(
-            prompt, Decoding(1), cache_prompt=bool(end), n_probs=_PROBE_LOGPROBS, expected_cached=end
-        ):
-            pass
-    except UnexpectedReuse as error:
-        return ("reused", error.expected, error.cached)
-    return server.last.top_logprobs

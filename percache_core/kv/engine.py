@@ -1,7 +1,7 @@
 """What PerCache needs of a model runtime: the ``Engine`` protocol.
 
 Generation, draft verification, the scheduler and the adapters use only these members.
-:class:`~percache_core.kv.llama_cpp.LlamaEngine` is the real one;
+:class:`~percache_core.engines.llama_cpp.engine.LlamaEngine` is the real one;
 ``tests/fake_engine.py``'s ``FakeEngine`` is a deterministic stand-in for tests of
 pure logic (no model file, answers in microseconds).
 
@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -190,6 +190,23 @@ class ChatPrompt:
     stop: tuple[str, ...] = ()
 
 
+@dataclass
+class Completion:
+    """What one request to a server engine did, filled in as it streams (a llama-server's
+    ``/completion`` or a client's relayed OpenAI request; a stored reply read back)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # generated ids (the server's, without stop text trimming)
+    cached: int | None = None  # prompt tokens the server reused (prompt_progress.cache / timings.cache_n)
+    prompt_tokens: int = 0  # tokens it prefilled
+    stop_type: str = ""  # "eos", "limit", "word", or "" while streaming
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # first token's, with n_probs
+    timings: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""  # a relayed OpenAI request's: "stop" or "length"
+    usage: dict[str, Any] = field(default_factory=dict)  # a relayed OpenAI request's, as the server sent it
+    plain: bool = True  # a relayed chat's deltas held nothing but its text (no reasoning, no tool calls)
+
+
 @runtime_checkable
 class TextModel(Protocol):
     """The text side of a model: tokenizer and chat template. Laying out a prompt and
@@ -291,6 +308,21 @@ class KVSequence(Protocol):
     ) -> Iterator[int]:
         """Decode up to *max_new_tokens* token ids (an end-of-generation id included)."""
         ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ModelEngine(Protocol):
+    """What every engine PerCache runs on has, in the process or behind a server (an
+    :class:`Engine`, or a llama-server): a fingerprint, a tokenizer, a warm-up and a close.
+    What else it can do is its kind's (:mod:`percache_core.engines`)."""
+
+    def fingerprint(self, extra: str = "") -> str: ...
+
+    def tokenize(self, text: str, add_bos: bool = False, *, special: bool = False) -> list[int]: ...
+
+    def warm_up(self) -> None: ...
 
     def close(self) -> None: ...
 

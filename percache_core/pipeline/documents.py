@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from ..answering.parts import CacheParts
+from ..answering.request_path import RequestPath
 from ..inputs import positive_override, validated_question
 from ..knowledge.bank import DocumentInput, validated_document_ids
 from ..prediction.scheduler import Scheduler
 from ..prediction.worker import IdleWorker
-from ..serving.parts import CacheParts
-from ..serving.request_path import RequestPath
 from ..types import Chunk, RetrievedChunk
 
 

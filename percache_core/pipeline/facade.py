@@ -9,24 +9,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..answering.request_path import RequestPath
 from ..callers import CallerCache
 from ..config import PerCacheConfig
+from ..engines import engine_kind
 from ..errors import CacheClosedError, CacheFolderError, StorageWriteError
 from ..inputs import positive_override, similarity_override, validated_question, validated_scope
 from ..knowledge.bert import default_embedder
 from ..knowledge.embedding import Embedder
-from ..kv.engine import Engine
-from ..kv.llama_server import LlamaServer
+from ..kv.engine import ModelEngine
 from ..models import resolve_model_path
 from ..policies import AnswerPolicy
 from ..prediction.scheduler import Scheduler
 from ..prediction.worker import IdleWorker
-from ..serving.request_path import RequestPath
 from ..serving.streaming import AnswerStream, delivered
 from ..types import Answer
 from .documents import DocumentVerbs
 from .idle import IdleVerbs
-from .wiring import SETTINGS_FIXED_AT_OPEN, SETTINGS_OF_THE_LOADED_MODEL, _for_server, open_parts
+from .wiring import SETTINGS_FIXED_AT_OPEN, SETTINGS_OF_THE_LOADED_MODEL, open_parts
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class PerCache(DocumentVerbs, IdleVerbs):
         *,
         config: PerCacheConfig,
         embedder: Embedder,
-        engine: Engine | LlamaServer | None,
+        engine: ModelEngine | None,
         model_path: Path | None,
         verbose: bool = False,
     ) -> None:
@@ -87,7 +87,7 @@ class PerCache(DocumentVerbs, IdleVerbs):
         *,
         config: PerCacheConfig | None = None,
         embedder: Embedder | None = None,
-        engine: Engine | LlamaServer | None = None,
+        engine: ModelEngine | None = None,
         verbose: bool = False,
     ) -> PerCache:
         """Open (or create) the cache in folder *path*.
@@ -99,7 +99,7 @@ class PerCache(DocumentVerbs, IdleVerbs):
                 all-MiniLM-L6-v2 when omitted (loaded on first use).
             engine: a loaded :class:`~percache_core.kv.engine.Engine` to share (a
                 ``LlamaEngine``, or a ``FakeEngine`` in tests), or a
-                :class:`~percache_core.kv.llama_server.LlamaServer` (started, or attached
+                :class:`~percache_core.engines.llama_server.server.LlamaServer` (started, or attached
                 to by its URL); otherwise ``config.engine.model_path`` (or the bundled Gemma 3
                 270M) is loaded in this process on the first question that needs the model.
 
@@ -118,10 +118,8 @@ class PerCache(DocumentVerbs, IdleVerbs):
         config = config or PerCacheConfig()
         if not isinstance(config, PerCacheConfig):
             raise TypeError(f"config must be a PerCacheConfig, got {type(config).__name__}")
-        if engine is not None and not isinstance(engine, (Engine, LlamaServer)):
-            raise TypeError(f"engine must be an Engine (e.g. LlamaEngine) or a LlamaServer, got {type(engine).__name__}")
-        if isinstance(engine, LlamaServer):
-            config = _for_server(config, engine)
+        if engine is not None:
+            config = engine_kind(engine).configured(engine, config)  # TypeError: no engine kind
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a folder path, got {type(path).__name__}")
         if not os.fspath(path).strip():

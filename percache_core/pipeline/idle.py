@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..answering.parts import CacheParts
+from ..answering.request_path import RequestPath
 from ..prediction.idle_round import WarmOptions
 from ..prediction.scheduler import Scheduler, WarmReport
 from ..prediction.worker import IdleWorker
-from ..serving.parts import CacheParts
-from ..serving.request_path import RequestPath
 
 
 class IdleVerbs:

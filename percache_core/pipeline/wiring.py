@@ -4,22 +4,19 @@ settings that cannot change while it is open.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
+from ..answering.parts import CacheParts
+from ..answering.runtime import ModelRuntime
 from ..config import LiveConfig, PerCacheConfig
 from ..errors import CacheFolderError
 from ..knowledge.bank import KnowledgeBank
 from ..knowledge.embedding import Embedder, check_embedder, embedding_dimension
-from ..kv.engine import Engine
-from ..kv.llama_server import LlamaServer
-from ..policies import state_policy
+from ..kv.engine import ModelEngine
 from ..qa.bank import QABank
 from ..qa.calibration import Calibration
 from ..qa.prompt_answers import PromptAnswers
 from ..serving.activity import UserActivity
-from ..serving.parts import CacheParts
-from ..serving.runtime import ModelRuntime
 from ..serving.shapes import RequestShapes
 from ..shared.redis_tier import SharedTier, open_shared_tier
 from ..storage import Store, private_folder
@@ -41,7 +38,7 @@ SETTINGS_OF_THE_LOADED_MODEL = frozenset(
 
 
 def open_parts(
-    folder: Path, config: PerCacheConfig, embedder: Embedder, engine: Engine | LlamaServer | None, model_path: Path | None,
+    folder: Path, config: PerCacheConfig, embedder: Embedder, engine: ModelEngine | None, model_path: Path | None,
     verbose: bool = False,
 ) -> tuple[CacheParts, SharedTier | None]:
     """Create (or open) the stores under *folder* and wire the cache's parts over them:
@@ -81,18 +78,3 @@ def open_parts(
         shapes=RequestShapes(meta),
     )
     return parts, shared
-
-
-def _for_server(config: PerCacheConfig, server: LlamaServer) -> PerCacheConfig:
-    """*config* as it runs on *server*: without chunk states where the server cannot hold
-    them exactly (with a warning that says why); composed chunk states refused."""
-    if state_policy(config).approximate and not server.features.composed_states:
-        raise ValueError(
-            'reuse="approximate" composes chunk states token by token: it needs the in-process '
-            "engine (a LlamaEngine), not a llama-server"
-        )
-    problem = server.chunk_state_problem if config.tiers.chunk_states else None
-    if problem is not None:
-        warnings.warn(f"no chunk states on the llama-server at {server.url}: {problem}; stored answers still work", stacklevel=3)
-        return config.replace(chunk_states=False)
-    return config

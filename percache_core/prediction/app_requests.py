@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..answering.parts import CacheParts
+from ..answering.request_path import RequestPath
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..kv.engine import Decoding
-from ..serving.parts import CacheParts
 from ..serving.prompting import TextPrompt
-from ..serving.request_path import RequestPath
 from ..serving.shapes import RequestShape, Retrieve, decoding_from
 from ..serving.state_runner import Preempted
 from ..serving.streaming import drain

@@ -26,11 +26,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..answering.parts import CacheParts
+from ..answering.request import IdleQuestion
+from ..answering.request_path import RequestPath
 from ..policies import recompute_ladder
 from ..qa.calibration import COMPOSED, Label
-from ..serving.parts import CacheParts
-from ..serving.request import IdleQuestion
-from ..serving.request_path import RequestPath
 from ..serving.state_runner import RunOptions
 from ..serving.streaming import drain
 from ..types import QAEntry

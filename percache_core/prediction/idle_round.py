@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from ..answering.parts import CacheParts
+from ..answering.request import IdleQuestion
+from ..answering.request_path import RequestPath
 from ..config import PerCacheConfig
-from ..serving.parts import CacheParts
-from ..serving.request import IdleQuestion
-from ..serving.request_path import RequestPath
 from ..serving.state_runner import Preempted, RunResult
 from ..types import QAEntry
 from .predictor import PredictionTally

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..answering.parts import CacheParts
+from ..answering.request import IdleQuestion
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..qa.calibration import Label, retrieval_context
-from ..serving.parts import CacheParts
-from ..serving.request import IdleQuestion
 from ..serving.state_runner import Preempted, RunOptions
 from ..serving.streaming import drain
 from .abstract import KnowledgeAbstract

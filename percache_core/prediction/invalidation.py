@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..serving.parts import CacheParts
+from ..answering.parts import CacheParts
 from ..types import Chunk
 from .abstract import KnowledgeAbstract
 

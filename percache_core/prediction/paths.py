@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..answering.parts import CacheParts
 from ..knowledge.bank import matches_scope
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..kv.tree import StateNode
-from ..serving.parts import CacheParts
 from ..types import Chunk
 from .demand import Path
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..answering.parts import CacheParts
 from ..config import PerCacheConfig
 from ..knowledge.embedding import Embedder
 from ..kv.engine import Decoding, Sampling
-from ..serving.parts import CacheParts
 from ..types import live
 
 START_TEMPERATURE = 0.7

@@ -44,10 +44,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from ..answering.parts import CacheParts
+from ..answering.request_path import RequestPath
 from ..config import PerCacheConfig
 from ..kv.engine import Decoding
-from ..serving.parts import CacheParts
-from ..serving.request_path import RequestPath
 from ..serving.state_runner import Preempted
 from .abstract import KnowledgeAbstract
 from .app_requests import AppLeadingStates, AppPassages, AppPredictedRequests

@@ -12,7 +12,7 @@ so an old answer can never be served for a new prompt.
 
 A question asked of the cache's own pipeline is also kept as an *asked* record (prefix
 ``asked:``): a digest of the question and everything that decides its prompt (the knowledge's
-version, the retrieval and answer settings, the model; :func:`~percache_core.serving.request.asked_key`)
+version, the retrieval and answer settings, the model; :func:`~percache_core.answering.request.asked_key`)
 -> the key of its prompt's answer. The same question asked again finds its answer through it
 before anything is embedded or loaded (:meth:`PromptAnswers.find_asked`).
 

@@ -1,8 +1,8 @@
 """What every prompt runner shares: the run's options and result, and the stored states.
 
 A runner runs PerCache's and callers' prompts on one engine through the chunk-state tree.
-:class:`~percache_core.serving.generation.PromptRunner` does it token by token on an
-in-process engine (llama-cpp-python); :class:`~percache_core.serving.server_runner.ServerRunner`
+:class:`~percache_core.engines.llama_cpp.runner.PromptRunner` does it token by token on an
+in-process engine (llama-cpp-python); :class:`~percache_core.engines.llama_server.runner.ServerRunner`
 does it with whole requests on a llama-server. Both take :class:`RunOptions`, return a
 :class:`RunResult`, and keep and find states the same way (this module's :class:`StateRunner`):
 ``run``, ``lay_out``, ``prefill_prefix``, ``path_is_stored``, ``stored_order``,
@@ -23,12 +23,10 @@ import numpy as np
 from ..config import LiveConfig, PerCacheConfig
 from ..errors import PerCacheError, StorageWriteError
 from ..kv.budget import BUDGET_FLOOR_BYTES
-from ..kv.engine import Decoding, Sampling
-from ..kv.llama_server import Completion
+from ..kv.engine import Completion, Decoding, Sampling
 from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
 from ..types import Chunk
-from .drafting import DraftStats
 from .prompting import PromptLayout, PromptSpec, TextPrompt, chunk_text, system_text
 from .streaming import drain
 
@@ -39,6 +37,16 @@ StopCheck = Callable[[], bool]
 
 class Preempted(PerCacheError):
     """Idle work stopped because a user's question is waiting."""
+
+
+@dataclass
+class DraftStats:
+    """What draft decoding did for one answer."""
+
+    proposed: int = 0  # draft tokens fed
+    accepted: int = 0  # draft tokens accepted
+    batches: int = 0  # batched verification calls
+    replays: int = 0  # near ties decided again on exact logits
 
 
 @dataclass
@@ -70,7 +78,7 @@ class RunResult:
 @dataclass
 class RelayedRequest:
     """A client's own OpenAI request, run by a server runner as a prompt's last request on
-    the server's own endpoint (:meth:`~percache_core.kv.llama_server.LlamaServer.relay`), so
+    the server's own endpoint (:meth:`~percache_core.engines.llama_server.server.LlamaServer.relay`), so
     the server lays out, samples, stops and parses the reply as for the client alone.
 
     *path* and *body* are the request; the run fills in *chunks* (the server's chunks for
@@ -187,6 +195,17 @@ class StateRunner:
         """Idle work's free-form completion of *prompt* with *decoding* (no chunk states,
         no stored answers): (text, prompt tokens, generated tokens)."""
         raise NotImplementedError
+
+    def bytes_per_token(self) -> float:
+        """The bytes one prompt token's state takes on this engine, measured once."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Wait until the states of earlier runs are stored (nothing waits where a run
+        stores its states before it returns)."""
+
+    def close(self) -> None:
+        """Store what is pending and stop any writer of this runner's own."""
 
     def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
         """The stored-state keys of the layout's prefixes (all but the whole prompt): a

@@ -2,8 +2,8 @@
 chunks and answers, each answer equals the fixed-context answer from the chunks chosen,
 and later steps restore their prefix from the tree."""
 
+from percache_core.answering.context import confidence_signals
 from percache_core.inspection import internals
-from percache_core.serving.context import confidence_signals
 from percache_core.serving.state_runner import RunOptions
 
 QUESTIONS = [

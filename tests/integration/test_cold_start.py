@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from percache_core import BertEmbedder, PerCache, PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.knowledge.embedding import SentenceTransformerEmbedder
 from percache_core.kv.cuts import known_cut_rule, measure_cut_rule
-from percache_core.kv.llama_cpp import LlamaEngine
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = [

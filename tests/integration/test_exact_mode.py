@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from percache_core.config import DEFAULT_SYSTEM_PROMPT
-from percache_core.inspection import internals
-from percache_core.serving.drafting import (
+from percache_core.engines.llama_cpp.drafting import (
     AnswerDraft,
     DraftPlan,
     PromptLookup,
     deviation_bound,
     greedy_tokens,
 )
+from percache_core.inspection import internals
 
 # (stored question, paraphrases, near misses) over the demo corpus; written for this
 # test, apart from tests/data/verify_pairs.jsonl.

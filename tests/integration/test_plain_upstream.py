@@ -22,8 +22,8 @@ import pytest
 from percache_core import PerCache
 from percache_core.endpoint import serving_in_thread as serving
 from percache_core.endpoint.upstream import PlainUpstream, detect_upstream
+from percache_core.engines.llama_server.server import free_port
 from percache_core.errors import PerCacheError
-from percache_core.kv.llama_server import free_port
 
 pytestmark = pytest.mark.model
 

@@ -13,8 +13,8 @@ from percache_core import (
     PerCache,
     PerCacheConfig,
 )
+from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
-from percache_core.kv.llama_cpp import LlamaEngine
 from percache_core.kv.tree import StateNode
 
 QUESTION = "What did Ana say about the mooring map?"

@@ -110,7 +110,7 @@ def test_namespaces_and_fingerprints_never_meet(standalone, make_cache, model_pa
     answer = reader.answer(QUESTION)
     assert answer.source == "full" and answer.reused_tokens == 0
 
-    from percache_core.kv.llama_cpp import LlamaEngine
+    from percache_core.engines.llama_cpp.engine import LlamaEngine
 
     other = LlamaEngine(model_path, n_batch=256)  # another configuration: another fingerprint
     try:

@@ -2,8 +2,8 @@
 model: the start-up round trip, answers identical to whole states and to no cache, a
 broken chain falling back to a shorter prefix, and the bytes saved on deep paths."""
 
+from percache_core.engines.llama_cpp.slicing import slices_round_trip
 from percache_core.inspection import internals
-from percache_core.kv.slicing import slices_round_trip
 
 QUESTIONS = [
     "When is my dentist appointment?",

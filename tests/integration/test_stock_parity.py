@@ -20,10 +20,10 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from benchmarks.stock import smollm2_path
 from percache_core import PerCacheConfig
+from percache_core.engines.llama_cpp.engine import LlamaEngine
+from percache_core.engines.llama_cpp.runner import PromptRunner
 from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
-from percache_core.kv.llama_cpp import LlamaEngine
-from percache_core.serving.generation import PromptRunner
 from percache_core.serving.prompting import TextPrompt
 from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain

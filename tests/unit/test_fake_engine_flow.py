@@ -427,15 +427,15 @@ def test_the_default_chunk_state_budget_is_sized_from_the_knowledge_within_the_d
     import shutil
     from collections import namedtuple
 
+    from percache_core.engines.llama_cpp import slicing
     from percache_core.kv.budget import BUDGET_FLOOR_BYTES, knowledge_tokens
-    from percache_core.serving import runtime
     from percache_core.serving.prompting import chunk_text
 
     pc = fake_cache()
     assert internals(pc).parts.runtime.state_budget_bytes == BUDGET_FLOOR_BYTES  # no model loaded yet: nothing measured
     tokens = knowledge_tokens([chunk_text(c) for c in internals(pc).knowledge.chunks], internals(pc).engine.tokenize)
     assert tokens == sum(len(internals(pc).engine.tokenize(chunk_text(c))) for c in internals(pc).knowledge.chunks)  # all sampled
-    monkeypatch.setattr(runtime, "state_bytes_per_token", lambda engine: 1_000_000.0)  # a model with huge states
+    monkeypatch.setattr(slicing, "state_bytes_per_token", lambda engine: 1_000_000.0)  # a model with huge states
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 1000 * GIB))
     pc.warm(progress=False, max_predictions=0)

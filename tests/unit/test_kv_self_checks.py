@@ -3,8 +3,8 @@ they run, pass where the fake's arithmetic says they must, and are remembered.""
 
 from __future__ import annotations
 
+from percache_core.engines.llama_cpp.slicing import slices_round_trip, slices_work, state_bytes_per_token
 from percache_core.kv.cuts import CutRule, known_cut_rule, measure_cut_rule
-from percache_core.kv.slicing import slices_round_trip, slices_work, state_bytes_per_token
 from tests.fake_engine import FakeEngine
 
 

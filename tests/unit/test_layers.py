@@ -7,13 +7,19 @@ The layers, lowest first (parts in one layer do not import each other):
 1. ``errors``, ``types``, ``eviction``: names every part shares;
 2. ``storage``, ``inputs``, ``usage``, ``models``, ``document_files``: the record store,
    input checks, usage counts, finding a model file, documents read from files;
-3. ``kv``: llama.cpp engines, their text model, chunk states and their budget;
+3. ``kv``: what an engine is (the protocols), chunk states, their tree, store, budget and
+   cut rule, stop strings: nothing of one engine;
 4. ``config``: the settings (they name the engine's sampling and stop strings);
 5. ``knowledge``, ``qa``: the documents with retrieval; the QA bank and prompt answers;
 5b. ``policies``: how stored answers and chunk states may be reused, chosen once per
    configuration (the only place a mode is compared);
-6. ``serving``, ``shared``: answering a request (the runner, the request path, the runtime
-   and the parts a cache is made of); the Redis tier behind the local ones;
+6. ``serving``, ``shared``: what every engine's runner shares (the runner base, prompt
+   layouts, streaming, request shapes, what an engine kind is); the Redis tier behind the
+   local ones;
+6b. ``engines``: one folder per engine (its engine, runner and self-checks) and the registry;
+   the folders do not import each other;
+6c. ``answering``: answering a request on whichever engine (the runtime, the parts a cache
+   is made of, the request path);
 7. ``prediction``: idle work (the demand estimate, the predictor, the scheduler, the worker);
 8. ``callers``, then ``pipeline`` (the ``PerCache`` facade), then ``endpoint`` (``percache
    serve``: the OpenAI-compatible endpoint over it), then ``demo`` (``percache demo``),
@@ -36,6 +42,8 @@ LAYERS: list[set[str]] = [
     {"knowledge", "qa"},
     {"policies"},
     {"serving", "shared"},
+    {"engines"},
+    {"answering"},
     {"prediction"},
     {"callers"},
     {"pipeline"},
@@ -158,12 +166,42 @@ def test_no_module_imports_itself_around_a_circle():
     assert import_circles() == []
 
 
+# outside engines/, only the public names (the package) and percache serve (a front for a
+# llama-server, which it starts, relays to and is typed by) import an engine's module
+ENGINE_IMPORTERS = {"__init__", "endpoint"}
+
+
+def engine_of(module: str) -> str | None:
+    """The engine folder *module* belongs to (None: outside ``engines/`` or its registry)."""
+    names = module.split(".")
+    return names[2] if len(names) > 3 and names[1] == "engines" else None
+
+
+def engine_imports() -> list[str]:
+    """Imports of an engine folder's modules from outside it: from another engine folder, or
+    from a part other than :data:`ENGINE_IMPORTERS` (counting imports inside functions)."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for module, target, line in imports(path):
+            engine = engine_of(target) or (target.split(".")[2] if target.count(".") == 2 and part_of(target) == "engines" else None)
+            if engine is None or engine_of(module) == engine:
+                continue
+            if engine_of(module) is not None or part_of(module) not in ENGINE_IMPORTERS | {"engines"}:
+                wrong.append(f"{path.name}:{line} {module} -> {target}: an engine's module imported outside its folder")
+    return wrong
+
+
+def test_only_the_engine_folders_import_an_engine():
+    assert engine_imports() == []
+
+
 def test_every_part_has_a_layer():
     parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
     assert parts <= set(LAYER_OF), sorted(parts - set(LAYER_OF))
 
 
 if __name__ == "__main__":  # make lint
-    problems = upward_imports() + adapter_inner_imports() + [f"import circle: {c}" for c in import_circles()]
+    problems = upward_imports() + adapter_inner_imports() + engine_imports()
+    problems += [f"import circle: {c}" for c in import_circles()]
     print("\n".join(problems) or "layers: every import runs down")
     raise SystemExit(1 if problems else 0)

@@ -5,26 +5,33 @@ from __future__ import annotations
 
 import struct
 
-from percache_core.serving.slot_files import slot_file_prefix
+from percache_core.engines.llama_server.slot_files import slot_file_join, slot_file_prefix, slot_file_slice
 
 MAGIC, VERSION = 0x67677371, 2
 
 
-def section(positions: list[int], *, layers: int = 2, k_row: int = 3, v_row: int = 2, v_trans: bool = False) -> bytes:
-    """One KV cache's state of one sequence: each cell's K row is bytes of its position."""
+def section(
+    positions: list[int], *, layers: int = 2, k_row: int = 3, v_row: int = 2, v_trans: bool = False, zero_below: int = 0
+) -> bytes:
+    """One KV cache's state of one sequence: each cell's K row is bytes of its position
+    (zeros for positions below *zero_below*)."""
+
+    def row(pos: int, data: list[int], size: int) -> bytes:
+        return bytes(size) if pos < zero_below else bytes(data)[:size]
+
     out = [struct.pack("<II", 1, len(positions))]
     out += [struct.pack("<iIi", pos, 1, 0) for pos in positions]
     out.append(struct.pack("<II", int(v_trans), layers))
     for layer in range(layers):
         out.append(struct.pack("<iQ", 1, k_row))
-        out += [bytes([pos % 256, layer, 0])[:k_row] for pos in positions]
+        out += [row(pos, [pos % 256, layer, 0], k_row) for pos in positions]
     for layer in range(layers):
         if not v_trans:
             out.append(struct.pack("<iQ", 1, v_row))
-            out += [bytes([pos % 256, 100 + layer])[:v_row] for pos in positions]
+            out += [row(pos, [pos % 256, 100 + layer], v_row) for pos in positions]
         else:
             out.append(struct.pack("<iII", 1, 1, 2))  # 1-byte elements, 2 of them per cell
-            out += [bytes([pos % 256]) for _ in range(2) for pos in positions]
+            out += [row(pos, [pos % 256], 1) for _ in range(2) for pos in positions]
     return b"".join(out)
 
 
@@ -53,3 +60,44 @@ def test_an_unreadable_file_is_refused() -> None:
     assert slot_file_prefix(good[:-1], tokens[:2]) is None  # truncated
     assert slot_file_prefix(good + b"x", tokens[:2]) is None  # bytes after the caches
     assert slot_file_prefix(b"\0" * 8, tokens[:2]) is None
+
+
+def test_slices_joined_make_the_prefix_file_again() -> None:
+    tokens = [10, 11, 12, 13, 14, 15, 16]
+    full = slot_file(tokens, section(list(range(7))), section(list(range(7)), v_trans=True))
+    first, second, third = (slot_file_slice(full, tokens[:end], start) for start, end in ((0, 3), (3, 5), (5, 7)))
+    assert first == slot_file_prefix(full, tokens[:3])
+    assert second == slot_file(tokens[3:5], section([3, 4]), section([3, 4], v_trans=True))  # its own cells only
+    assert slot_file_join([first, second, third]) == slot_file_prefix(full, tokens)
+    assert slot_file_join([first, second]) == slot_file_prefix(full, tokens[:5])
+
+
+def test_slices_that_do_not_fit_together_are_refused() -> None:
+    tokens = [1, 2, 3, 4, 5, 6]
+    full = slot_file(tokens, section(list(range(6))))
+    head, tail = slot_file_slice(full, tokens[:2], 0), slot_file_slice(full, tokens, 4)
+    assert head is not None and tail is not None
+    assert slot_file_join([head, tail]) is None  # positions 2 and 3 missing
+    assert slot_file_join([tail]) is None  # not from position 0
+    other_layout = slot_file(tokens, section(list(range(6)), k_row=2))
+    assert slot_file_join([head, slot_file_slice(other_layout, tokens, 2)]) is None
+    assert slot_file_join([head, b"\0" * 8]) is None and slot_file_join([]) is None
+    assert slot_file_slice(full, [9, 9], 0) is None  # the slot holds other tokens
+
+
+def test_cells_a_sliding_window_passed_come_back_as_zero_cells() -> None:
+    tokens, window = list(range(100, 110)), 4
+    # saved after 10 tokens: the sliding-window cache (the second) kept only its last 4 cells
+    for v_trans in (False, True):
+        saved = slot_file(tokens, section(list(range(10))), section([6, 7, 8, 9], v_trans=v_trans))
+        assert slot_file_prefix(saved, tokens) is None  # without the window: cells missing
+        expected = slot_file(tokens, section(list(range(10))), section(list(range(10)), v_trans=v_trans, zero_below=6))
+        assert slot_file_prefix(saved, tokens, window) == expected  # laid out as a fresh prefill's
+        assert slot_file_prefix(saved, tokens[:8], window) is None  # the state at 8 needs cells 4 and 5
+        # slices from saves at their own points: [0, 6) saved at 6, [6, 10) saved at 10
+        first = slot_file(tokens[:6], section(list(range(6))), section([2, 3, 4, 5], v_trans=v_trans))
+        head, tail = slot_file_slice(first, tokens[:6], 0, window), slot_file_slice(saved, tokens, 6, window)
+        assert head is not None and tail is not None
+        joined = slot_file(tokens, section(list(range(10))), section(list(range(10)), v_trans=v_trans, zero_below=2))
+        assert slot_file_join([head, tail], window) == joined
+        assert slot_file_join([head, tail]) is None  # no window: the missing cells are refused

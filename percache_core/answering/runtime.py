@@ -1,17 +1,13 @@
 """The model runtime: the engine, its stored chunk states and the prompt runner, loaded on
 first use (opening a cache loads no model).
 
-The engine is a loaded :class:`~percache_core.kv.engine.Engine` passed in (shared between
-caches, or the ``FakeEngine`` of the tests), a
-:class:`~percache_core.kv.llama_server.LlamaServer`, or a GGUF file loaded at the first
-question that needs it. What the engine can do is read once (:attr:`ModelRuntime.features`):
-an in-process engine runs prompts token by token
-(:class:`~percache_core.serving.generation.PromptRunner`), a server with whole requests
-(:class:`~percache_core.serving.server_runner.ServerRunner`). Its states live in a
+The engine is one passed in (a loaded in-process engine shared between caches, the
+``FakeEngine`` of the tests, or a llama-server), or a model file loaded at the first
+question that needs it. Which kind it is, what it can do (:attr:`ModelRuntime.features`),
+how its runner and states open and how it checks itself are its engine folder's
+(:mod:`percache_core.engines`): this module names no engine. Its states live in a
 :class:`~percache_core.kv.tiers.TieredStateStore` under ``folder/states``, one folder per
-engine fingerprint, with the shared tier (when configured) behind the local one. States are
-kept as slices (each node only its own segment's positions) when the engine passes a
-round trip at opening (:mod:`percache_core.kv.slicing`), and whole otherwise.
+engine fingerprint, with the shared tier (when configured) behind the local one.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LiveConfig, PerCacheConfig
+from ..engines import engine_kind, file_engine_kind
 from ..kv.budget import (
     BUDGET_FLOOR_BYTES,
     PREFILL_BUDGET_SHARE,
@@ -32,42 +29,17 @@ from ..kv.budget import (
     prefill_state_bytes,
     sized_state_budget,
 )
-from ..kv.cuts import known_cut_rule, known_server_cut_rule, measure_cut_rule, measure_server_cut_rule
-from ..kv.engine import TOKEN_LEVEL, Engine, EngineFeatures
-from ..kv.llama_server import LlamaServer
-from ..kv.slicing import slices_work, state_bytes_per_token
-from ..kv.state_store import StateStore, delete_document_states
+from ..kv.engine import EngineFeatures, ModelEngine
+from ..kv.state_store import delete_document_states
 from ..kv.tiers import SharedStates, TieredStateStore
 from ..kv.tree import ChunkStateTree
 from ..memo import Memo
+from ..serving.engine_kind import EngineKind, StatesPlace
+from ..serving.prompting import TEMPLATE_VERSION, chunk_text
+from ..serving.state_runner import StateRunner
 from ..types import Chunk
-from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
-from .generation import PromptRunner
-from .prompting import TEMPLATE_VERSION, chunk_text
-from .server_runner import ServerRunner
-from .state_runner import StateRunner
 
 ENGINE_MEMO = "engines"  # load identity -> engine fingerprint (see ModelRuntime.model_id)
-
-
-def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> Engine:
-    """Load a llama.cpp engine for *model_path* (None: the bundled model) with *config*'s
-    context, batch, threads and weight repacking: the one way every part of PerCache and
-    the adapters load a GGUF.
-
-    >>> engine = open_engine(None, PerCacheConfig(n_ctx=2048))   # doctest: +SKIP
-    """
-    from ..kv.llama_cpp import LlamaEngine  # llama-cpp-python only when needed
-    from ..models import resolve_model_path
-
-    return LlamaEngine(
-        resolve_model_path(None if model_path is None else str(model_path)),
-        n_ctx=config.engine.n_ctx,
-        n_batch=config.engine.n_batch,
-        n_threads=config.engine.n_threads,
-        repack_weights=config.engine.repack_weights,
-        verbose=verbose,
-    )
 
 
 def folder_bytes(folder: Path) -> int:
@@ -90,7 +62,7 @@ class ModelRuntime:
         folder: Path,
         config: PerCacheConfig | LiveConfig,
         *,
-        engine: Engine | LlamaServer | None,
+        engine: ModelEngine | None,
         model_path: Path | None,
         shared: SharedStates | None = None,
         verbose: bool = False,
@@ -111,7 +83,7 @@ class ModelRuntime:
         self._knowledge_bytes = 0  # what the knowledge prefill's states take (size_state_budget)
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
-        self._model_id: tuple[Engine, str] | None = None  # (engine, its fingerprint)
+        self._model_id: tuple[ModelEngine, str] | None = None  # (engine, its fingerprint)
         self._recorded_id: str | None = None  # the fingerprint recorded for the engine it would load
 
     @property
@@ -121,25 +93,23 @@ class ModelRuntime:
 
     @property
     def engine(self) -> Any:
-        """The engine (an :class:`~percache_core.kv.engine.Engine`, or a
-        :class:`~percache_core.kv.llama_server.LlamaServer`), loaded on first use."""
+        """The engine (see :mod:`percache_core.engines`), loaded on first use."""
         with self._lock:
             if self._engine is None:
                 assert self._model_path is not None
-                self._engine = open_engine(self._model_path, self.config, verbose=self._verbose)
+                self._engine = file_engine_kind().load(self._model_path, self.config, verbose=self._verbose)
             return self._engine
 
     @property
-    def server(self) -> LlamaServer | None:
-        """The llama-server this runtime runs on (None: an in-process engine)."""
-        return self._engine if isinstance(self._engine, LlamaServer) else None
+    def kind(self) -> EngineKind:
+        """The engine's kind (the model file's before it loads): loads nothing."""
+        return file_engine_kind() if self._engine is None else engine_kind(self._engine)
 
     @property
     def features(self) -> EngineFeatures:
         """What the engine can do (an in-process engine everything; a server what its
         settings allow), read once per engine."""
-        server = self.server
-        return TOKEN_LEVEL if server is None else server.features
+        return self.kind.features(self._engine)
 
     def runs_on(self, engine: Any) -> bool:
         """Whether *engine* is this runtime's (loads nothing)."""
@@ -170,20 +140,9 @@ class ModelRuntime:
         return known[1]
 
     def _load_identity(self) -> str:
-        """What the engine this runtime loads is loaded from (see
-        :func:`~percache_core.kv.llama_cpp.load_identity`)."""
-        from ..kv.llama_cpp import load_identity  # no llama_cpp import: only finds its files
-
+        """What the engine this runtime loads is loaded from (read without loading it)."""
         assert self._model_path is not None
-        config = self.config
-        return load_identity(
-            self._model_path,
-            n_ctx=config.engine.n_ctx,
-            n_batch=config.engine.n_batch,
-            n_threads=config.engine.n_threads,
-            repack_weights=config.engine.repack_weights,
-            extra=TEMPLATE_VERSION,
-        )
+        return file_engine_kind().load_identity(self._model_path, self.config, TEMPLATE_VERSION)
 
     @property
     def states(self) -> TieredStateStore:
@@ -236,10 +195,7 @@ class ModelRuntime:
         """The bytes of every [system, chunk] state of *chunks* and *neighbours* pairs of
         each, at the loaded engine's bytes per token (measured once)."""
         if self._bytes_per_token is None:
-            runner = self.runner
-            self._bytes_per_token = (
-                runner.bytes_per_token() if isinstance(runner, ServerRunner) else state_bytes_per_token(self.engine)
-            )
+            self._bytes_per_token = self.runner.bytes_per_token()
         return prefill_state_bytes(
             self._knowledge_tokens(chunks),
             bytes_per_token=self._bytes_per_token,
@@ -284,38 +240,13 @@ class ModelRuntime:
     def _open_states(self) -> None:
         if self._states is not None:
             return
-        if self.server is not None:
-            self._open_server_states(self.server)
-            return
         engine = self.engine
-        # PerCache's own prompt takes its states at the cut rule's state points (in stock's
-        # calls), or at segment ends without a rule: the two are never mixed
-        rule = measure_cut_rule(engine)
         with self._lock:
             if self._states is None:
-                slices = self.config.tiers.chunk_state_slices and self.features.slices and slices_work(engine)
-                calls = "segment-calls" if rule is None else f"stock-calls-{rule.min_tokens}-{rule.multiple}"
-                fingerprint = engine.fingerprint(f"{TEMPLATE_VERSION}|{'slices' if slices else 'whole'}|{calls}")
-                local = StateStore(self._folder / "states", fingerprint, min_free_bytes=self._min_free_bytes)
-                states = TieredStateStore(local, self._shared, slices=slices)
-                self._runner = PromptRunner(engine, states, self._live, budget=lambda: self.state_budget_bytes)
-                self._states = states
-
-    def _open_server_states(self, server: LlamaServer) -> None:
-        """The runner and stored states of a llama-server: whole slot files, at the state
-        points of the server's own cut rule (measured through it once); no chunk-state tier
-        where the server cannot hold exact states (``PerCache.open`` said why)."""
-        chunk_states = self.features.chunk_states and self.config.tiers.chunk_states
-        rule = measure_server_cut_rule(server) if chunk_states else None
-        with self._lock:
-            if self._states is not None:
-                return
-            calls = "no-cuts" if rule is None else f"server-calls-{rule.min_tokens}-{rule.multiple}"
-            fingerprint = server.fingerprint(f"{TEMPLATE_VERSION}|whole|{calls}")
-            local = StateStore(self._folder / "states", fingerprint, min_free_bytes=self._min_free_bytes)
-            states = TieredStateStore(local, self._shared, slices=False)
-            self._runner = ServerRunner(server, states, self._live, rule=rule, budget=lambda: self.state_budget_bytes)
-            self._states = states
+                place = StatesPlace(self._folder / "states", self._shared, self._min_free_bytes)
+                runner = engine_kind(engine).open_runner(engine, place, self._live, lambda: self.state_budget_bytes)
+                assert runner.states is not None
+                self._runner, self._states = runner, runner.states
 
     def _min_free_bytes(self) -> int:
         return self.config.budgets.min_free_disk_bytes
@@ -344,16 +275,9 @@ class ModelRuntime:
         ``preload()`` or an idle round, never inside an answer): the cuts that leave a
         prefill's logits unchanged (:func:`~percache_core.kv.cuts.measure_cut_rule`),
         the batched-logit bound of draft verification and whether drafts pay on this machine
-        (:mod:`percache_core.serving.drafting`)."""
+        (:mod:`percache_core.engines.llama_cpp.drafting`); on a server its cut rule."""
         engine = self.engine
-        if self.server is not None:
-            if self.features.chunk_states and self.config.tiers.chunk_states:
-                measure_server_cut_rule(self.server)
-            return
-        measure_cut_rule(engine)
-        with engine.lock:
-            deviation_bound(engine)
-            drafts_pay(engine)
+        engine_kind(engine).self_check(engine, self.config)
 
     def self_check_report(self) -> dict[str, Any]:
         """What the engine's self-check found (see :meth:`self_check`), as far as it ran:
@@ -362,22 +286,7 @@ class ModelRuntime:
         if not self.engine_loaded:
             return {"ran": False}
         engine = self.engine
-        if self.server is not None:
-            ran, rule = known_server_cut_rule(self.server)
-            return {
-                "ran": ran,
-                "engine": f"llama-server at {self.server.url}",
-                "features": self.features.describe(),
-                "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
-            }
-        ran, rule = known_cut_rule(engine)
-        return {
-            "ran": ran,
-            "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
-            "draft_bound_logits": known_bound(engine),
-            "drafts_pay": known_drafts_pay(engine),
-            "repack_weights": self.config.engine.repack_weights,
-        }
+        return engine_kind(engine).self_check_report(engine, self.config)
 
     def _budget_origin(self) -> str:
         """Where the chunk-state budget in force comes from, in words."""
@@ -401,8 +310,7 @@ class ModelRuntime:
         }
         if self._states is None or self._runner is None:  # what the folder holds, every model's, no model loaded
             return {"nodes": 0, "bytes": 0, "bytes_on_disk": folder_bytes(self._folder / "states"), **budget}
-        if isinstance(self._runner, ServerRunner):
-            self._runner.flush()
+        self._runner.flush()  # the states a writer still stores
         tree = self._states.tree
         nodes = tree.nodes
         covered = tree.tokens_covered()
@@ -425,7 +333,7 @@ class ModelRuntime:
 
     def close(self) -> None:
         """Persist state counters; free the engine if this runtime loaded it."""
-        if isinstance(self._runner, ServerRunner):
+        if self._runner is not None:
             self._runner.close()  # the states still being stored
         if self._states is not None:
             self._states.close()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ..kv.cuts import CutRule, known_cut_rule
-from ..kv.tiers import TieredStateStore
-from ..kv.tree import StateNode, path_keys, prefix_keys
-from .live_prefix import LiveContext, call_starts, segment_cut, text_cut
-from .prompting import PromptLayout, with_cut
-from .state_runner import StateRunner
+from ...kv.cuts import CutRule, known_cut_rule
+from ...kv.tiers import TieredStateStore
+from ...kv.tree import StateNode, path_keys, prefix_keys
+from ...serving.live_prefix import LiveContext, call_starts, segment_cut, text_cut
+from ...serving.prompting import PromptLayout, with_cut
+from ...serving.state_runner import StateRunner
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import logging
 
 import numpy as np
 
-from .engine import Engine, EngineVerdicts
+from ...kv.engine import Engine, EngineVerdicts
 
 logger = logging.getLogger(__name__)
 

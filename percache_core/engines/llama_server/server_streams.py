@@ -7,26 +7,10 @@ planned (:class:`UnexpectedReuse`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from ...kv.engine import Completion
 from .server_http import ServerError, ServerHTTP
-
-
-@dataclass
-class Completion:
-    """What one :meth:`LlamaServer.complete` request did (filled in as it streams)."""
-
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)  # generated ids (the server's, without stop text trimming)
-    cached: int | None = None  # prompt tokens the server reused (prompt_progress.cache / timings.cache_n)
-    prompt_tokens: int = 0  # tokens it prefilled
-    stop_type: str = ""  # "eos", "limit", "word", or "" while streaming
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # first token's, with n_probs
-    timings: dict[str, float] = field(default_factory=dict)
-    finish_reason: str = ""  # a relayed OpenAI request's: "stop" or "length"
-    usage: dict[str, Any] = field(default_factory=dict)  # a relayed OpenAI request's, as the server sent it
-    plain: bool = True  # a relayed chat's deltas held nothing but its text (no reasoning, no tool calls)
 
 
 class UnexpectedReuse(ServerError):

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import PerCacheError
+from ...errors import PerCacheError
 
 
 class ServerError(PerCacheError):

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import EngineError
-from .engine import ChatPrompt
+from ...errors import EngineError
+from ...kv.engine import ChatPrompt
 
 # what llama-cpp-python's Llama picks for a GGUF template it recognises (its
 # guess_chat_format_from_gguf_metadata names -> the formatters registered under them)

@@ -12,23 +12,22 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from ..kv.llama_server import ServerError, UnexpectedReuse
-from .prompting import PromptLayout
-from .server_slot import ServerSlot
-from .slot_files import slot_file_prefix, slot_file_tokens
-from .state_runner import NewState, StateRunner, StopCheck
+from ...serving.prompting import PromptLayout
+from ...serving.state_runner import NewState, StateRunner, StopCheck
+from .server import ServerError, UnexpectedReuse
+from .slot import ServerSlot
+from .slot_files import slot_file_slice, slot_file_tokens
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class EarlySave:
-    """States a sliding-window model's prefill saved on the way: the slot file *saved* after
-    a prefill from *start*, to be cut to the states of segments *indices* after the answer."""
+    """States a sliding-window model's prefill saved on the way: per save, where the prefill
+    before it started, the slot file saved, and the segments whose states are cut from it
+    after the answer."""
 
-    indices: list[int] = field(default_factory=list)
-    start: int = 0
-    saved: bytes = b""
+    saves: list[tuple[int, bytes, list[int]]] = field(default_factory=list)
 
 
 class SlotStates:
@@ -41,52 +40,63 @@ class SlotStates:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="percache-server-states")
         self._pending: Future[None] | None = None
 
-    def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int) -> list[int]:
+    def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int, *, past_window: bool = False) -> list[int]:
         """The segments whose states are wanted, not stored, and may be taken from the slot
-        after a request that prefilled from *start* to *end* (batches the rule allows)."""
+        after a request that prefilled from *start* to *end* (batches the rule allows; on a
+        sliding-window model within the window unless *past_window*)."""
         states, cuts = self.runner.states, self.slot.cuts
         assert states is not None
         return [
             index for index in range(len(keys))
-            if layout.segments[index].keep_state and keys[index] not in states
-            and start < layout.state_point(index) and cuts.state_allowed(start, layout.state_point(index), end)
+            if layout.segments[index].keep_state and keys[index] not in states and start < layout.state_point(index)
+            and cuts.state_allowed(start, layout.state_point(index), end, past_window=past_window)
         ]  # fmt: skip
 
     def save_early(
         self, layout: PromptLayout, keys: list[str], span: tuple[int, int], early: EarlySave, should_stop: StopCheck | None
     ) -> int:
-        """On a sliding-window model, save the wanted states within the window on the way,
-        before the rest of the prompt moves the window past their first cells (a slot saved
-        later lacks them): the prefix up to the deepest of them that the rest of the prompt
-        may go on from (*span*: the slot holds its first tokens, the prompt's end) is
-        prefilled alone and the slot saved once, into *early*. Returns where the slot's
-        prefill ends. Raises ``UnexpectedReuse`` when the server reused otherwise."""
+        """On a sliding-window model, save wanted states on the way, before the rest of the
+        prompt moves the window past their cells (a slot saved later lacks them): the
+        deepest wanted state that the rest of the prompt may go on from (*span*: the slot
+        holds its first tokens, the prompt's end), past the window too, and the deepest
+        batch boundary before it (a later prompt whose fresh prefill ends with a short
+        batch may go on only from one), each prefilled to and saved once, into *early*;
+        the states a save holds every needed cell of are cut from it after the answer.
+        Returns where the slot's prefill ends. Raises ``UnexpectedReuse`` when the server
+        reused otherwise."""
+        point, end = span
+        for target in self._early_targets(layout, keys, point, end):
+            try:
+                self.slot.prefill(layout.tokens[:target], point, should_stop)
+                saved = self.slot.save()
+            except UnexpectedReuse:
+                raise
+            except (OSError, ServerError) as error:
+                logger.warning("the slot could not be saved (%s): no chunk state kept", error)
+                self.runner.storage_failures += 1
+                return target
+            early.saves.append((point, saved, self.wanted(layout, keys, point, target, past_window=True)))
+            point = target  # cut to each state off the answer's time
+        return point
+
+    def _early_targets(self, layout: PromptLayout, keys: list[str], point: int, end: int) -> list[int]:
+        """Where :meth:`save_early` saves the slot, in order (see there)."""
         states, cuts = self.runner.states, self.slot.cuts
         assert states is not None
-        point, end = span
-        wanted = [
-            index for index in range(len(keys))
+        points = [
+            layout.state_point(index) for index in range(len(keys))
             if layout.segments[index].keep_state and keys[index] not in states and layout.state_point(index) > point
         ]  # fmt: skip
-        target = next((
-            layout.state_point(index) for index in reversed(wanted)
-            if cuts.state_allowed(point, layout.state_point(index), layout.state_point(index))
-            and cuts.cut_allowed(layout.state_point(index), end)
+
+        def reachable(start: int, target: int) -> bool:
+            return cuts.state_allowed(start, target, target, past_window=True) and cuts.cut_allowed(target, end, past_window=True)
+
+        deepest = next((q for q in reversed(points) if reachable(point, q)), 0)
+        boundary = next((
+            q for q in reversed(points)
+            if q < deepest and q % cuts.n_ubatch == 0 and reachable(point, q) and reachable(q, deepest)
         ), 0)  # fmt: skip
-        if not target:
-            return point
-        try:
-            self.slot.prefill(layout.tokens[:target], point, should_stop)
-            saved = self.slot.save()
-        except UnexpectedReuse:
-            raise
-        except (OSError, ServerError) as error:
-            logger.warning("the slot could not be saved (%s): no chunk state kept", error)
-            self.runner.storage_failures += 1
-            return target
-        early.start, early.saved = point, saved  # cut to each state off the answer's time
-        early.indices = self.wanted(layout, keys, point, target)
-        return target
+        return [q for q in (boundary, deepest) if q]
 
     def _stored_parent_key(self, keys: list[str], point: int) -> str:
         """The deepest stored prefix among *keys* within the first *point* tokens (the
@@ -97,21 +107,24 @@ class SlotStates:
 
     def _taken(self, layout: PromptLayout, keys: list[str], wanted: list[int], start: int, saved: bytes) -> list[NewState]:
         """The states of the *wanted* segments, from the slot file *saved* after a request
-        that prefilled from *start*: one slot file per state point, with the cells and the
-        token list up to there (a restore then holds exactly those), where *saved* holds
-        every cell of them."""
+        that prefilled from *start*, where *saved* holds every cell of them: per state point
+        a slot file with the cells and tokens after its parent's (slices: the path's files
+        joined are the prefix's file), or up to there (whole states; a restore then holds
+        exactly those)."""
         states = self.runner.states
         assert states is not None
         tokens = layout.tokens
         parent = self._stored_parent_key(keys, start)
+        parent_node = states.tree.get(parent) if parent else None
+        parent_end = parent_node.n_tokens if parent_node is not None else 0
         taken = []
         for index in wanted:
             point = layout.state_point(index)
-            data = slot_file_prefix(saved, tokens[:point])
+            data = slot_file_slice(saved, tokens[:point], parent_end if states.slices else 0, self.slot.cuts.sliding)
             if data is None:  # e.g. a sliding window passed it: no state there
                 continue
             taken.append(NewState(index, parent or states.root_key, data, point))
-            parent = keys[index]
+            parent, parent_end = keys[index], point
         return taken
 
     def store_later(
@@ -136,13 +149,13 @@ class SlotStates:
                 logger.warning("the slot could not be saved (%s): no chunk states kept", error)
                 self.runner.storage_failures += 1
                 wanted = []
-        if not wanted and not early.indices:
+        if not wanted and not early.saves:
             return
 
-        def store() -> None:
-            taken = self._taken(layout, keys, wanted, start, saved) if wanted else []
-            kept = self._taken(layout, keys, early.indices, early.start, early.saved) if early.indices else []
-            self.runner._keep_states(layout, keys, [*kept, *taken], idle=idle)
+        def store() -> None:  # save by save, so that each finds the one before as its parent
+            for first, file, indices in [*early.saves, (start, saved, wanted)]:
+                if indices:
+                    self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
 
         self.flush()
         self._pending = self._writer.submit(store)

@@ -40,7 +40,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..kv.engine import Engine, EngineVerdicts
+from ...kv.engine import Engine, EngineVerdicts
+from ...serving.state_runner import DraftStats
 
 logger = logging.getLogger(__name__)
 
@@ -111,16 +112,6 @@ class PromptLookup:
         if follow is None:
             return []
         return tokens[follow : follow + min(limit, self.max_tokens)]
-
-
-@dataclass
-class DraftStats:
-    """What draft decoding did for one answer."""
-
-    proposed: int = 0  # draft tokens fed
-    accepted: int = 0  # draft tokens accepted
-    batches: int = 0  # batched verification calls
-    replays: int = 0  # near ties decided again on exact logits
 
 
 def _leads(row: np.ndarray, token: int, bound: float) -> bool:

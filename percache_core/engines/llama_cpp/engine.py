@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EngineError, ModelNotFoundError, missing_dependency
-from ..models import file_identity, file_sha256
+from ...errors import EngineError, ModelNotFoundError, missing_dependency
+from ...kv.cuts import batch_bounds
+from ...kv.engine import Sampling
+from ...models import file_identity, file_sha256
 from .compute_thread import ComputeThread, on_compute_thread
-from .cuts import batch_bounds
-from .engine import Sampling
 from .text_model import LlamaTextModel
 
 logger = logging.getLogger(__name__)
@@ -167,13 +167,13 @@ def pick_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator)
 class LlamaEngine(LlamaTextModel):
     """A GGUF model in a llama.cpp context with a single sequence (id 0): the
     :class:`~percache_core.kv.engine.Engine` that PerCache runs on. Its text side
-    (tokenizer, chat template) is :class:`~percache_core.kv.text_model.LlamaTextModel`;
+    (tokenizer, chat template) is :class:`~percache_core.engines.llama_cpp.text_model.LlamaTextModel`;
     this class adds the sequence side (eval, logits, states).
 
     The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,
     so a streaming generator may release it from another thread) around any sequence of
     calls that must not interleave (restore, prefill, generate). Whatever thread calls,
-    the work runs on the engine's own :class:`~percache_core.kv.compute_thread.ComputeThread`
+    the work runs on the engine's own :class:`~percache_core.engines.llama_cpp.compute_thread.ComputeThread`
     (``engine.compute``), as stock ``llama_cpp.Llama`` runs on its caller's one thread.
 
     >>> engine = LlamaEngine("gemma-3-270m-q4_k_m.gguf")   # doctest: +SKIP
@@ -415,7 +415,7 @@ class LlamaEngine(LlamaTextModel):
 
         Batched evaluation is not bit-identical to feeding tokens one at a time (CPU
         kernels differ for batch sizes 1 and > 1), so callers that need the one-at-a-time
-        result compare with a margin (see :mod:`percache_core.serving.drafting`).
+        result compare with a margin (see :mod:`percache_core.engines.llama_cpp.drafting`).
         """
         if not tokens:
             raise ValueError("tokens must not be empty")

@@ -21,10 +21,9 @@ from typing import get_args
 import numpy as np
 
 from ..config import ContextMode, Signal
+from ..serving.state_runner import RunOptions, StateRunner, StopCheck
+from ..serving.streaming import drain
 from ..types import Chunk
-from .generation import PromptRunner
-from .state_runner import RunOptions, StopCheck
-from .streaming import drain
 
 CONTEXT_MODES = get_args(ContextMode)
 SIGNALS = get_args(Signal)
@@ -61,7 +60,7 @@ def is_confident(signals: dict[str, float], signal: str, threshold: float) -> bo
 
 
 def context_chunks(
-    runner: PromptRunner,
+    runner: StateRunner,
     question: str,
     chunks: Sequence[Chunk],
     *,

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from ..config import PerCacheConfig
-from ..kv.engine import Engine, Sampling
-from ..kv.llama_server import LlamaServer
-from .generation import PromptRunner
-from .prompting import TextPrompt
-from .server_runner import ServerRunner
-from .state_runner import RunOptions, StateRunner
-from .streaming import BackgroundStream
+from ..engines import engine_kind
+from ..kv.engine import ModelEngine, Sampling
+from ..serving.prompting import TextPrompt
+from ..serving.state_runner import RunOptions, StateRunner
+from ..serving.streaming import BackgroundStream
 
 
 class UncachedCompletion:
@@ -26,14 +23,9 @@ class UncachedCompletion:
     ' 4'
     """
 
-    def __init__(self, engine: Engine | LlamaServer) -> None:
+    def __init__(self, engine: ModelEngine) -> None:
         self.engine = engine
-        config = PerCacheConfig(chunk_states=False)
-        self._runner: StateRunner = (
-            ServerRunner(engine, None, config, rule=None)  # a fresh prefill each time
-            if isinstance(engine, LlamaServer)
-            else PromptRunner(engine, None, config)
-        )
+        self._runner: StateRunner = engine_kind(engine).plain_runner(engine)
 
     def stream(
         self,

@@ -9,7 +9,7 @@ a prefill start only where a cut changes nothing:
 - at 0 (nothing reused);
 - at a stored state's end, a *state point* (restored from its slot file), or at the end of
   what the slot holds from the previous prompt; either only where the server's cut rule
-  allows it (:func:`~percache_core.kv.cuts.measure_server_cut_rule`, measured through the
+  allows it (:func:`~percache_core.engines.llama_server.cuts.measure_server_cut_rule`, measured through the
   server: a multiple of ``rule.multiple``, at least ``rule.min_tokens`` from the start and
   the end) and where the batches after it end as a fresh prefill's do (when a fresh
   prefill's last batch is shorter than ``rule.min_tokens``, only a cut at a multiple of
@@ -31,19 +31,20 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
-from ..config import LiveConfig, PerCacheConfig
-from ..errors import ContextOverflowError
-from ..kv.cuts import CutRule
-from ..kv.engine import Decoding
-from ..kv.llama_server import LlamaServer, UnexpectedReuse
-from ..kv.stopping import StopStringFilter, stop_strings
-from ..kv.tiers import TieredStateStore
-from ..kv.tree import StateNode, prefix_keys
-from ..types import Chunk
-from .prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
-from .server_slot import NO_WINDOW, ServerCuts, ServerSlot, SlotContent
-from .server_states import EarlySave, SlotStates
-from .state_runner import Preempted, RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
+from ...config import LiveConfig, PerCacheConfig
+from ...errors import ContextOverflowError
+from ...kv.cuts import CutRule
+from ...kv.engine import Decoding
+from ...kv.stopping import StopStringFilter, stop_strings
+from ...kv.tiers import TieredStateStore
+from ...kv.tree import StateNode, prefix_keys
+from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
+from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
+from ...serving.text_stream import shown_text
+from ...types import Chunk
+from .server import LlamaServer, UnexpectedReuse
+from .slot import NO_WINDOW, ServerCuts, ServerSlot, SlotContent
+from .states import EarlySave, SlotStates
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ LIVE_CUT_GAIN = 128  # the slot is cut back (a save and a restore) only to keep 
 
 
 class ServerRunner(StateRunner):
-    """Runs prompts on a :class:`~percache_core.kv.llama_server.LlamaServer`, restoring and
+    """Runs prompts on a :class:`~percache_core.engines.llama_server.server.LlamaServer`, restoring and
     keeping chunk states as slot files (see the module docstring). *rule*: the server's cut
     rule (None: no cut is safe, so every prompt is prefilled whole and no state is kept);
     *n_ubatch*: the server's micro-batch (``-ub``)."""
@@ -237,7 +238,7 @@ class ServerRunner(StateRunner):
             if layout.caller_prompt:  # a caller's prompt: any stored state of its leading tokens
                 found = {node.key: node for node in (*stored, *self._stored_text_prefixes(layout.tokens, end))}
                 stored = sorted(found.values(), key=lambda node: -node.n_tokens)
-        usable = [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end)]
+        usable = [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end, past_window=True)]
         deepest = usable[0].n_tokens if usable else 0
         if live < 0 and not fresh:  # the slot holds more than may be kept: cut it back
             kept = self.slot.cut_back(layout.tokens[:end], deepest + LIVE_CUT_GAIN)
@@ -260,12 +261,10 @@ class ServerRunner(StateRunner):
 
     def _stored_text_prefixes(self, tokens: Sequence[int], end: int) -> list[StateNode]:
         """Stored states of a caller's prompts that *tokens* start with (keyed by leading
-        tokens), wherever the earlier prompt's cuts were."""
+        tokens), wherever the earlier prompt's cuts were (which of them the prompt may go on
+        from is ``cut_allowed``'s: a batch boundary may be a few tokens before its end)."""
         assert self.states is not None and self.rule is not None
-        lengths = sorted({
-            n.n_tokens for n in self.states.tree.nodes
-            if n.label == "text" and n.n_tokens <= end - self.rule.min_tokens
-        })
+        lengths = sorted({n.n_tokens for n in self.states.tree.nodes if n.label == "text" and n.n_tokens < end})
         keys = prefix_keys(self.states.root_key, tokens, lengths) if lengths else []
         return [node for key in keys if key in self.states and (node := self.states.tree.get(key)) is not None]
 
@@ -296,20 +295,9 @@ class ServerRunner(StateRunner):
         clock = time.perf_counter()
         for attempt in (0, 1):
             self.slot.content = None
-            pieces = self._request(tokens, point, options, stops)
+            pieces = _timed(self._request(tokens, point, options, stops), result, started, clock)
             try:
-                for piece in pieces:
-                    if result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - started
-                        result.timings["prefill"] = time.perf_counter() - clock
-                        clock = time.perf_counter()
-                    shown = stop.feed(piece)
-                    if shown:
-                        yield shown
-                    if stop.stopped:
-                        break
-                    if should_stop is not None and should_stop():
-                        raise Preempted("decoding pre-empted by a user question")
+                yield from shown_text(pieces, stop, should_stop)
                 break
             except UnexpectedReuse as error:
                 if attempt:
@@ -317,13 +305,8 @@ class ServerRunner(StateRunner):
                 logger.warning("%s; the prompt is prefilled from the start", error)
                 self.unexpected_reuse += 1
                 point = result.reused_tokens = result.depth = 0
-            finally:
-                pieces.close()
-        tail = stop.finish()
-        if tail:
-            yield tail
         result.text = stop.text.strip() if options.trim and relay is None else stop.text
-        result.timings["decode"] = time.perf_counter() - clock
+        result.timings["decode"] = time.perf_counter() - clock - result.timings.get("prefill", 0.0)
         self._completed(result, tokens, point, relay)
         return point
 
@@ -396,3 +379,18 @@ class ServerRunner(StateRunner):
     ) -> tuple[str, int, int]:
         """Idle work's LLM calls, with nothing reused (see :meth:`ServerSlot.complete_plain`)."""
         return self.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
+
+
+def _timed(pieces: Iterator[str], result: RunResult, started: float, since: float) -> Iterator[str]:
+    """*pieces*, with the time to the first one noted in *result*: from *started* (the
+    request's start) as its time to first token, from *since* as its prefill."""
+    try:
+        for piece in pieces:
+            if result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - started
+                result.timings["prefill"] = time.perf_counter() - since
+            yield piece
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()  # a stream cut short ends the server's request

@@ -13,7 +13,7 @@ it offers what the server's API allows:
   KV cells as a file (``--slot-save-path``), the chunk states PerCache stores;
 - the text side: ``/tokenize``, ``/detokenize`` and ``/apply-template``.
 
-:mod:`percache_core.serving.server_runner` runs PerCache's prompts on it, exactly: the
+:mod:`percache_core.engines.llama_server.runner` runs PerCache's prompts on it, exactly: the
 answer's text is what the same server gives the same prompt with nothing reused.
 
 Start a server from the build ``make llama-server`` made (``.venv/bin/llama-server``, or
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .engine import ChatPrompt, Decoding, EngineFeatures, Sampling
+from ...kv.engine import ChatPrompt, Decoding, EngineFeatures, Sampling
 from .server_http import ServerError, ServerHTTP, ServerUnreachable
 from .server_process import ServerLaunch, ServerProcess, find_server_binary, free_port
 from .server_streams import Completion, UnexpectedReuse, completion_events, relay_events
@@ -157,7 +157,7 @@ class LlamaServer:
         >>> server = LlamaServer.start(None, ServerLaunch(n_ctx=2048))   # doctest: +SKIP
         >>> server.close()                                               # doctest: +SKIP
         """
-        from ..models import resolve_model_path
+        from ...models import resolve_model_path
 
         model = Path(resolve_model_path(None if model_path is None else str(model_path)))
         process = ServerProcess(model, launch or ServerLaunch())
@@ -245,7 +245,7 @@ class LlamaServer:
     @property
     def chunk_state_problem(self) -> str | None:
         """Why this server cannot hold exact chunk states (None: it can, subject to the
-        start-up check of :mod:`percache_core.serving.server_runner`)."""
+        start-up check of :mod:`percache_core.engines.llama_server.runner`)."""
         props = self.props
         if int(props.get("total_slots", 0)) != 1:
             return f"it runs {props.get('total_slots')} slots; start it with -np 1"

@@ -24,10 +24,10 @@ import numpy as np
 from ..knowledge.bank import KnowledgeBank
 from ..kv.engine import Decoding
 from ..qa.prompt_answers import PromptAnswer, prompt_key
+from ..serving.prompting import PromptLayout
+from ..serving.state_runner import RelayedRequest, RunResult
 from ..types import Answer, AnswerSource, QAEntry, QAHit, RetrievedChunk
 from .parts import CacheParts
-from .prompting import PromptLayout
-from .state_runner import RelayedRequest, RunResult
 
 RELAY_STREAM_FIELDS = ("stream", "stream_options")  # how a reply is sent, not what it says
 

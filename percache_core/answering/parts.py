@@ -22,12 +22,12 @@ from ..policies import AnswerPolicy, StatePolicy, answer_policy, state_policy
 from ..qa.bank import QABank
 from ..qa.calibration import Calibration, equivalent
 from ..qa.prompt_answers import PromptAnswers
+from ..serving.activity import MAX_HISTORY_CHARS, UserActivity
+from ..serving.binding import answer_binding
+from ..serving.shapes import RequestShapes
 from ..storage import Store
 from ..usage import UsageCounters
-from .activity import MAX_HISTORY_CHARS, UserActivity
-from .binding import answer_binding
 from .runtime import ModelRuntime
-from .shapes import RequestShapes
 
 QUESTION_EMBEDDINGS_KEPT = 64
 

@@ -1,7 +1,7 @@
 """Running a prompt through the chunk-state tree: restore, prefill, decode, keep new states.
 
 ``PromptRunner.run`` is where PerCache's and callers' prompts meet the model (idle work's
-free-form LLM calls use :func:`~percache_core.serving.completion.complete_plain`). It restores the
+free-form LLM calls use :func:`~percache_core.answering.completion.complete_plain`). It restores the
 deepest stored prefix of the prompt's segments, prefills the rest one segment per call
 (on hits and misses alike, so outputs do not depend on the cache), keeps the states of
 new prefixes, and decodes. Idle work passes ``should_stop`` so that a user's question can
@@ -18,15 +18,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..config import LiveConfig, PerCacheConfig
-from ..errors import PerCacheError
-from ..kv.cuts import batch_bounds, measure_cut_rule
-from ..kv.engine import Decoding, Engine
-from ..kv.tiers import TieredStateStore
-from ..types import Chunk
-from .answer_decoder import AnswerDecoder, complete_plain
-from .live_prefix import LiveContext, call_starts
-from .prompting import (
+from ...config import LiveConfig, PerCacheConfig
+from ...errors import PerCacheError
+from ...kv.cuts import batch_bounds, measure_cut_rule
+from ...kv.engine import Decoding, Engine
+from ...kv.tiers import TieredStateStore
+from ...serving.live_prefix import LiveContext, call_starts
+from ...serving.prompting import (
     PromptLayout,
     PromptSpec,
     TextPrompt,
@@ -34,10 +32,14 @@ from .prompting import (
     lay_out_text,
     rag_prompt,
 )
+from ...serving.state_runner import NewState, Preempted, RunOptions, RunResult, StateRunner, StopCheck
+from ...types import Chunk
+from . import slicing
+from .answer_decoder import AnswerDecoder, complete_plain
 from .state_restore import StateRestorer
-from .state_runner import NewState, Preempted, RunOptions, RunResult, StateRunner, StopCheck
 
 logger = logging.getLogger(__name__)
+
 
 class PromptRunner(StateRunner):
     """Runs prompts on an in-process *engine*, token by token, reusing and filling the
@@ -70,14 +72,11 @@ class PromptRunner(StateRunner):
         text, returns a :class:`RunResult`.
 
         Stored answers' token ids (``options.answer_drafts``) are verified as drafts with
-        greedy decoding; the output is the same with or without them. With
-        ``options.approximate`` (``reuse="approximate"``), chunks after the restored prefix
-        are taken from their independent [system, chunk] states where stored (their first
-        ``recompute_tokens`` prefilled live); the result is then marked approximate. When
-        ``should_stop()`` turns true, :class:`Preempted` is raised and, if the prefill was
-        not complete, no new state is kept. *started* (``time.perf_counter()``) is when the
-        request began, for the time to first token.
-        """
+        greedy decoding (the output is the same with or without them). ``options.approximate``
+        takes chunks after the restored prefix from their independent [system, chunk] states
+        (first ``recompute_tokens`` prefilled live; the result is marked approximate). When
+        ``should_stop()`` turns true, :class:`Preempted` is raised (no new state is kept from
+        an incomplete prefill). *started* (``perf_counter``) is when the request began."""
         if options.relay is not None:
             raise PerCacheError("an OpenAI request is relayed by a llama-server engine only")
         started = time.perf_counter() if started is None else started
@@ -108,6 +107,10 @@ class PromptRunner(StateRunner):
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
+
+    def bytes_per_token(self) -> float:
+        """The bytes a stored state slice takes per token on the engine, measured once."""
+        return slicing.state_bytes_per_token(self.engine)
 
     def complete_plain(
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None

@@ -1,6 +1,6 @@
 """Decoding an answer on an in-process engine after its prompt: sampled, or greedy with
 drafts (stored answers, prompt phrases) verified in batches where the engine's self-check
-found that batches pay (:mod:`percache_core.serving.drafting`); the tokens turned into text
+found that batches pay (:mod:`percache_core.engines.llama_cpp.drafting`); the tokens turned into text
 through the stop strings (:func:`decode_text`); and the plain completions of idle work (the
 predictor's and the abstract's LLM calls: :func:`complete_plain`).
 """
@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 
-from ..config import PerCacheConfig
-from ..kv.engine import Decoding, Engine, Sampling
-from ..kv.stopping import StopStringFilter
+from ...config import PerCacheConfig
+from ...kv.engine import Decoding, Engine, Sampling
+from ...kv.stopping import StopStringFilter
+from ...serving.state_runner import Preempted, RunOptions, RunResult, StopCheck
+from ...serving.text_stream import shown_text
 from .drafting import (
     AnswerDraft,
     DraftPlan,
@@ -27,7 +29,6 @@ from .drafting import (
     known_bound,
     known_drafts_pay,
 )
-from .state_runner import Preempted, RunOptions, RunResult, StopCheck
 
 logger = logging.getLogger(__name__)
 
@@ -110,27 +111,25 @@ def decode_text(
 ) -> Generator[str, None, None]:
     """Turn decoded *tokens* into text, yielding what *stop* lets through (held back while
     it may begin a stop string); *on_token* sees every token, end of generation included.
-    Raises :class:`Preempted` when *should_stop* turns true."""
+    Raises :class:`Preempted` when *should_stop* turns true (see
+    :func:`~percache_core.serving.text_stream.shown_text`)."""
+    return shown_text(token_pieces(engine, tokens, on_token), stop, should_stop)
+
+
+def token_pieces(engine: Engine, tokens: Iterator[int], on_token: Callable[[int], None]) -> Iterator[str]:
+    """The text of each of *tokens* (one piece per token, "" while a character is still
+    incomplete), up to the end of generation; *tokens* is closed when this is."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
         for token in tokens:
             on_token(token)
             if engine.is_end_of_generation(token):
-                break
-            shown = stop.feed(decoder.decode(engine.token_bytes(token)))
-            if shown:
-                yield shown
-            if stop.stopped:
-                break
-            if should_stop is not None and should_stop():
-                raise Preempted("decoding pre-empted by a user question")
+                return
+            yield decoder.decode(engine.token_bytes(token))
     finally:
         close = getattr(tokens, "close", None)
         if close is not None:
             close()
-    tail = stop.finish()
-    if tail:
-        yield tail
 
 
 def complete_plain(

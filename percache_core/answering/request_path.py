@@ -1,7 +1,7 @@
 """The request path: embed -> QA candidates -> retrieve -> lay out -> prompt answer, or
 run (drafts verified) -> store. Every request to this cache's model takes it, whoever
 asks (idle work's free-form LLM calls for the predictor and the abstract are not requests:
-:mod:`percache_core.serving.completion`):
+:mod:`percache_core.answering.completion`):
 
 - :meth:`RequestPath.answer`: a user's question with this cache's own RAG prompt;
 - :meth:`RequestPath.generate`: the same prompt over chunks a caller retrieved;
@@ -9,8 +9,8 @@ asks (idle work's free-form LLM calls for the predictor and the abstract are not
 - :meth:`RequestPath.populate`: idle work's run of this cache's prompt for a predicted,
   stale, pending or follow-up question (the scheduler keeps no path of its own).
 
-A request is a :class:`~percache_core.serving.request.Request`; what a run leaves for later
-requests is stored by :class:`~percache_core.serving.records.RunRecords`; which stored
+A request is a :class:`~percache_core.answering.request.Request`; what a run leaves for later
+requests is stored by :class:`~percache_core.answering.records.RunRecords`; which stored
 answers are drafts and which are served without the model is the answer policy's to say
 (:mod:`percache_core.policies`).
 
@@ -46,16 +46,17 @@ from typing import Any
 
 from ..config import PerCacheConfig
 from ..errors import StorageWriteError
-from ..kv.engine import Decoding
-from ..kv.llama_server import Completion
+from ..kv.engine import Completion, Decoding
 from ..policies import AnswerLookup
 from ..qa.calibration import retrieval_context
 from ..qa.prompt_answers import PromptAnswer
+from ..serving.binding import chunk_sources
+from ..serving.prompting import TextPrompt
+from ..serving.state_runner import RelayedRequest, RunOptions, RunResult, StopCheck
+from ..serving.streaming import drain
 from ..types import Answer, Chunk, QAEntry, QAHit
-from .binding import chunk_sources
 from .context import context_chunks
 from .parts import CacheParts
-from .prompting import TextPrompt
 from .records import RunRecords
 from .request import (
     IdleQuestion,
@@ -66,8 +67,6 @@ from .request import (
     prompt_answered,
     stored_answer,
 )
-from .state_runner import RelayedRequest, RunOptions, RunResult, StopCheck
-from .streaming import drain
 
 logger = logging.getLogger(__name__)
 

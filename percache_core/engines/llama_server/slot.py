@@ -1,4 +1,4 @@
-"""Slot 0 of a llama-server as :class:`~percache_core.serving.server_runner.ServerRunner`
+"""Slot 0 of a llama-server as :class:`~percache_core.engines.llama_server.runner.ServerRunner`
 sees it: where a prefill may start and a state be taken (:class:`ServerCuts`), what the
 slot holds (:class:`SlotContent`), and the slot's verbs (:class:`ServerSlot`): prefill,
 save, load, cut back, measure and complete with nothing reused.
@@ -13,20 +13,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..kv.cuts import CutRule
-from ..kv.engine import Decoding
-from ..kv.llama_server import LlamaServer, ServerError
-from ..kv.stopping import StopStringFilter
-from ..kv.tiers import TieredStateStore
-from ..kv.tree import StateNode
-from .live_prefix import common_prefix
-from .prompting import PromptLayout, Segment
-from .slot_files import slot_file_prefix
-from .state_runner import Preempted, StopCheck
+from ...kv.cuts import CutRule
+from ...kv.engine import Decoding, EngineVerdicts
+from ...kv.stopping import StopStringFilter
+from ...kv.tiers import TieredStateStore
+from ...kv.tree import StateNode
+from ...serving.live_prefix import common_prefix
+from ...serving.prompting import PromptLayout, Segment
+from ...serving.state_runner import Preempted, StopCheck
+from ...serving.text_stream import shown_text
+from .server import LlamaServer, ServerError
+from .slot_files import slot_file_cells, slot_file_join, slot_file_prefix, slot_file_slice
 
 logger = logging.getLogger(__name__)
 
 NO_WINDOW = 1 << 30  # a model without a sliding window: states of any length
+_slices_verdicts: EngineVerdicts[bool] = EngineVerdicts("server_slot_slices", decode=bool)
 
 
 @dataclass
@@ -36,9 +38,10 @@ class ServerCuts:
     Attributes:
         rule: the server's cut rule (None: no cut is safe).
         n_ubatch: the server's micro-batch (``-ub``).
-        window: on a sliding-window model, the longest state that restores exactly
-            (measured with Gemma 3, window 512: states of up to 512 tokens gave the fresh
-            prefill's output when the prompt went on past 512, 6 of 6; longer ones 0 of 6).
+        window: on a sliding-window model, its window: the slot's own cells, and a slot
+            saved after the prompt went on, are exact up to there (a restored slot file with
+            the cells the window passed put back as zero cells is exact past it: see
+            :mod:`~percache_core.engines.llama_server.slot_files`).
 
     >>> cuts = ServerCuts(CutRule(64, 4), 512)
     >>> cuts.cut_allowed(128, 800), cuts.cut_allowed(130, 800), cuts.valid_end(0, 520)
@@ -59,24 +62,34 @@ class ServerCuts:
             return start
         return end - rest if 0 < rest < self.rule.min_tokens else end
 
-    def state_allowed(self, start: int, point: int, end: int) -> bool:
+    @property
+    def sliding(self) -> int:
+        """The model's sliding window (0: none)."""
+        return 0 if self.window >= NO_WINDOW else self.window
+
+    def state_allowed(self, start: int, point: int, end: int, *, past_window: bool = False) -> bool:
         """Whether the state of the first *point* tokens may be taken after a prefill from
         *start* to *end*: a multiple of the rule's, within the prefill's valid cells (and,
-        on a sliding-window model, within the window)."""
+        on a sliding-window model, within the window unless *past_window*: the slot is
+        saved at *point* itself)."""
         rule = self.rule
-        if rule is None or point % rule.multiple or point > self.window:
+        if rule is None or point % rule.multiple or (point > self.window and not past_window):
             return False
         return rule.min_tokens <= point <= self.valid_end(start, end)
 
-    def cut_allowed(self, cut: int, end: int) -> bool:
+    def cut_allowed(self, cut: int, end: int, *, past_window: bool = False) -> bool:
         """Whether a prompt of *end* tokens may be prefilled from *cut* on (its cells before
         *cut* valid: a stored state, or what the slot holds) and give a fresh prefill's
         output: the batches after the cut are allowed ones; where a fresh prefill's own last
-        batch is short, the cut must keep that batch as it is (a multiple of ``n_ubatch``)."""
+        batch is short, the cut must keep that batch as it is (a multiple of ``n_ubatch``).
+        On a sliding-window model, within the window unless *past_window* (a restored slot
+        file, laid out as a fresh prefill's)."""
         rule = self.rule
         if cut == 0:
             return True
-        if rule is None or cut % rule.multiple or cut < rule.min_tokens or cut >= end or cut > self.window:
+        if rule is None or cut % rule.multiple or cut < rule.min_tokens or cut >= end:
+            return False
+        if cut > self.window and not past_window:
             return False
         last = end % self.n_ubatch
         if 0 < last < rule.min_tokens:
@@ -89,18 +102,30 @@ class ServerCuts:
         chat's next turn) restores it and prefills only what follows. (In the process the
         context itself is kept; a server's slot also holds the generated tokens, whose cells
         a fresh prefill would not compute, and a server cannot be told to reuse less than
-        it holds.)"""
+        it holds.) Past a sliding window the state is saved on the way, so it is kept where
+        the rest of the prompt may go on from it."""
         rule, ends = self.rule, layout.ends
         assert rule is not None
         end = ends[-1]
         tail = self.valid_end(start, end) // rule.multiple * rule.multiple
         before = ends[-2] if len(ends) > 1 else 0
-        if tail <= max(before, start) or tail >= end:
+        cuts = [tail]
+        if end > self.window:  # saved on the way: near the end where allowed, and the last batch boundary
+            floor = max(before, start)
+            last = min(tail, end - rule.min_tokens) // rule.multiple * rule.multiple
+            near = next((c for c in range(last, floor, -rule.multiple) if self.cut_allowed(c, end, past_window=True)), 0)
+            boundary = (end - 1) // self.n_ubatch * self.n_ubatch
+            cuts = sorted({c for c in (near, boundary) if c > floor and self.cut_allowed(c, end, past_window=True)})
+        cuts = [c for c in cuts if max(before, start) < c < end]
+        if not cuts:
             return layout
         last = layout.segments[-1]
-        head = Segment("text", "", last.tokens[: tail - before], keep_state=True)
-        rest = Segment("text", last.text, last.tokens[tail - before :], keep_state=False)
-        return PromptLayout((*layout.segments[:-1], head, rest), layout.dropped_chunk_ids, layout.rule)
+        pieces = [
+            Segment("text", "", last.tokens[a - before : b - before], keep_state=True)
+            for a, b in zip([before, *cuts[:-1]], cuts)
+        ]
+        rest = Segment("text", last.text, last.tokens[cuts[-1] - before :], keep_state=False)
+        return PromptLayout((*layout.segments[:-1], *pieces, rest), layout.dropped_chunk_ids, layout.rule)
 
 
 @dataclass(frozen=True)
@@ -182,9 +207,14 @@ class ServerSlot:
 
     def restore(self, node: StateNode, tokens: Sequence[int], states: TieredStateStore) -> bool:
         """Load *node*'s slot file (its key names *tokens*' first ``node.n_tokens``) from
-        *states* into the slot; False (the state dropped) when it cannot be read or the
-        server refuses it."""
-        data = states.get(node)
+        *states* into the slot, joined from its path's slices where states are slices;
+        False when it cannot be read, a slice is missing or the server refuses it (the state
+        dropped, except where an evicted ancestor left a shorter prefix to try)."""
+        chain = states.chain(node)
+        if chain is None:
+            return False  # a slice whose ancestor was evicted
+        parts = [states.get(link) for link in chain]
+        data = None if None in parts else slot_file_join(parts, self.cuts.sliding)  # type: ignore[arg-type]
         if data is not None:
             try:
                 restored = self.load(data)
@@ -192,7 +222,8 @@ class ServerSlot:
                 logger.warning("chunk state %s could not be restored (%s): treated as a miss", node.key, error)
                 restored = -1
             if restored == node.n_tokens:
-                states.record_use(node)
+                for link in chain:
+                    states.record_use(link)
                 self.content = SlotContent(tuple(tokens[: node.n_tokens]), node.n_tokens)
                 return True
         states.delete(node.key)
@@ -215,7 +246,7 @@ class ServerSlot:
         if cut < least:
             return 0
         try:
-            data = slot_file_prefix(self.save(), tokens[:cut])
+            data = slot_file_prefix(self.save(), tokens[:cut], self.cuts.sliding)
             if data is None:
                 return 0
             restored = self.load(data)
@@ -232,12 +263,33 @@ class ServerSlot:
     def bytes_per_token(self) -> float:
         """The bytes a slot file takes per token, measured once (a 128-token prefill saved)."""
         if self._bytes_per_token is None:
-            server = self.server
-            with server.lock:
-                tokens = server.tokenize("Minutes of the planning call. " * 40, True)[:128]
-                self.prefill(tokens, 0, None)
-                self._bytes_per_token = len(self.save()) / len(tokens)
+            tokens, saved = self._sample()
+            self._bytes_per_token = len(saved) / len(tokens)
         return self._bytes_per_token
+
+    def slices_work(self) -> bool:
+        """Whether this server's slot files are read and written back byte for byte: a
+        saved slot cut into two slices and joined again must hold the saved cells exactly
+        (an unknown layout keeps whole states). Measured once per server (remembered on
+        disk for a server PerCache started)."""
+        known, works = _slices_verdicts.known(self.server)
+        if known:
+            return bool(works)
+        tokens, saved = self._sample()
+        half = len(tokens) // 2
+        parts = [slot_file_slice(saved, tokens[:half], 0), slot_file_slice(saved, tokens, half)]
+        joined = None if None in parts else slot_file_join(parts)  # type: ignore[arg-type]
+        works = joined is not None and slot_file_cells(joined) == slot_file_cells(saved)
+        _slices_verdicts.keep(self.server, works)
+        return works
+
+    def _sample(self) -> tuple[list[int], bytes]:
+        """The slot after a 128-token prefill: its tokens and its saved file."""
+        server = self.server
+        with server.lock:
+            tokens = server.tokenize("Minutes of the planning call. " * 40, True)[:128]
+            self.prefill(tokens, 0, None)
+            return tokens, self.save()
 
     def complete_plain(
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
@@ -256,14 +308,6 @@ class ServerSlot:
             self.content = None
             filter_ = StopStringFilter(list(decoding.stop or ()), strip=False)
             pieces = server.complete(tokens, decoding, cache_prompt=False)
-            try:
-                for piece in pieces:
-                    filter_.feed(piece)
-                    if filter_.stopped:
-                        break
-                    if should_stop is not None and should_stop():
-                        raise Preempted("completion pre-empted by a user question")
-            finally:
-                pieces.close()
-            filter_.finish()
+            for _ in shown_text(pieces, filter_, should_stop, what="completion"):
+                pass
             return filter_.text, len(tokens), len(server.last.tokens)

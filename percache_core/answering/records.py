@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from ..errors import StorageWriteError
 from ..qa.calibration import Label, retrieval_context
 from ..qa.prompt_answers import PromptAnswer
+from ..serving.binding import answer_metadata
+from ..serving.state_runner import RunResult
 from ..types import Chunk, QAEntry, QAHit
-from .binding import answer_metadata
 from .parts import CacheParts
 from .request import AskedKey, Request
-from .state_runner import RunResult
 
 logger = logging.getLogger(__name__)
 
