@@ -45,11 +45,10 @@ from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.engines.llama_server.server import free_port
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.models import resolve_model_path
 
 from .output import write_json
 from .server import N_CTX, ServerAlone, lc_messages
-from .stock import QMSUM_USER, rag_chat_turns, smollm2_path, user_rows
+from .stock import QMSUM_USER, model_paths, rag_chat_turns, user_rows
 
 MAX_TOKENS = 40
 ARITHMETIC = ("-b", "512", "-ub", "512", "--swa-full")  # LlamaServer.start's flags that change numbers
@@ -294,10 +293,7 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
                                "models": {}}
-    for name in args.models.split(","):
-        path = resolve_model_path(None) if name == "bundled" else smollm2_path() if name == "smollm2" else Path(name)
-        if path is None:
-            raise SystemExit(f"model {name!r} not found")
+    for path in model_paths(args.models):
         print(f"model {path.name}", flush=True)
         results["models"][path.name] = bench(path, args.data, turns=args.turns, restarts=args.restarts,
                                              clients=args.clients, requests=args.requests, threads=args.threads)

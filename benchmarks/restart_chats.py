@@ -33,13 +33,12 @@ import numpy as np
 
 from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.models import resolve_model_path
 from percache_langchain import PerCacheChatModel
 
 from .endpoint import ARITHMETIC
 from .output import write_json
 from .server import N_CTX, ServerAlone, fresh_chat, lc_messages, streamed_first_token_s
-from .stock import QMSUM_USER, smollm2_path, user_rows
+from .stock import QMSUM_USER, model_paths, user_rows
 
 MAX_TOKENS = 40
 LAYOUTS = ("slices", "whole")
@@ -174,10 +173,7 @@ def main() -> None:
     if args.conversations < 1 or args.turns < 1:
         parser.error("--conversations and --turns must be at least 1")
     results: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "models": {}}
-    for name in args.models.split(","):
-        path = resolve_model_path(None) if name == "bundled" else smollm2_path() if name == "smollm2" else Path(name)
-        if path is None:
-            raise SystemExit(f"model {name!r} not found")
+    for path in model_paths(args.models):
         print(f"model {path.name}", flush=True)
         results["models"][path.name] = bench(
             path, args.data, args.user, count=args.conversations, turns=args.turns, threads=args.threads

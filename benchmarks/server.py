@@ -46,11 +46,10 @@ from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, Serve
 from percache_core.engines.llama_server.server import find_server_binary
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
-from percache_core.models import resolve_model_path
 from percache_langchain import PerCacheChatModel
 
 from .output import write_json
-from .stock import QMSUM_USER, long_prompts, rag_chat_turns, smollm2_path, user_rows
+from .stock import QMSUM_USER, long_prompts, model_paths, rag_chat_turns, user_rows
 
 N_CTX = 4096
 MAX_TOKENS = 40
@@ -307,10 +306,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     results: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "models": {}}
-    for name in args.models.split(","):
-        path = resolve_model_path(None) if name == "bundled" else smollm2_path() if name == "smollm2" else Path(name)
-        if path is None:
-            raise SystemExit(f"model {name!r} not found")
+    for path in model_paths(args.models):
         print(f"model {path.name}", flush=True)
         results["models"][path.name] = bench(
             path, args.data, turns=args.turns, long_count=args.long, restarts=args.restarts, threads=args.threads

