@@ -85,6 +85,7 @@ class ModelRuntime:
         self._knowledge_token_count: tuple[tuple[int, str], int] | None = None  # knowledge key -> tokens
         self._model_id: tuple[ModelEngine, str] | None = None  # (engine, its fingerprint)
         self._recorded_id: str | None = None  # the fingerprint recorded for the engine it would load
+        self._kind: tuple[ModelEngine, EngineKind] | None = None  # (engine, its kind)
 
     @property
     def config(self) -> PerCacheConfig:
@@ -102,8 +103,14 @@ class ModelRuntime:
 
     @property
     def kind(self) -> EngineKind:
-        """The engine's kind (the model file's before it loads): loads nothing."""
-        return file_engine_kind() if self._engine is None else engine_kind(self._engine)
+        """The engine's kind (the model file's before it loads): loads nothing; looked up
+        once per engine."""
+        engine = self._engine
+        if engine is None:
+            return file_engine_kind()
+        if self._kind is None or self._kind[0] is not engine:
+            self._kind = (engine, engine_kind(engine))
+        return self._kind[1]
 
     @property
     def features(self) -> EngineFeatures:
@@ -244,7 +251,7 @@ class ModelRuntime:
         with self._lock:
             if self._states is None:
                 place = StatesPlace(self._folder / "states", self._shared, self._min_free_bytes)
-                runner = engine_kind(engine).open_runner(engine, place, self._live, lambda: self.state_budget_bytes)
+                runner = self.kind.open_runner(engine, place, self._live, lambda: self.state_budget_bytes)
                 assert runner.states is not None
                 self._runner, self._states = runner, runner.states
 
@@ -276,8 +283,7 @@ class ModelRuntime:
         prefill's logits unchanged (:func:`~percache_core.kv.cuts.measure_cut_rule`),
         the batched-logit bound of draft verification and whether drafts pay on this machine
         (:mod:`percache_core.engines.llama_cpp.drafting`); on a server its cut rule."""
-        engine = self.engine
-        engine_kind(engine).self_check(engine, self.config)
+        self.kind.self_check(self.engine, self.config)
 
     def self_check_report(self) -> dict[str, Any]:
         """What the engine's self-check found (see :meth:`self_check`), as far as it ran:
@@ -285,8 +291,7 @@ class ModelRuntime:
         bound of draft verification and whether drafts are used by default."""
         if not self.engine_loaded:
             return {"ran": False}
-        engine = self.engine
-        return engine_kind(engine).self_check_report(engine, self.config)
+        return self.kind.self_check_report(self.engine, self.config)
 
     def _budget_origin(self) -> str:
         """Where the chunk-state budget in force comes from, in words."""

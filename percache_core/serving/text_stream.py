@@ -37,9 +37,15 @@ def shown_text(
             if should_stop is not None and should_stop():
                 raise Preempted(f"{what} pre-empted by a user question")
     finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            close()
+        close_source(pieces)
     tail = stop.finish()
     if tail:
         yield tail
+
+
+def close_source(source: Iterator[object]) -> None:
+    """Close *source* where it can be closed (a generator, a server's stream): a run cut
+    short ends the work behind it."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()

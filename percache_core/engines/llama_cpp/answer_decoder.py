@@ -17,7 +17,7 @@ from ...config import PerCacheConfig
 from ...kv.engine import Decoding, Engine, Sampling
 from ...kv.stopping import StopStringFilter
 from ...serving.state_runner import Preempted, RunOptions, RunResult, StopCheck
-from ...serving.text_stream import shown_text
+from ...serving.text_stream import close_source, shown_text
 from .drafting import (
     AnswerDraft,
     DraftPlan,
@@ -127,9 +127,7 @@ def token_pieces(engine: Engine, tokens: Iterator[int], on_token: Callable[[int]
                 return
             yield decoder.decode(engine.token_bytes(token))
     finally:
-        close = getattr(tokens, "close", None)
-        if close is not None:
-            close()
+        close_source(tokens)
 
 
 def complete_plain(

@@ -40,7 +40,7 @@ from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode, prefix_keys
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
 from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
-from ...serving.text_stream import shown_text
+from ...serving.text_stream import close_source, shown_text
 from ...types import Chunk
 from .server import LlamaServer, UnexpectedReuse
 from .slot import NO_WINDOW, ServerCuts, ServerSlot, SlotContent
@@ -391,6 +391,4 @@ def _timed(pieces: Iterator[str], result: RunResult, started: float, since: floa
                 result.timings["prefill"] = time.perf_counter() - since
             yield piece
     finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            close()  # a stream cut short ends the server's request
+        close_source(pieces)  # a stream cut short ends the server's request

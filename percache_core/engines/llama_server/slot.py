@@ -109,14 +109,14 @@ class ServerCuts:
         end = ends[-1]
         tail = self.valid_end(start, end) // rule.multiple * rule.multiple
         before = ends[-2] if len(ends) > 1 else 0
+        floor = max(before, start)
         cuts = [tail]
         if end > self.window:  # saved on the way: near the end where allowed, and the last batch boundary
-            floor = max(before, start)
-            last = min(tail, end - rule.min_tokens) // rule.multiple * rule.multiple
-            near = next((c for c in range(last, floor, -rule.multiple) if self.cut_allowed(c, end, past_window=True)), 0)
+            latest = min(tail, end - rule.min_tokens) // rule.multiple * rule.multiple
+            near = next((c for c in range(latest, floor, -rule.multiple) if self.cut_allowed(c, end, past_window=True)), 0)
             boundary = (end - 1) // self.n_ubatch * self.n_ubatch
-            cuts = sorted({c for c in (near, boundary) if c > floor and self.cut_allowed(c, end, past_window=True)})
-        cuts = [c for c in cuts if max(before, start) < c < end]
+            cuts = sorted({c for c in (near, boundary) if self.cut_allowed(c, end, past_window=True)})
+        cuts = [c for c in cuts if floor < c < end]
         if not cuts:
             return layout
         last = layout.segments[-1]

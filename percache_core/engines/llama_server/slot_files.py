@@ -37,9 +37,10 @@ class _Rows:
     def rows(self, count: int, keep: list[int]) -> list[bytes | memoryview]:
         """The rows of the cells *keep* (of *count*), run by run."""
         out: list[bytes | memoryview] = []
+        contiguous = bool(keep) and keep == list(range(keep[0], keep[0] + len(keep)))
         for group in range(self.groups):
             base = group * count * self.size
-            if keep and keep == list(range(keep[0], keep[0] + len(keep))):  # contiguous: one copy
+            if contiguous:  # one copy
                 out.append(self.data[base + keep[0] * self.size : base + (keep[-1] + 1) * self.size])
             else:
                 out += [self.data[base + i * self.size : base + (i + 1) * self.size] for i in keep]
@@ -78,8 +79,12 @@ def slot_file_prefix(saved: bytes, tokens: Sequence[int], window: int = 0) -> by
     where *saved* does not hold every cell those positions need (see
     :func:`slot_file_slice`) or cannot be read; as a restore loads it (see
     :func:`slot_file_join`)."""
-    cut = slot_file_slice(saved, tokens, 0, window)
-    return None if cut is None else slot_file_join([cut], window)
+    cut = _cut(saved, tokens, 0, window)
+    if cut is None:
+        return None
+    magic, version, caches = cut
+    joined = [_join([cache], len(tokens), window) for cache in caches]
+    return None if None in joined else _write(magic, version, tokens, joined)  # type: ignore[arg-type]
 
 
 def slot_file_slice(saved: bytes, tokens: Sequence[int], start: int, window: int = 0) -> bytes | None:
@@ -88,6 +93,13 @@ def slot_file_slice(saved: bytes, tokens: Sequence[int], start: int, window: int
     it, :func:`slot_file_join` makes the prefix's file again. None where *saved* lacks a
     cell of them (on a sliding-window model, *window* > 0: a cell of the last *window*
     positions; older ones a sliding-window cache may lack) or cannot be read."""
+    cut = _cut(saved, tokens, start, window)
+    return None if cut is None else _write(cut[0], cut[1], tokens[start:], cut[2])
+
+
+def _cut(saved: bytes, tokens: Sequence[int], start: int, window: int) -> tuple[int, int, list[_Cache]] | None:
+    """Magic, version and the caches of *saved* with the cells of positions ``start ..
+    len(tokens)-1`` only (see :func:`slot_file_slice`), or None."""
     try:
         if slot_file_tokens(saved)[: len(tokens)] != tuple(tokens):
             return None  # the slot holds other tokens
@@ -95,9 +107,7 @@ def slot_file_slice(saved: bytes, tokens: Sequence[int], start: int, window: int
         kept = [_select(cache, start, len(tokens), window) for cache in caches]
     except (struct.error, ValueError):
         return None
-    if any(cache is None for cache in kept):
-        return None
-    return _write(magic, version, tokens[start:], [c for c in kept if c is not None])
+    return None if None in kept else (magic, version, kept)  # type: ignore[return-value]
 
 
 def slot_file_join(slices: Sequence[bytes], window: int = 0) -> bytes | None:

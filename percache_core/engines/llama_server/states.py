@@ -44,12 +44,19 @@ class SlotStates:
         """The segments whose states are wanted, not stored, and may be taken from the slot
         after a request that prefilled from *start* to *end* (batches the rule allows; on a
         sliding-window model within the window unless *past_window*)."""
-        states, cuts = self.runner.states, self.slot.cuts
+        cuts = self.slot.cuts
+        return [
+            index for index in self._unstored(layout, keys, start)
+            if cuts.state_allowed(start, layout.state_point(index), end, past_window=past_window)
+        ]  # fmt: skip
+
+    def _unstored(self, layout: PromptLayout, keys: list[str], after: int) -> list[int]:
+        """The segments whose states are wanted and not stored, ending past *after* tokens."""
+        states = self.runner.states
         assert states is not None
         return [
             index for index in range(len(keys))
-            if layout.segments[index].keep_state and keys[index] not in states and start < layout.state_point(index)
-            and cuts.state_allowed(start, layout.state_point(index), end, past_window=past_window)
+            if layout.segments[index].keep_state and keys[index] not in states and layout.state_point(index) > after
         ]  # fmt: skip
 
     def save_early(
@@ -81,12 +88,8 @@ class SlotStates:
 
     def _early_targets(self, layout: PromptLayout, keys: list[str], point: int, end: int) -> list[int]:
         """Where :meth:`save_early` saves the slot, in order (see there)."""
-        states, cuts = self.runner.states, self.slot.cuts
-        assert states is not None
-        points = [
-            layout.state_point(index) for index in range(len(keys))
-            if layout.segments[index].keep_state and keys[index] not in states and layout.state_point(index) > point
-        ]  # fmt: skip
+        cuts = self.slot.cuts
+        points = [layout.state_point(index) for index in self._unstored(layout, keys, point)]
 
         def reachable(start: int, target: int) -> bool:
             return cuts.state_allowed(start, target, target, past_window=True) and cuts.cut_allowed(target, end, past_window=True)
