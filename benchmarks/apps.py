@@ -12,7 +12,13 @@ PerCache made of them, so both sides retrieve from the same passages):
   each answer;
 - ``llamaindex``: ``VectorStoreIndex`` + ``as_query_engine(similarity_top_k=k)`` on stock
   ``llama_cpp.Llama`` (before) against ``PerCacheQueryEngine.from_index`` with its own idle
-  rounds (``engine.warm``).
+  rounds (``engine.warm``);
+- ``openai``: an LCEL chain with the same retriever, a chat template (system message with
+  the notes, the question as the user's) and LangChain's ``ChatOpenAI``: before against a
+  llama-server alone (its own caches on), after against ``percache serve`` over a
+  llama-server of its own (only the URL differs), the user's documents in the endpoint's
+  cache and its idle rounds (``pc.warm``, what ``--idle`` runs between requests); the fresh
+  text is a third server's, with nothing reused (``cache_prompt: false``).
 
 Questions are asked of both sides in turn, the order alternating per question (this
 machine's speed drifts), idle rounds never overlap a timed question. Reported per app and
@@ -21,7 +27,7 @@ fresh text (the before side's), where the time went (answers by source, restored
 prefilled tokens), the learned shapes and their agreement, and the idle seconds spent.
 
     python -m benchmarks.apps --data ../shared/data --qmsum-users 1 --squad-users 1 \\
-        --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex
+        --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex,openai
 """
 
 from __future__ import annotations
@@ -30,17 +36,20 @@ import argparse
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from benchmarks.output import write_json
-from percache_core import PerCache, PerCacheConfig
+from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
+from percache_core.endpoint.serve import serving_in_thread
 from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
 from percache_core.models import bundled_model_path
 
 TEMPLATE = "Answer the question from the notes below.\n\n{context}\n\nQuestion: {question}\nAnswer:"
+SYSTEM = "Answer the question from the notes below, briefly.\n\n{context}"  # the openai app's system message
 
 
 class Stock:
@@ -64,17 +73,10 @@ class Stock:
         return self.complete(prompt, stop)
 
 
-def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
-    """The LCEL app before (stock) and after (PerCache), and the prompts each sent."""
-    from langchain_core.documents import Document
+def minilm(pc: PerCache) -> Any:
+    """The bundled MiniLM (*pc*'s embedder) as LangChain ``Embeddings``, for the apps' own
+    vector stores."""
     from langchain_core.embeddings import Embeddings
-    from langchain_core.language_models.llms import LLM
-    from langchain_core.output_parsers import StrOutputParser
-    from langchain_core.prompts import PromptTemplate
-    from langchain_core.runnables import RunnablePassthrough
-    from langchain_core.vectorstores import InMemoryVectorStore
-
-    from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
 
     class MiniLM(Embeddings):
         def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -82,6 +84,20 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
 
         def embed_query(self, text: str) -> list[float]:
             return self.embed_documents([text])[0]
+
+    return MiniLM()
+
+
+def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
+    """The LCEL app before (stock) and after (PerCache), and the prompts each sent."""
+    from langchain_core.documents import Document
+    from langchain_core.language_models.llms import LLM
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import PromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
 
     class StockLLM(LLM):  # what LangChain's LlamaCpp does with these settings
         @property
@@ -92,7 +108,7 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
             return stock.complete(prompt, stop or [])
 
     notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]  # the user's documents, chunked
-    store = InMemoryVectorStore.from_documents(notes, MiniLM())
+    store = InMemoryVectorStore.from_documents(notes, minilm(pc))
     retriever = store.as_retriever(search_kwargs={"k": k})
     prompt = PromptTemplate.from_template(TEMPLATE)
     sent: list[str] = []
@@ -146,18 +162,96 @@ def llamaindex_sides(
     return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), sent, engine
 
 
-def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine, stock: Stock, folder: Path) -> dict[str, Any]:
+class OpenAIServers:
+    """The ``openai`` app's llama-servers, one per side (the same binary, model, threads and
+    arithmetic flags): alone (before), under ``percache serve`` (after), and one that
+    answers with nothing reused (the fresh text; not timed)."""
+
+    def __init__(self, model_path: Path, threads: int) -> None:
+        from .endpoint import ARITHMETIC
+        from .server import N_CTX, ServerAlone
+
+        self.alone = ServerAlone(model_path, threads, ARITHMETIC)
+        self.fresh = ServerAlone(model_path, threads, ARITHMETIC)
+        self.under = LlamaServer.start(model_path, ServerLaunch(n_ctx=N_CTX, n_threads=threads))
+
+    def close(self) -> None:
+        self.alone.close()
+        self.fresh.close()
+        self.under.close()
+
+
+def openai_sides(
+    pc: PerCache, url: str, servers: OpenAIServers, k: int, max_tokens: int
+) -> tuple[Callable[[str], str], Callable[[str], str], Callable[[], str]]:
+    """The ``openai`` app before (the server alone) and after (``percache serve`` at *url*),
+    and the fresh text of the last request the app sent."""
+    from langchain_core.documents import Document
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_openai import ChatOpenAI
+
+    notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]
+    retriever = InMemoryVectorStore.from_documents(notes, minilm(pc)).as_retriever(search_kwargs={"k": k})
+    prompt = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{question}")])
+    sent: list[Any] = []
+
+    def keep(value: Any) -> Any:
+        sent.append(value)
+        return value
+
+    def chat(base_url: str, **extra: Any) -> Any:
+        return ChatOpenAI(base_url=base_url, api_key="none", model="model", temperature=0, max_tokens=max_tokens,
+                          max_retries=0, timeout=600, **extra)
+
+    join = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731
+
+    def app(base_url: str) -> Callable[[str], str]:
+        chain = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | keep | chat(base_url) | StrOutputParser()
+        return chain.invoke
+
+    fresh = chat(f"http://127.0.0.1:{servers.fresh.port}/v1", extra_body={"cache_prompt": False})
+    return app(f"http://127.0.0.1:{servers.alone.port}/v1"), app(url), lambda: str(fresh.invoke(sent[-1]).content)
+
+
+def run_user(
+    user: User, app: str, args: argparse.Namespace, engine: LlamaEngine, stock: Stock, folder: Path,
+    servers: OpenAIServers | None = None,
+) -> dict[str, Any]:
     """One user's questions through one app, before and after, side by side."""
-    config = PerCacheConfig(max_new_tokens=args.max_tokens, top_k=args.k)
-    pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=engine)
-    pc.add_documents(user.documents, progress=False)
-    if app == "llamaindex":  # the engine's own cache, over the same chunks
-        before, after, sent, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
-        pc.close()
-        pc, warm = app_engine.percache, app_engine.warm
-    else:
-        before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
-        warm = pc.warm
+    with ExitStack() as stack:
+        config = PerCacheConfig(max_new_tokens=args.max_tokens, top_k=args.k)
+        on = servers.under if app == "openai" and servers is not None else engine
+        pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=on)
+        pc.add_documents(user.documents, progress=False)  # the endpoint's: percache serve --documents
+        if app == "llamaindex":  # the engine's own cache, over the same chunks
+            before, after, sent, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
+            pc.close()
+            pc, warm = app_engine.percache, app_engine.warm
+            fresh = lambda: stock.fresh(sent[-1])  # noqa: E731 (the prompt the app sent: both sides retrieve alike)
+        elif app == "openai":
+            assert servers is not None
+            pc.preload()  # the server's cut rule, as percache serve does at start
+            url = stack.enter_context(serving_in_thread(pc, servers.under))
+            before, after, fresh = openai_sides(pc, url, servers, args.k, args.max_tokens)
+            warm = pc.warm
+        else:
+            before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
+            warm = pc.warm
+            fresh = lambda: stock.fresh(sent[-1])  # noqa: E731
+        row = _questions(user, app, args, pc, (before, after, fresh), warm)
+    pc.close()  # (after the endpoint stopped serving)
+    return row
+
+
+def _questions(
+    user: User, app: str, args: argparse.Namespace, pc: PerCache,
+    sides: tuple[Callable[[str], str], Callable[[str], str], Callable[[], str]], warm: Callable[..., Any],
+) -> dict[str, Any]:
+    """The user's questions on both sides in turn, idle rounds between them; the row."""
+    before, after, fresh_text = sides
     rows: list[dict[str, Any]] = []
     idle = [warm(progress=False, max_seconds=args.idle_seconds)] if args.idle_seconds else []
     for index, query in enumerate(user.queries):
@@ -170,7 +264,7 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
             texts[side] = (before if side == "before" else after)(question)
             timings[side] = time.perf_counter() - started
         now = pc.stats()
-        fresh = stock.fresh(sent[-1])  # the prompt the app sent (both sides retrieve alike)
+        fresh = fresh_text()
         rows.append(
             {
                 "question": question,
@@ -187,7 +281,6 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
             idle.append(warm(progress=False, max_seconds=args.idle_seconds))
         print(f"{app} {user.name} q{index}: {timings['before']:.2f}s -> {timings['after']:.2f}s same={rows[-1]['identical']}", flush=True)
     stats = pc.stats()
-    pc.close()
     before_mean = sum(r["before_s"] for r in rows) / len(rows)
     after_mean = sum(r["after_s"] for r in rows) / len(rows)
     return {
@@ -209,14 +302,13 @@ def run_user(user: User, app: str, args: argparse.Namespace, engine: LlamaEngine
         "shapes": stats["app_requests"]["shapes"],
         "chunk_states": stats["chunk_states"],
         "rows": rows,
-        "prompts_sent": len(sent),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_user_arguments(parser, qmsum_users=1, squad_users=1, queries=8)
-    parser.add_argument("--apps", default="langchain,llamaindex", help="comma-separated: langchain, llamaindex")
+    parser.add_argument("--apps", default="langchain,llamaindex", help="comma-separated: langchain, llamaindex, openai")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--k", type=int, default=3, help="passages per question")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -227,11 +319,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = bundled_model_path()
     engine = LlamaEngine(model, n_ctx=2048, n_batch=512, n_threads=args.threads)
     stock = Stock(model, args.threads, args.max_tokens)
+    apps = args.apps.split(",")
+    if set(apps) - {"langchain", "llamaindex", "openai"}:
+        parser.error(f"unknown apps: {args.apps}")
+    servers = OpenAIServers(model, args.threads) if "openai" in apps else None
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        for app in args.apps.split(","):
+        for app in apps:
             for user in users:
-                results.append(run_user(user, app, args, engine, stock, Path(folder)))
+                results.append(run_user(user, app, args, engine, stock, Path(folder), servers))
                 r = results[-1]
                 print(f"== {app} {user.name}: {r['before_mean_s']:.3f}s -> {r['after_mean_s']:.3f}s ({r['ratio']:.3f}x), "
                       f"{r['identical']}/{r['questions']} identical, idle {r['idle_seconds']:.0f}s", flush=True)
@@ -239,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     after = sum(r["after_mean_s"] * r["questions"] for r in results)
     summary = {"ratio": after / before if before else None, "identical": sum(r["identical"] for r in results),
                "questions": sum(r["questions"] for r in results)}
+    if servers is not None:
+        servers.close()
     print(f"all: {summary}")
     write_json({"summary": summary, "per_user": results, "settings": vars(args)}, args.out)
     return 0

@@ -15,8 +15,10 @@ total seconds and the time to the first piece on each side, their ratios, and ho
 equal *the fresh text* (the server alone answering the same request with ``cache_prompt:
 false``: nothing reused).
 
-Workloads (``--data``, QMSum passages): ``first asks`` (new chats' first turns: passages
-and a question), ``chat turns`` (one chat's later turns, the conversation so far in each
+Workloads (``--data``, QMSum passages; ``--workloads`` picks some): ``first asks`` (new
+chats' first turns: passages and a question), ``back to back`` (new chats' first turns, no
+two sharing a passage, in pairs, each side sending a pair's second right after the first's
+reply: what the states taken after a reply cost the next request), ``chat turns`` (one chat's later turns, the conversation so far in each
 prompt), ``repeats`` (the whole chat asked again), ``concurrent`` (4 clients at once, each its own questions; errors and texts),
 ``restart`` (a chat's first turn, then both servers and the endpoint restarted, then the
 chat's next turn), ``shared tier`` (the chat asked on a second endpoint, with its own server
@@ -53,6 +55,7 @@ from .stock import QMSUM_USER, model_paths, rag_chat_turns, user_rows
 MAX_TOKENS = 40
 ARITHMETIC = ("-b", "512", "-ub", "512", "--swa-full")  # LlamaServer.start's flags that change numbers
 Messages = list[tuple[str, str]]
+WORKLOADS = ("first asks", "back to back", "chat turns", "repeats", "concurrent", "restart", "shared tier")
 
 
 @contextmanager
@@ -92,29 +95,41 @@ def streamed(chat: ChatOpenAI, messages: Messages) -> tuple[str, float, float]:
 
 
 def side_by_side(name: str, prompts: list[Messages], ours: ChatOpenAI, alone: ChatOpenAI, fresh: ChatOpenAI,
-                 *, first: int = 0) -> dict[str, Any]:
+                 *, first: int = 0, group: int = 1) -> dict[str, Any]:
     """Each prompt to both sides (alone first on even prompts, counted from *first*), then
-    the fresh text (not timed)."""
+    the fresh text (not timed). With *group* > 1 the prompts go in groups, each side sending
+    a group's prompts back to back (the order alternating per group), and the row also sums
+    the later prompts of each group alone (``back_to_back_*``: each sent as soon as the one
+    before it on the same side had its reply)."""
     sums = {"percache_s": 0.0, "server_alone_s": 0.0, "percache_ttft_s": 0.0, "server_alone_ttft_s": 0.0}
+    later = {"ours": 0.0, "alone": 0.0}
     same = alone_same = 0
-    for index, messages in enumerate(prompts, start=first):
-        runs = {}
-        for side in (("alone", "ours") if index % 2 == 0 else ("ours", "alone")):
-            runs[side] = streamed(alone if side == "alone" else ours, messages)
-        reference = str(fresh.invoke(lc_messages(messages)).content)
-        sums["percache_s"] += runs["ours"][2]
-        sums["server_alone_s"] += runs["alone"][2]
-        sums["percache_ttft_s"] += runs["ours"][1]
-        sums["server_alone_ttft_s"] += runs["alone"][1]
-        same += runs["ours"][0] == reference
-        alone_same += runs["alone"][0] == reference
+    for index in range(0, len(prompts), group):
+        batch = prompts[index : index + group]
+        runs: dict[str, list[tuple[str, float, float]]] = {}
+        for side in (("alone", "ours") if (index // group + first) % 2 == 0 else ("ours", "alone")):
+            runs[side] = [streamed(alone if side == "alone" else ours, messages) for messages in batch]
+            later[side] += sum(run[2] for run in runs[side][1:])
+        for position, messages in enumerate(batch):
+            reference = str(fresh.invoke(lc_messages(messages)).content)
+            ours_run, alone_run = runs["ours"][position], runs["alone"][position]
+            sums["percache_s"] += ours_run[2]
+            sums["server_alone_s"] += alone_run[2]
+            sums["percache_ttft_s"] += ours_run[1]
+            sums["server_alone_ttft_s"] += alone_run[1]
+            same += ours_run[0] == reference
+            alone_same += alone_run[0] == reference
     row: dict[str, Any] = {"workload": name, "prompts": len(prompts), **{k: round(v, 3) for k, v in sums.items()}}
     row["ratio"] = round(sums["percache_s"] / sums["server_alone_s"], 4)
     row["ttft_ratio"] = round(sums["percache_ttft_s"] / sums["server_alone_ttft_s"], 4)
     row["percache_identical_to_fresh"] = same
     row["server_alone_identical_to_fresh"] = alone_same
+    if group > 1:
+        row["back_to_back_percache_s"], row["back_to_back_server_alone_s"] = round(later["ours"], 3), round(later["alone"], 3)
+        row["back_to_back_ratio"] = round(later["ours"] / later["alone"], 4)
     print(f"  {name:12s} PerCache {row['percache_s']:7.2f} s  alone {row['server_alone_s']:7.2f} s  ratio {row['ratio']}"
-          f"  TTFT ratio {row['ttft_ratio']}  = fresh {same}/{len(prompts)} (alone {alone_same})", flush=True)
+          f"  TTFT ratio {row['ttft_ratio']}  = fresh {same}/{len(prompts)} (alone {alone_same})"
+          + (f"  back to back {row['back_to_back_ratio']}" if group > 1 else ""), flush=True)
     return row
 
 
@@ -130,9 +145,13 @@ def chat_prompts(sessions: list[Messages], fresh: ChatOpenAI) -> list[Messages]:
 
 
 def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: int, requests: int,
-          threads: int) -> list[dict[str, Any]]:
+          threads: int, workloads: set[str]) -> list[dict[str, Any]]:
     chunks, questions = user_rows(data, "qmsum", QMSUM_USER)
     sessions = rag_chat_turns(chunks, questions, turns + 2 * restarts)
+    # new chats that share no passage with each other or the chats above (every other turn of
+    # a longer chat: its turns share their first passage in twos), so that a pair's second
+    # request finds nothing of the first's to reuse, on either side
+    pairs = rag_chat_turns(chunks, questions, 4 * turns, seed=8)[::2]
     documents = [{"id": row["doc_id"], "text": row["text"].strip()} for row in chunks]
     embedder = BertEmbedder()
     fresh_extra = {"extra_body": {"cache_prompt": False}}
@@ -146,13 +165,21 @@ def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: i
         alone = client(f"http://127.0.0.1:{alone_server.port}/v1")
         with endpoint(model_path, cache, threads, embedder, documents) as url:
             ours = client(url, model=str(model_path))
-            rows.append(side_by_side("first asks", [list(s) for s in sessions[:turns]], ours, alone, fresh))
-            rows.append(side_by_side("chat turns", prompts[1:turns], ours, alone, fresh, first=1))
-            rows.append(side_by_side("repeats", prompts[:turns], ours, alone, fresh))
-            rows.append(concurrent(url, str(model_path), prompts[0], questions, fresh, clients, requests))
+            if "first asks" in workloads:
+                rows.append(side_by_side("first asks", [list(s) for s in sessions[:turns]], ours, alone, fresh))
+            if "back to back" in workloads:
+                rows.append(side_by_side("back to back", [list(s) for s in pairs], ours, alone, fresh, group=2))
+            if "chat turns" in workloads:
+                rows.append(side_by_side("chat turns", prompts[1:turns], ours, alone, fresh, first=1))
+            if "repeats" in workloads:
+                rows.append(side_by_side("repeats", prompts[:turns], ours, alone, fresh))
+            if "concurrent" in workloads:
+                rows.append(concurrent(url, str(model_path), prompts[0], questions, fresh, clients, requests))
         alone_server.close()
-        rows.append(restart(model_path, cache, sessions[turns:], fresh, threads, embedder, documents))
-        rows.append(shared_tier(model_path, Path(folder), prompts[:turns], fresh, threads, embedder, documents))
+        if "restart" in workloads:
+            rows.append(restart(model_path, cache, sessions[turns:], fresh, threads, embedder, documents))
+        if "shared tier" in workloads:
+            rows.append(shared_tier(model_path, Path(folder), prompts[:turns], fresh, threads, embedder, documents))
         reference.close()
     return rows
 
@@ -290,13 +317,18 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--requests", type=int, default=50, help="requests per concurrent client")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     args = parser.parse_args()
+    workloads = {name.strip() for name in args.workloads.split(",")}
+    if workloads - set(WORKLOADS):
+        parser.error(f"unknown workloads: {', '.join(sorted(workloads - set(WORKLOADS)))}")
     results: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
                                "models": {}}
     for path in model_paths(args.models):
         print(f"model {path.name}", flush=True)
         results["models"][path.name] = bench(path, args.data, turns=args.turns, restarts=args.restarts,
-                                             clients=args.clients, requests=args.requests, threads=args.threads)
+                                             clients=args.clients, requests=args.requests, threads=args.threads,
+                                             workloads=workloads)
     write_json(results, args.out)
     plot(results, args.out.with_suffix(".png"))
 

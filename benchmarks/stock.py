@@ -104,11 +104,12 @@ def model_paths(names: str) -> list[Path]:
 # -- workloads -----------------------------------------------------------------------------
 
 
-def rag_chat_turns(chunks: list[dict], questions: list[str], turns: int) -> list[list[tuple[str, str]]]:
+def rag_chat_turns(chunks: list[dict], questions: list[str], turns: int, *, seed: int = 7) -> list[list[tuple[str, str]]]:
     """Message lists of one chat: turn i's system message holds 3 passages (the first
     shared with turn i-1 every other turn, as a retriever returns overlapping chunks), then
-    the earlier turns (the assistant replies filled in later), then the question."""
-    rng = np.random.default_rng(7)
+    the earlier turns (the assistant replies filled in later), then the question. Another
+    *seed* picks other passages."""
+    rng = np.random.default_rng(seed)
     picked = [int(i) for i in rng.choice(len(chunks), size=turns * 2 + 2, replace=False)]
     sessions = []
     for turn in range(turns):

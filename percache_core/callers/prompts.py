@@ -96,23 +96,9 @@ class PromptVerbs:
             raise TypeError("documents must be a sequence of strings")
         resolved = self._parts.config.engine.resolve(decoding)
         if self._parts.activity.background_stop() is None:  # a request the app sent, not idle work's
-            self._learn_shape(prompt, question, resolved, add_bos)
+            _learn_shape(self._parts, self.quoted_passages, prompt, question, (resolved, add_bos))
         events = self._path.complete(prompt, TextPrompt(prompt, tuple(documents), add_bos), resolved)
         return delivered(self._parts.activity.in_user_turn(events), stream)
-
-    def _learn_shape(self, prompt: str, question: str | None, decoding: Decoding, add_bos: bool | None) -> None:
-        """Learn the shape of a request the app sent (see :mod:`percache_core.serving.shapes`)."""
-        knowledge = self._parts.knowledge
-        if not len(knowledge) and not knowledge.deferred_texts:
-            return
-        passages = self.quoted_passages(prompt)
-        if not passages:
-            return
-        question = question.strip() if isinstance(question, str) and question.strip() else None
-        self._parts.shapes.observe(prompt, passages, question, decoding_record(decoding), add_bos)
-        activity = self._parts.activity
-        if question and (not activity.history or activity.history[-1] != question):
-            activity.record_question(question, None, None)  # the app's questions feed history prediction
 
     def record_passages(self, passages: Iterable[DocumentInput]) -> int:
         """Passages the app retrieved, for the knowledge idle work predicts from: found in
@@ -153,7 +139,8 @@ class PromptVerbs:
         self._parts.shapes.retrieve = retrieve
 
     def relay(
-        self, request: RelayedRequest, prompt: str, *, documents: Sequence[str] = (), stream: bool = False
+        self, request: RelayedRequest, prompt: str, *, documents: Sequence[str] = (), stream: bool = False,
+        question: str | None = None,
     ) -> Answer | AnswerStream:
         """Run a client's OpenAI request on a llama-server engine's own endpoint, with the
         chunk states of its leading part restored: the server lays out, samples, stops and
@@ -165,12 +152,16 @@ class PromptVerbs:
         same length before any text, else the request runs again from nothing. An
         identical request run before (same prompt and body) is answered from its stored
         answer without the model; *request* then holds its finish reason and no chunks.
+        Its shape is learned as :meth:`complete` learns one, so that idle work prefills
+        predicted requests as the client sends them (their states; a relayed reply is the
+        server's, so none is decoded ahead).
 
         Args:
             request: the path and body; the run fills in its chunks, finish reason and usage.
             prompt: the request's prompt as the server lays it out (non-empty).
             documents: texts in the prompt (messages, passages) after which states are kept.
             stream: return an :class:`AnswerStream` of text pieces instead of an Answer.
+            question: the user's question (a chat's last user message), learned with the shape.
 
         Returns:
             The :class:`Answer` (source ``"prompt_answer"`` when stored before), or a stream.
@@ -187,6 +178,8 @@ class PromptVerbs:
             raise TypeError("prompt must be a non-empty string")
         spec = TextPrompt(prompt, tuple(d for d in documents if d.strip()), add_bos=True)
         decoding = self._parts.config.engine.resolve(Decoding(max_new_tokens=1, stop=()))
+        if self._parts.activity.background_stop() is None:
+            _learn_shape(self._parts, self.quoted_passages, prompt, question, (decoding, True), relayed=True)
         events = self._path.complete(prompt, spec, decoding, relay=request)
         # (the server decodes as the body says; one token of room is what the layout keeps)
         return delivered(self._parts.activity.in_user_turn(events), stream)
@@ -396,3 +389,29 @@ def _refreshed(
     """*cached* (a version and its :func:`_quote_keys`) where it is of *version*, else the
     index of *texts* now."""
     return cached if cached[0] == version else (version, _quote_keys(texts()))
+
+
+def _learn_shape(
+    parts: CacheParts,
+    quoted: Callable[[str], list[str]],
+    prompt: str,
+    question: str | None,
+    binding: tuple[Decoding, bool | None],
+    *,
+    relayed: bool = False,
+) -> None:
+    """Learn the shape of a request the app sent (see :mod:`percache_core.serving.shapes`):
+    *quoted* finds the knowledge's passages in *prompt*; *binding* is its decoding and
+    whether tokenizing adds BOS."""
+    knowledge = parts.knowledge
+    if not len(knowledge) and not knowledge.deferred_texts:
+        return
+    passages = quoted(prompt)
+    if not passages:
+        return
+    question = question.strip() if isinstance(question, str) and question.strip() else None
+    decoding, add_bos = binding
+    parts.shapes.observe(prompt, passages, question, decoding_record(decoding), add_bos, relayed=relayed)
+    activity = parts.activity
+    if question and (not activity.history or activity.history[-1] != question):
+        activity.record_question(question, None, None)  # the app's questions feed history prediction

@@ -50,6 +50,7 @@ from .protocol import (
     Kind,
     ServerDefaults,
     json_object,
+    last_user_text,
     message_texts,
     pass_reason,
     read_request,
@@ -159,13 +160,15 @@ class Endpoint:
             return await self._pass_through(kind, body, reason)
         relay = RelayedRequest(PATHS[kind], body)  # (the relay sets how it streams)
         prompt, documents = await run_in_threadpool(self._prompt, kind, body)
+        question = last_user_text(body) if kind == "chat" else None
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream"):
             return StreamingResponse(
-                self._stream(kind, relay, prompt, documents, model, wants_usage), media_type="text/event-stream"
+                self._stream(kind, relay, (prompt, documents, question), model, wants_usage),
+                media_type="text/event-stream",
             )
         try:
-            answer = await run_in_threadpool(self.pc.caller.relay, relay, prompt, documents=documents)
+            answer = await run_in_threadpool(self.pc.caller.relay, relay, prompt, documents=documents, question=question)
         except (ServerError, ContextOverflowError) as error:
             raise _server_fault(error) from None
         assert isinstance(answer, Answer)
@@ -190,13 +193,17 @@ class Endpoint:
         return prompt, documents
 
     async def _stream(
-        self, kind: Kind, relay: RelayedRequest, prompt: str, documents: list[str], model: str, wants_usage: bool
+        self, kind: Kind, relay: RelayedRequest, laid_out: tuple[str, list[str], str | None], model: str, wants_usage: bool
     ) -> AsyncIterator[bytes]:
         """The reply's events: the server's chunks as they come (a stored answer's made
         here), the ``percache`` field on the last, then ``[DONE]``. A client that goes away
-        stops the run: nothing of it is stored."""
+        stops the run: nothing of it is stored. *laid_out*: the prompt, its documents and
+        its question."""
+        prompt, documents, question = laid_out
         try:
-            stream = await run_in_threadpool(self.pc.caller.relay, relay, prompt, documents=documents, stream=True)
+            stream = await run_in_threadpool(
+                self.pc.caller.relay, relay, prompt, documents=documents, stream=True, question=question
+            )
         except (ServerError, ContextOverflowError) as error:
             yield sse(_server_fault(error).body())
             return

@@ -164,14 +164,25 @@ def message_texts(body: dict[str, Any]) -> list[str]:
     if "messages" not in body:
         prompt = body.get("prompt")
         return [prompt] if isinstance(prompt, str) else []
-    texts = []
-    for message in body["messages"]:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
-        if isinstance(content, str) and content.strip():
-            texts.append(content)
-    return texts
+    return [text for message in body["messages"] if (text := _content_text(message)).strip()]
+
+
+def last_user_text(body: dict[str, Any]) -> str | None:
+    """A chat's last user message (the question it asks), or None.
+
+    >>> last_user_text({"messages": [{"role": "system", "content": "Notes"}, {"role": "user", "content": "When?"}]})
+    'When?'
+    """
+    users = [_content_text(m) for m in body.get("messages") or () if m.get("role") == "user"]
+    return users[-1] if users and users[-1].strip() else None
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    """A message's text (its text parts joined); "" for none."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def sse(event: dict[str, Any]) -> bytes:

@@ -5,17 +5,19 @@ shapes of its requests).
 - :class:`AppPassages`: the passages the apps retrieved (``pc.caller.record_passages``)
   embedded into the knowledge, off the answers' path;
 - :class:`AppLeadingStates`: first the agreement checks of the requests the app sent, then
-  the leading states of the app's requests over the knowledge: [prefix + passage] and, for
-  shapes of several passages, [prefix + passage + separator + neighbour], first for the
-  chunks the app quoted lately and their nearest neighbours, then for every other chunk
-  (measured against running the predicted requests before the other chunks: 1.097x
-  against 0.917x the app before the swap on a SQuAD user, see docs/evaluation.md);
+  the leading states of the app's requests over the knowledge: [prefix + passage], first
+  for the chunks the app quoted lately and their nearest neighbours, then for every other
+  chunk, then for shapes of several passages [prefix + passage + separator + neighbour] in
+  the same order (measured against running the predicted requests before the other
+  chunks: 1.097x against 0.917x the app before the swap on a SQuAD user, see
+  docs/evaluation.md);
 - :class:`AppPredictedRequests`: the round's predicted questions built into requests as the
   app sends them (its own retriever's passages where PerCache holds it, else PerCache's
   retrieval) and run as the app's request runs: decoded, so that the app's identical
   request is answered from its stored answer, where the shape's agreement says the app
-  sends exactly such requests; else prefilled through their last passage (their leading
-  states).
+  sends exactly such requests (and the app's requests are not relayed to a llama-server,
+  whose replies are stored under the client's body); else prefilled through their last
+  passage (their leading states).
 
 Both run where apps bring their own prompts (the first also where a round hands predicted
 questions to the app's own pipeline, ``warm(answer=...)``, which then runs them), and never
@@ -150,15 +152,16 @@ class AppLeadingStates:
 
     def _paths(self, shape: RequestShape, hot: list[Chunk], rest: list[Chunk]) -> Iterator[list[Chunk]]:
         """[chunk] for the *hot* chunks (those the app quoted lately and their neighbours),
-        then for a shape of several passages [chunk, neighbour] for them, then the same for
-        the *rest*, lazily."""
-        pairs = shape.passages >= 2 and bool(shape.separator)
+        then for the *rest*, then for a shape of several passages [chunk, neighbour] in the
+        same order, lazily: every request's first passage is worth more than a second one,
+        which pays only where the app's second passage is that neighbour."""
+        yield from ([c] for c in (*hot, *rest))
+        if shape.passages < 2 or not shape.separator:
+            return
         count = self.parts.config.idle.knowledge_prefill_neighbours
-        for chunks in (hot, rest):
-            yield from ([c] for c in chunks)
-            for chunk in chunks if pairs else ():
-                for neighbour in self.parts.knowledge.neighbours(chunk, count):
-                    yield [chunk, neighbour]
+        for chunk in (*hot, *rest):
+            for neighbour in self.parts.knowledge.neighbours(chunk, count):
+                yield [chunk, neighbour]
 
     def _ordered_chunks(self) -> tuple[list[Chunk], list[Chunk]]:
         """The knowledge's chunks in the order their leading states are worth having: the
@@ -205,7 +208,7 @@ class AppPredictedRequests:
                 if not passages:
                     continue
                 spec = TextPrompt(shape.render(passages, question), tuple(passages), shape.add_bos)
-                if (shape.agreement or 0.0) >= AGREEMENT_TO_ANSWER:
+                if not shape.relayed and (shape.agreement or 0.0) >= AGREEMENT_TO_ANSWER:
                     with self.parts.activity.background(round.should_stop):
                         answer = drain(self.request_path.complete(spec.text, spec, self._decoding(shape)))
                     part.prefill_tokens += answer.prefilled_tokens

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
 
@@ -251,6 +251,27 @@ def lay_out_text(
         start_token, start_char = cut_token, cut_char
     segments.append(Segment("text", text[start_char:], tuple(tokens[start_token:]), keep_state=False))
     return PromptLayout(tuple(segments))
+
+
+def split_at(layout: PromptLayout, cuts: Sequence[int]) -> PromptLayout:
+    """A caller's prompt laid out by :func:`lay_out_text`, each piece that holds one of
+    *cuts* (token positions inside it) split there, the state at each cut kept. The text is
+    unchanged (each piece's text goes with the piece its end falls in).
+
+    >>> whole = PromptLayout((Segment("text", "abcdef", (1, 2, 3, 4, 5, 6), keep_state=False),))
+    >>> [(s.tokens, s.keep_state) for s in split_at(whole, [2, 4]).segments]
+    [((1, 2), True), ((3, 4), True), ((5, 6), False)]
+    """
+    segments: list[Segment] = []
+    start = 0
+    for segment in layout.segments:
+        stop = start + len(segment.tokens)
+        edges = [start, *(c for c in cuts if start < c < stop), stop]
+        for a, b in zip(edges[:-2], edges[1:-1]):
+            segments.append(replace(segment, text="", tokens=segment.tokens[a - start : b - start], keep_state=True))
+        segments.append(replace(segment, tokens=segment.tokens[edges[-2] - start :]))
+        start = stop
+    return replace(layout, segments=tuple(segments))
 
 
 def with_cut(layout: PromptLayout, cut: int, rule: CutRule | None) -> PromptLayout:

@@ -59,6 +59,9 @@ class RequestShape:
     leading part of a request (:meth:`leading`), for its states. *decoding* is the app's
     decoding as JSON (tokens, sampling, stop strings, trim), the settings a rendered
     request runs with, so its stored answer is the one the app's identical request finds.
+    *relayed*: learned from a client's request relayed to a llama-server (``percache
+    serve``), whose reply is the server's and stored under the client's body: a rendered
+    request is then only prefilled (its states), never decoded.
     """
 
     key: str
@@ -73,6 +76,7 @@ class RequestShape:
     compared: int = 0  # observed requests rebuilt from their question
     agreed: int = 0  # of those, rebuilt to the very prompt the app sent
     last_seen: float = 0.0
+    relayed: bool = False
 
     @property
     def predicts(self) -> bool:
@@ -214,19 +218,24 @@ class RequestShapes:
         question: str | None,
         decoding: dict[str, Any],
         add_bos: bool | None = None,
+        *,
+        relayed: bool = False,
     ) -> RequestShape | None:
         """Learn from one request the app sent: its shape (None where it quotes no passage
         of the knowledge, or quotes them unevenly) is counted, and the request waits for
-        its agreement check when the question is known."""
+        its agreement check when the question is known. *relayed*: a client's request
+        relayed to a llama-server (see :class:`RequestShape`)."""
         split = split_request(prompt, passages, question)
         if split is None:
             return None
         prefix, separator, middle, suffix = split
-        key = shape_key([prefix, separator, middle, suffix, len(passages), decoding, add_bos])
+        key = shape_key([prefix, separator, middle, suffix, len(passages), decoding, add_bos, relayed])
         with self._lock:
             shape = self._shapes.get(key)
             if shape is None:
-                shape = RequestShape(key, prefix, separator, middle, suffix, len(passages), dict(decoding), add_bos)
+                shape = RequestShape(
+                    key, prefix, separator, middle, suffix, len(passages), dict(decoding), add_bos, relayed=relayed
+                )
                 self._shapes[key] = shape
             shape.seen += 1
             shape.last_seen = time.time()
@@ -300,6 +309,7 @@ class RequestShapes:
                     "seen": s.seen,
                     "passages": s.passages,
                     "predicts": s.predicts,
+                    "relayed": s.relayed,
                     "agreement": s.agreement,
                     "compared": s.compared,
                     "prefix": _short(s.prefix),

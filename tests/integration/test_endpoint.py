@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from percache_core import LlamaServer, PerCache, ServerLaunch
+from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint import EndpointSettings
 from percache_core.endpoint import serving_in_thread as serving
 from percache_core.inspection import internals
@@ -151,6 +151,37 @@ def test_passages_of_the_cache_documents_keep_states_where_a_prompt_quotes_them(
             assert any(r.percache["source"] == "chunk_states" and r.percache["reused_tokens"] >= 64 for r in replies[1:])
             assert httpx.delete(f"{url}/percache/documents/notes-1").json()["chunks_removed"] == 1
             assert pc.chunk_count == 1
+    finally:
+        pc.close()
+
+
+def test_idle_rounds_prefill_what_the_client_sends_in_its_own_shape(
+    tmp_path: Path, server: LlamaServer, embedder: Any, alone: openai.OpenAI, corpus: dict[str, Any]
+) -> None:
+    pc = PerCache.open(tmp_path / "cache", config=PerCacheConfig(prediction=False), engine=server, embedder=embedder)
+    passages = [d["text"].strip() for d in corpus["documents"][:4]]
+    try:
+        pc.add_documents([{"id": f"p{i}", "text": t} for i, t in enumerate(passages)], split=False)
+        with serving(pc, server) as url:
+            client = openai.OpenAI(base_url=url, api_key="none")
+            model = client.models.list().data[0].id
+
+            def ask(first: int, second: int, question: str) -> tuple[list[dict[str, str]], Any]:
+                context = "Use these notes.\n\n" + passages[first] + "\n\n" + passages[second]
+                messages = [{"role": "system", "content": context}, {"role": "user", "content": question}]
+                return messages, client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)
+
+            messages, reply = ask(0, 1, QUESTIONS[0])
+            assert reply.choices[0].message.content == alone_text(alone, messages, 24)
+            shape = pc.stats()["app_requests"]["shapes"][0]  # learned from the relayed request
+            assert shape["relayed"] and shape["predicts"] and shape["passages"] == 2 and shape["separator"] == "\n\n"
+            report = pc.warm(max_seconds=120, progress=False)
+            assert report.app_states_prefilled > 0 and report.app_answers_stored == 0  # states only: replies are the server's
+            messages, reply = ask(1, 2, QUESTIONS[1])  # never sent: it starts with a passage the first did not start with
+            assert reply.choices[0].message.content == alone_text(alone, messages, 24)
+            # (restored, or kept in the slot from the round's last prefill: without the round,
+            # only the template's first tokens match, too few for a cut)
+            assert reply.percache["reused_tokens"] >= 64
     finally:
         pc.close()
 

@@ -17,6 +17,7 @@ from percache_core.engines.llama_server.runner import ServerRunner
 from percache_core.engines.llama_server.slot import ServerCuts, SlotContent
 from percache_core.inspection import internals
 from percache_core.kv.cuts import CutRule
+from percache_core.serving.prompting import PromptLayout, Segment
 from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain
 
@@ -199,6 +200,29 @@ def test_where_a_server_prefill_may_start() -> None:  # (the arithmetic of Serve
     cuts.window = 512  # a sliding-window model: states within the window only
     assert cuts.state_allowed(0, 512, 600) and not cuts.state_allowed(0, 548, 600)
     assert cuts.cut_allowed(400, 800) and not cuts.cut_allowed(600, 800)
+
+
+def test_a_callers_prompt_keeps_its_last_batch_boundary() -> None:  # (ServerCuts.with_tail_cut)
+    cuts = ServerCuts(CutRule(64, 4), 512)
+
+    def layout(*lengths: int) -> PromptLayout:
+        pieces, start = [], 0
+        for index, length in enumerate(lengths):
+            last = index == len(lengths) - 1
+            pieces.append(Segment("text", f"piece {index}", tuple(range(start, start + length)), keep_state=not last))
+            start += length
+        return PromptLayout(tuple(pieces))
+
+    # a 1,100-token prompt prefilled from 0: its end is valid, its last batch boundary (1,024) kept too
+    kept = cuts.with_tail_cut(layout(600, 500), 0)
+    assert kept.ends == [600, 1024, 1100] and [s.keep_state for s in kept.segments] == [True, True, False]
+    assert kept.tokens == layout(600, 500).tokens and kept.segments[-1].text == "piece 1"
+    # the boundary inside an earlier piece splits that piece (a next turn of 1,030 tokens may go on only from 1,024)
+    assert cuts.with_tail_cut(layout(1050, 50), 0).ends == [1024, 1050, 1100]
+    assert cuts.cut_allowed(1024, 1030) and not cuts.cut_allowed(1000, 1030)
+    # nothing before where the prefill started, and a short last batch's cells are not kept
+    assert cuts.with_tail_cut(layout(1050, 50), 1040).ends == [1050, 1100]
+    assert cuts.with_tail_cut(layout(300, 230), 0).ends == [300, 512, 530]
 
 
 def test_long_prompts_and_a_chats_next_turn_restore_exact_states_past_the_window(

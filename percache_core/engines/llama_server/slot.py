@@ -19,7 +19,7 @@ from ...kv.stopping import StopStringFilter
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode
 from ...serving.live_prefix import common_prefix
-from ...serving.prompting import PromptLayout, Segment
+from ...serving.prompting import PromptLayout, split_at
 from ...serving.state_runner import Preempted, StopCheck
 from ...serving.text_stream import shown_text
 from .server import LlamaServer, ServerError
@@ -97,35 +97,32 @@ class ServerCuts:
         return self.valid_end(cut, end) == end
 
     def with_tail_cut(self, layout: PromptLayout, start: int) -> PromptLayout:
-        """A caller's prompt with one more state kept, as near its end as a prefill from
-        *start* leaves valid cells, so that the next prompt that continues this one (a
-        chat's next turn) restores it and prefills only what follows. (In the process the
-        context itself is kept; a server's slot also holds the generated tokens, whose cells
-        a fresh prefill would not compute, and a server cannot be told to reuse less than
-        it holds.) Past a sliding window the state is saved on the way, so it is kept where
-        the rest of the prompt may go on from it."""
+        """A caller's prompt with states kept near its end, so that the next prompt that
+        continues this one (a chat's next turn) restores one and prefills only what follows
+        (in the process the context itself is kept; a server's slot also holds the generated
+        tokens, whose cells a fresh prefill would not compute, and a server cannot be told to
+        reuse less than it holds):
+
+        - as near the end as a prefill from *start* leaves valid cells;
+        - at the prompt's last batch boundary (a multiple of ``n_ubatch``), splitting
+          whichever piece holds it: a later prompt whose fresh prefill ends with a batch
+          shorter than ``rule.min_tokens`` may go on only from such a boundary.
+
+        Past a sliding window the states are saved on the way, so the one near the end is
+        kept where the rest of the prompt may go on from it."""
         rule, ends = self.rule, layout.ends
         assert rule is not None
         end = ends[-1]
         tail = self.valid_end(start, end) // rule.multiple * rule.multiple
-        before = ends[-2] if len(ends) > 1 else 0
-        floor = max(before, start)
-        cuts = [tail]
+        boundary = (end - 1) // self.n_ubatch * self.n_ubatch
+        cuts = {tail, boundary} if self.state_allowed(start, boundary, end) else {tail}
         if end > self.window:  # saved on the way: near the end where allowed, and the last batch boundary
+            floor = max(ends[-2] if len(ends) > 1 else 0, start)
             latest = min(tail, end - rule.min_tokens) // rule.multiple * rule.multiple
             near = next((c for c in range(latest, floor, -rule.multiple) if self.cut_allowed(c, end, past_window=True)), 0)
-            boundary = (end - 1) // self.n_ubatch * self.n_ubatch
-            cuts = sorted({c for c in (near, boundary) if self.cut_allowed(c, end, past_window=True)})
-        cuts = [c for c in cuts if floor < c < end]
-        if not cuts:
-            return layout
-        last = layout.segments[-1]
-        pieces = [
-            Segment("text", "", last.tokens[a - before : b - before], keep_state=True)
-            for a, b in zip([before, *cuts[:-1]], cuts)
-        ]
-        rest = Segment("text", last.text, last.tokens[cuts[-1] - before :], keep_state=False)
-        return PromptLayout((*layout.segments[:-1], *pieces, rest), layout.dropped_chunk_ids, layout.rule)
+            cuts = {c for c in (near, boundary) if self.cut_allowed(c, end, past_window=True)}
+        inside = sorted(c for c in cuts if start < c < end and c not in ends)
+        return split_at(layout, inside) if inside else layout
 
 
 @dataclass(frozen=True)
