@@ -160,7 +160,8 @@ def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: i
         cache = Path(folder) / "cache"
         reference = ServerAlone(model_path, threads, ARITHMETIC)  # the fresh texts (never timed: a server of its own,
         fresh = client(f"http://127.0.0.1:{reference.port}/v1", **fresh_extra)  # so no timed side saw a prompt)
-        prompts = chat_prompts(sessions, fresh)
+        needs_chat = workloads & {"chat turns", "repeats", "concurrent", "shared tier"}
+        prompts = chat_prompts(sessions, fresh) if needs_chat else []  # (a fresh reply per turn: minutes)
         alone_server = ServerAlone(model_path, threads, ARITHMETIC)
         alone = client(f"http://127.0.0.1:{alone_server.port}/v1")
         with endpoint(model_path, cache, threads, embedder, documents) as url:

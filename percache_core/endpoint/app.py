@@ -159,14 +159,14 @@ class Endpoint:
         if reason is not None:
             return await self._pass_through(kind, body, reason)
         relay = RelayedRequest(PATHS[kind], body)  # (the relay sets how it streams)
-        prompt, documents = await run_in_threadpool(self._prompt, kind, body)
-        question = last_user_text(body) if kind == "chat" else None
+        laid_out = await run_in_threadpool(self._prompt, kind, body)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream"):
             return StreamingResponse(
-                self._stream(kind, relay, (prompt, documents, question), model, wants_usage),
+                self._stream(kind, relay, laid_out, model, wants_usage),
                 media_type="text/event-stream",
             )
+        prompt, documents, question = laid_out
         try:
             answer = await run_in_threadpool(self.pc.caller.relay, relay, prompt, documents=documents, question=question)
         except (ServerError, ContextOverflowError) as error:
@@ -176,9 +176,10 @@ class Endpoint:
         reply["percache"] = _about(answer)
         return JSONResponse(reply, headers={SOURCE_HEADER: answer.source})
 
-    def _prompt(self, kind: Kind, body: dict[str, Any]) -> tuple[str, list[str]]:
-        """The prompt the server lays out for *body*, and the texts after which states are
-        kept: the messages, and the cache's own passages that the prompt quotes."""
+    def _prompt(self, kind: Kind, body: dict[str, Any]) -> tuple[str, list[str], str | None]:
+        """The prompt the server lays out for *body*, the texts after which states are
+        kept (the messages, and the cache's own passages that the prompt quotes), and the
+        question it asks (a chat's last user message)."""
         try:
             prompt = self.server.apply_template(body) if kind == "chat" else str(body["prompt"])
         except ServerUnreachable as error:
@@ -190,7 +191,7 @@ class Endpoint:
         documents = message_texts(body) if kind == "chat" else []
         if self.pc.chunk_count:  # the cache's documents that the prompt quotes
             documents = self.pc.caller.quoted_passages(prompt) + documents
-        return prompt, documents
+        return prompt, documents, last_user_text(body) if kind == "chat" else None
 
     async def _stream(
         self, kind: Kind, relay: RelayedRequest, laid_out: tuple[str, list[str], str | None], model: str, wants_usage: bool
@@ -198,7 +199,7 @@ class Endpoint:
         """The reply's events: the server's chunks as they come (a stored answer's made
         here), the ``percache`` field on the last, then ``[DONE]``. A client that goes away
         stops the run: nothing of it is stored. *laid_out*: the prompt, its documents and
-        its question."""
+        its question (:meth:`_prompt`)."""
         prompt, documents, question = laid_out
         try:
             stream = await run_in_threadpool(
