@@ -69,7 +69,9 @@ def recorder_for(percache: PerCache) -> RetrievalRecorder:
 
 
 def as_percache(value: object) -> PerCache:
-    """*value* if it is a PerCache (for the components' validators), else TypeError."""
+    """*value* if it is a PerCache (for the components' validators), else TypeError; the
+    cache is told that an app brings its own prompts (``pc.caller.serves_app``)."""
     if not isinstance(value, PerCache):
         raise TypeError(f"percache must be a PerCache, got {type(value).__name__}")
+    value.caller.serves_app()
     return value

@@ -126,6 +126,7 @@ class PerCacheQueryEngine(BaseQueryEngine):
         self._percache = percache
         self._uses_states = isinstance(llm, PerCacheLlamaCPP)
         self._unforgotten: set[str] = set()  # deleted nodes whose removal from PerCache failed
+        percache.caller.serves_app()  # the app's engine lays out the prompts
         percache.caller.retrieves_with(self._passages)  # idle work rebuilds requests with this engine's retriever
         if self._uses_states:  # idle work predicts from the index's nodes (embedded then, not here)
             self._record(self._indexed or ())

@@ -64,8 +64,7 @@ class PromptVerbs:
         starts with it; a :class:`~percache_core.kv.engine.ChatPrompt` says). No QA-bank
         entry: the question's answer is the caller's to :meth:`remember`.
 
-        Its shape is learned (:mod:`percache_core.serving.shapes`), so that idle work
-        runs predicted questions as the app sends them.
+        Its shape is learned (:mod:`percache_core.serving.shapes`) for idle work.
 
         Args:
             prompt: the finished prompt (non-empty).
@@ -137,6 +136,13 @@ class PromptVerbs:
         if retrieve is not None and not callable(retrieve):
             raise TypeError("retrieve must be a callable (question, n) -> list of passage texts, or None")
         self._parts.shapes.retrieve = retrieve
+
+    def serves_app(self) -> None:
+        """Say that an app brings its own prompts to this cache (the adapters and ``percache
+        serve`` do): until ``pc.answer`` is asked in this process, idle rounds then leave
+        PerCache's own prompt alone, even before the app's first request teaches them its
+        shape (states of a prompt the app never sends would only take idle time and disk)."""
+        self._parts.shapes.app_attached = True
 
     def relay(
         self, request: RelayedRequest, prompt: str, *, documents: Sequence[str] = (), stream: bool = False,

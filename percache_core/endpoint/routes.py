@@ -24,6 +24,7 @@ def create_app(
     >>> app = create_app(PerCache.open("cache", engine=server), server)   # doctest: +SKIP
     >>> uvicorn.run(app, host="127.0.0.1", port=8080)                     # doctest: +SKIP
     """
+    pc.caller.serves_app()  # its clients bring their own prompts
     if isinstance(server, PlainUpstream):
         endpoint: Endpoint = PlainEndpoint(pc, server, settings)
     else:

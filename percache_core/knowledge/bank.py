@@ -140,7 +140,7 @@ class KnowledgeBank:
         self._lock = threading.RLock()
         self._index = ChunkIndex()
         self._documents: dict[str, dict[str, Any]] = {}  # doc id -> {"digest", "chunks"}
-        self._neighbours: dict[tuple[str, tuple[str, ...], int], list[Chunk]] = {}  # see neighbours()
+        self._neighbours: dict[tuple[str, tuple[str, ...], int, bool], list[Chunk]] = {}  # see neighbours()
         self._version = -1
         self._snapshot_min_chunks = snapshot_min_chunks
         self._snapshot_version = -1  # the store version of the snapshot on disk, when known
@@ -388,14 +388,11 @@ class KnowledgeBank:
         return np.concatenate(parts).astype(np.float32)
 
     def retrieve(
-        self,
-        question: str,
-        k: int,
-        *,
-        question_embedding: np.ndarray | None = None,
-        where: Mapping[str, Any] | None = None,
+        self, question: str, k: int, *, question_embedding: np.ndarray | None = None,
+        where: Mapping[str, Any] | None = None, dense: bool = False,
     ) -> list[RetrievedChunk]:
-        """The *k* chunks most relevant to *question*, best first (hybrid BM25 + dense).
+        """The *k* chunks most relevant to *question*, best first (hybrid BM25 + dense; with
+        *dense*, by the embeddings' similarity alone, as a plain vector store ranks them).
 
         Pass *question_embedding* (a unit vector) to skip embedding the question again, and
         *where* to keep only chunks whose metadata has all these key/value pairs.
@@ -408,7 +405,8 @@ class KnowledgeBank:
                 return []
             if question_embedding is None:
                 question_embedding = self._embedder.embed([question])[0]
-            best = self._index.search(bm25_tokens(question), question_embedding, k, where=where, rrf_k=self._rrf_k())
+            words = [] if dense else bm25_tokens(question)
+            best = self._index.search(words, question_embedding, k, where=where, rrf_k=self._rrf_k(), dense_only=dense)
             return [RetrievedChunk(self._index.chunks[row], score) for row, score in best]
 
     def similarities(
@@ -426,13 +424,14 @@ class KnowledgeBank:
             rows = sorted(self._index.scope_rows(where))
             return [self._index.chunks[row] for row in rows], scores[rows]
 
-    def neighbours(self, chunk: Chunk, count: int, *, scope_fields: Iterable[str] = ()) -> list[Chunk]:
+    def neighbours(self, chunk: Chunk, count: int, *, scope_fields: Iterable[str] = (), dense: bool = False) -> list[Chunk]:
         """The *count* chunks that retrieval ranks first after *chunk* itself when its text
         is the question (its stored embedding; only chunks with its values of
-        *scope_fields*): the likeliest second chunks of a prompt that starts with *chunk*.
-        Remembered until the knowledge changes; [] for a chunk that is not here."""
+        *scope_fields*; *dense*: as :meth:`retrieve`): the likeliest second chunks of a
+        prompt that starts with *chunk*. Remembered until the knowledge changes; [] for a
+        chunk that is not here."""
         fields = tuple(sorted(scope_fields))
-        key = (chunk.id, fields, count)
+        key = (chunk.id, fields, count, dense)
         with self._lock:
             self.sync()
             if key not in self._neighbours:
@@ -440,7 +439,8 @@ class KnowledgeBank:
                 if row is None:
                     return []
                 where = {name: chunk.metadata[name] for name in fields if name in chunk.metadata} or None
-                ranked = self.retrieve(chunk.text, count + 1, question_embedding=self._index.vector(row), where=where)
+                vector = self._index.vector(row)
+                ranked = self.retrieve(chunk.text, count + 1, question_embedding=vector, where=where, dense=dense)
                 self._neighbours[key] = [r.chunk for r in ranked if r.chunk.id != chunk.id][:count]
             return self._neighbours[key]
 

@@ -209,15 +209,21 @@ class ChunkIndex:
         *,
         where: Mapping[str, Any] | None = None,
         rrf_k: int = 60,
+        dense_only: bool = False,
     ) -> list[tuple[int, float]]:
         """The *k* best rows for a question with BM25 *words* and *embedding* (a unit
         vector), and their fused scores, best first: the dense and BM25 rankings of the
-        best ``max(4k, 20)`` rows each, restricted to *where*, fused by reciprocal rank."""
+        best ``max(4k, 20)`` rows each, restricted to *where*, fused by reciprocal rank.
+        With *dense_only*, the dense ranking alone and its scores (a plain vector store's)."""
         count = len(self.chunks)
         if count == 0:
             return []
         pool = min(count, max(4 * k, 20))
         dense = self.dense_scores(embedding)
+        if dense_only:
+            keep = self.scope_rows(where) if where else None
+            ranked = top_rows(dense, count if keep is not None else k).tolist()
+            return [(row, float(dense[row])) for row in ranked if keep is None or row in keep][:k]
         rankings = [top_rows(dense, pool).tolist()]
         if words:
             sparse = self._bm25.scores(words)

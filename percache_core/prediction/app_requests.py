@@ -7,8 +7,10 @@ shapes of its requests).
 - :class:`AppLeadingStates`: first the agreement checks of the requests the app sent, then
   the leading states of the app's requests over the knowledge: [prefix + passage], first
   for the chunks the app quoted lately and their nearest neighbours, then for every other
-  chunk, then for shapes of several passages [prefix + passage + separator + neighbour] in
-  the same order (measured against running the predicted requests before the other
+  chunk, then for shapes of several passages [prefix + passage + separator + neighbour]
+  (the hot chunks' first, then by rank: every chunk's nearest before any chunk's second),
+  the neighbours ranked as the app's second passages were learned to be (hybrid retrieval
+  or the embeddings alone) (measured against running the predicted requests before the other
   chunks: 1.097x against 0.917x the app before the swap on a SQuAD user, see
   docs/evaluation.md);
 - :class:`AppPredictedRequests`: the round's predicted questions built into requests as the
@@ -57,12 +59,14 @@ def shapes_to_fill(parts: CacheParts) -> list[RequestShape]:
 
 def passages_for(parts: CacheParts) -> Retrieve:
     """The app's retriever where an adapter registered one, else PerCache's retrieval
-    (question, n) -> passage texts."""
+    (question, n) -> passage texts, ranked as the app's requests were learned to rank
+    theirs (``shapes.neighbour_order``: hybrid, or the embeddings' similarity alone)."""
     if parts.shapes.retrieve is not None:
         return parts.shapes.retrieve
+    dense = parts.shapes.neighbour_order == "dense"
 
     def retrieve(question: str, n: int) -> list[str]:
-        return [r.chunk.text for r in parts.knowledge.retrieve(question, n)]
+        return [r.chunk.text for r in parts.knowledge.retrieve(question, n, dense=dense)]
 
     return retrieve
 
@@ -137,9 +141,11 @@ class AppLeadingStates:
         if runner is None or runner.states is None:
             return
         limit = PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes
-        hot, rest = self._ordered_chunks()
+        dense = self._dense_order()
+        parts.shapes.neighbour_order = "dense" if dense else "hybrid"
+        hot, rest = self._ordered_chunks(dense)
         for shape in shapes_to_fill(parts):
-            for path in self._paths(shape, hot, rest):
+            for path in self._paths(shape, hot, rest, dense):
                 if runner.states.bytes >= limit:
                     return
                 texts = [c.text for c in path]
@@ -150,20 +156,49 @@ class AppLeadingStates:
                     yield spec
                     return
 
-    def _paths(self, shape: RequestShape, hot: list[Chunk], rest: list[Chunk]) -> Iterator[list[Chunk]]:
+    def _paths(self, shape: RequestShape, hot: list[Chunk], rest: list[Chunk], dense: bool) -> Iterator[list[Chunk]]:
         """[chunk] for the *hot* chunks (those the app quoted lately and their neighbours),
         then for the *rest*, then for a shape of several passages [chunk, neighbour] in the
         same order, lazily: every request's first passage is worth more than a second one,
-        which pays only where the app's second passage is that neighbour."""
+        which pays only where the app's second passage is that neighbour. The *rest*'s pairs
+        go by rank: every chunk's nearest neighbour before any chunk's second. The
+        neighbours are ranked as the app's second passages were (*dense*: see
+        :meth:`_dense_order`)."""
         yield from ([c] for c in (*hot, *rest))
         if shape.passages < 2 or not shape.separator:
             return
         count = self.parts.config.idle.knowledge_prefill_neighbours
-        for chunk in (*hot, *rest):
-            for neighbour in self.parts.knowledge.neighbours(chunk, count):
+        knowledge = self.parts.knowledge
+        for chunk in hot:
+            for neighbour in knowledge.neighbours(chunk, count, dense=dense):
                 yield [chunk, neighbour]
+        for rank in range(count):
+            for chunk in rest:
+                near = knowledge.neighbours(chunk, count, dense=dense)
+                if rank < len(near):
+                    yield [chunk, near[rank]]
 
-    def _ordered_chunks(self) -> tuple[list[Chunk], list[Chunk]]:
+    def _dense_order(self) -> bool:
+        """Whether the embeddings' similarity alone (a plain vector store's ranking) put the
+        app's second passages among their first passage's neighbours more often than
+        PerCache's hybrid retrieval did, over the app's latest requests (hybrid on a tie,
+        and before any request of two passages)."""
+        knowledge = self.parts.knowledge
+        count = self.parts.config.idle.knowledge_prefill_neighbours
+        requests = [r for r in self.parts.shapes.recent_requests() if len(r) >= 2]
+        if not requests or count <= 0:
+            return False
+        by_text = {c.text: c for c in knowledge.chunks}
+        hits = {False: 0, True: 0}
+        for first, second, *_ in requests:
+            chunk = by_text.get(first)
+            if chunk is None:
+                continue
+            for dense in hits:
+                hits[dense] += any(n.text == second for n in knowledge.neighbours(chunk, count, dense=dense))
+        return hits[True] > hits[False]
+
+    def _ordered_chunks(self, dense: bool) -> tuple[list[Chunk], list[Chunk]]:
         """The knowledge's chunks in the order their leading states are worth having: the
         *hot* ones, the passages the app quoted lately (a question after them is likely to
         start there too) and their nearest neighbours (the next question's passages are
@@ -173,7 +208,7 @@ class AppLeadingStates:
         hot = {c.id: c for c in knowledge.chunks if c.text in quoted}
         count = self.parts.config.idle.knowledge_prefill_neighbours
         for chunk in list(hot.values()):
-            hot.update((n.id, n) for n in knowledge.neighbours(chunk, count) if n.id not in hot)
+            hot.update((n.id, n) for n in knowledge.neighbours(chunk, count, dense=dense) if n.id not in hot)
         return list(hot.values()), [c for c in knowledge.chunks if c.id not in hot]
 
 

@@ -137,8 +137,11 @@ class Scheduler:
 
     def own_prompt_asked(self) -> bool:
         """Whether idle work runs this cache's own prompt: unless apps bring their own
-        prompts (shapes learned) and nobody asked ``pc.answer`` in this process."""
-        return self.parts.activity.asked_total > 0 or not self.parts.shapes.shapes()
+        prompts (shapes learned, or an adapter or ``percache serve`` said so before the
+        app's first request: ``pc.caller.serves_app``) and nobody asked ``pc.answer`` in
+        this process."""
+        shapes = self.parts.shapes
+        return self.parts.activity.asked_total > 0 or not (shapes.app_attached or shapes.shapes())
 
     def has_work(self, own_pipeline: bool = True) -> bool:
         """Whether an idle round would do anything useful now (with ``prediction=False``
@@ -184,7 +187,7 @@ class Scheduler:
             report = self._report = WarmReport(strategy)
             self._round = round
             try:
-                if (own_pipeline or parts.runtime.engine_loaded) and not stop():
+                if (own_pipeline or parts.runtime.engine_loaded or parts.shapes.app_attached) and not stop():
                     parts.runtime.self_check()  # once per engine (seconds), here rather than in an answer
                     parts.runtime.size_state_budget(parts.knowledge.chunks)
                 run_steps(round, self.steps, report)

@@ -201,8 +201,10 @@ class RequestShapes:
         self._lock = threading.Lock()
         self._shapes: dict[str, RequestShape] = {}
         self._checks: deque[Observed] = deque(maxlen=CHECKS_KEPT)
-        self._recent: deque[str] = deque(maxlen=CHECKS_KEPT)  # passages of the latest requests
+        self._recent: deque[tuple[str, ...]] = deque(maxlen=CHECKS_KEPT)  # the latest requests' passages
         self.retrieve: Retrieve | None = None
+        self.neighbour_order = "hybrid"  # how idle work ranks a passage's likely next one (it learns which)
+        self.app_attached = False  # an app brings its own prompts here (``pc.caller.serves_app``)
         if store is not None:
             for record in store.records(_PREFIX):
                 try:
@@ -239,7 +241,7 @@ class RequestShapes:
                 self._shapes[key] = shape
             shape.seen += 1
             shape.last_seen = time.time()
-            self._recent.extend(passages)
+            self._recent.append(tuple(passages))
             if question and middle is not None:
                 self._checks.append(Observed(key, prompt, question))
             self._trim()
@@ -288,7 +290,12 @@ class RequestShapes:
     def recent_passages(self) -> set[str]:
         """The passages the app's latest requests quoted."""
         with self._lock:
-            return set(self._recent)
+            return {passage for request in self._recent for passage in request}
+
+    def recent_requests(self) -> list[tuple[str, ...]]:
+        """The passages of each of the app's latest requests, in its order, oldest first."""
+        with self._lock:
+            return list(self._recent)
 
     @property
     def pending_checks(self) -> int:
@@ -322,6 +329,8 @@ class RequestShapes:
             ],
             "pending_checks": self.pending_checks,
             "app_retriever": self.retrieve is not None,
+            "app_attached": self.app_attached,
+            "neighbour_order": self.neighbour_order,
         }
 
 

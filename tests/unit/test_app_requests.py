@@ -185,3 +185,54 @@ def test_a_watched_folder_of_documents_follows_its_files(fake_cache, tmp_path):
     (folder / "boiler.txt").unlink()
     assert watched.sync() == (1, 1)
     assert [r.chunk.doc_id for r in pc.retrieve("When does the van leave?", 5)] == ["van"]
+
+
+def test_the_pairs_follow_the_order_the_apps_second_passages_came_in(fake_cache):
+    """Idle work learns from the app's requests whether their second passage is the first
+    one's nearest neighbour by the embeddings alone (a plain vector store) or by PerCache's
+    hybrid retrieval, and prefills the pairs that way."""
+    probe = fake_cache("probe", engine=FakeEngine(name="fake"))
+    knowledge = internals(probe).knowledge
+    first, dense_next, hybrid_next = next(
+        (c, d[0], h[0])
+        for c in knowledge.chunks
+        for d, h in [(knowledge.neighbours(c, 1, dense=True), knowledge.neighbours(c, 1))]
+        if d and h and d[0].id != h[0].id
+    )
+    ranked = [r.chunk.id for r in knowledge.retrieve(first.text, 3, dense=True)]
+    assert ranked[0] == first.id and ranked[1] == dense_next.id  # dense: the embeddings' similarity alone
+
+    def send(pc, passages: list[str], question: str) -> object:
+        prompt = TEMPLATE.format(context="\n\n".join(passages), question=question)
+        return pc.caller.complete(prompt, documents=passages, decoding=DECODING, question=question)
+
+    for order, second in (("dense", dense_next), ("hybrid", hybrid_next)):
+        pc = fake_cache(order, qa_bank=False, engine=FakeEngine(name="fake"), knowledge_prefill_neighbours=1)
+        pc.preload()
+        send(pc, [first.text, second.text], "What is this about?")
+        pc.warm(progress=False)
+        assert pc.stats()["app_requests"]["neighbour_order"] == order
+        other = next(c for c in knowledge.chunks if c.id not in {first.id, dense_next.id, hybrid_next.id})
+        with_pair = send(pc, [first.text, second.text], "Anything else?")
+        without = send(pc, [first.text, other.text], "Anything else?")
+        assert with_pair.reused_tokens > without.reused_tokens > 0  # the learned pair's state is there
+
+
+def test_an_app_attached_before_its_first_request_gets_no_states_of_this_caches_prompt(fake_cache):
+    from percache_langchain import PerCacheLLM
+
+    plain = fake_cache("plain", qa_bank=False, engine=FakeEngine(name="fake"))
+    assert plain.warm(progress=False).chunks_prefilled > 0  # PerCache's own prompt: its pipeline may ask
+    pc = fake_cache("attached", qa_bank=False, engine=FakeEngine(name="fake"))
+    PerCacheLLM(percache=pc, max_new_tokens=8)  # the README's swap, before the app's first request
+    assert pc.stats()["app_requests"]["app_attached"]
+    report = pc.warm(progress=False)
+    assert report.chunks_prefilled == report.pairs_prefilled == report.app_states_prefilled == 0
+    assert not internals(pc).tree.nodes  # nothing stored of a prompt the app never sends
+    assert internals(pc).parts.runtime.engine_loaded  # loaded and self-checked here, not in the first request
+    ask(pc, "Where is the rehearsal?")  # its first request: its shape is learned
+    assert pc.warm(progress=False).app_states_prefilled > 0
+    assert {node.label for node in internals(pc).tree.nodes} == {"text"}
+    pc.answer("Who repairs the boiler?")  # PerCache's own pipeline asked in this process: its states again
+    assert pc.warm(progress=False).predicted_paths_prefilled > 0
+    assert {node.label for node in internals(pc).tree.nodes} - {"text"}
