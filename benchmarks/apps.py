@@ -278,6 +278,7 @@ def _questions(
                 "after_s": timings["after"],
                 "identical": texts["after"] == fresh,
                 "stock_identical": texts["before"] == fresh,
+                "texts": {**texts, "fresh": fresh},
                 "prompt_answers": now["prompt_answers"] - counters["prompt_answers"],
                 "reused_tokens": now["reused_tokens"] - counters["reused_tokens"],
                 "prefilled_tokens": now["prefilled_tokens"] - counters["prefilled_tokens"],
