@@ -77,10 +77,13 @@ class Stock:
         return self.complete(prompt, stop)
 
 
-def minilm(pc: PerCache) -> Any:
-    """The bundled MiniLM (*pc*'s embedder) as LangChain ``Embeddings``, for the apps' own
-    vector stores."""
+def vector_store_retriever(pc: PerCache, k: int) -> Any:
+    """The LangChain apps' own retriever: an ``InMemoryVectorStore`` over the user's
+    documents (the chunks PerCache made of them) with the bundled MiniLM (*pc*'s embedder)
+    as LangChain ``Embeddings``, *k* passages."""
+    from langchain_core.documents import Document
     from langchain_core.embeddings import Embeddings
+    from langchain_core.vectorstores import InMemoryVectorStore
 
     class MiniLM(Embeddings):
         def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -89,17 +92,16 @@ def minilm(pc: PerCache) -> Any:
         def embed_query(self, text: str) -> list[float]:
             return self.embed_documents([text])[0]
 
-    return MiniLM()
+    notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]
+    return InMemoryVectorStore.from_documents(notes, MiniLM()).as_retriever(search_kwargs={"k": k})
 
 
 def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
     """The LCEL app before (stock) and after (PerCache), and the prompts each sent."""
-    from langchain_core.documents import Document
     from langchain_core.language_models.llms import LLM
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import PromptTemplate
     from langchain_core.runnables import RunnablePassthrough
-    from langchain_core.vectorstores import InMemoryVectorStore
 
     from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
 
@@ -111,9 +113,7 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
         def _call(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any) -> str:
             return stock.complete(prompt, stop or [])
 
-    notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]  # the user's documents, chunked
-    store = InMemoryVectorStore.from_documents(notes, minilm(pc))
-    retriever = store.as_retriever(search_kwargs={"k": k})
+    retriever = vector_store_retriever(pc, k)
     prompt = PromptTemplate.from_template(TEMPLATE)
     sent: list[str] = []
 
@@ -190,15 +190,12 @@ def openai_sides(
 ) -> tuple[Callable[[str], str], Callable[[str], str], Callable[[], str]]:
     """The ``openai`` app before (the server alone) and after (``percache serve`` at *url*),
     and the fresh text of the last request the app sent."""
-    from langchain_core.documents import Document
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
-    from langchain_core.vectorstores import InMemoryVectorStore
     from langchain_openai import ChatOpenAI
 
-    notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]
-    retriever = InMemoryVectorStore.from_documents(notes, minilm(pc)).as_retriever(search_kwargs={"k": k})
+    retriever = vector_store_retriever(pc, k)
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{question}")])
     sent: list[Any] = []
 

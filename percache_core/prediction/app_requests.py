@@ -119,6 +119,7 @@ class AppLeadingStates:
 
     def run(self, round: IdleRound, part: WarmReport) -> WarmReport:
         parts = self.parts
+        parts.shapes.neighbour_order = "dense" if self._dense_order() else "hybrid"  # once a round, before its checks
         part.agreement_checks += parts.shapes.check_agreement(passages_for(parts), round.should_stop)
         if round.should_stop():
             raise Preempted("idle round pre-empted during the agreement checks")
@@ -141,8 +142,7 @@ class AppLeadingStates:
         if runner is None or runner.states is None:
             return
         limit = PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes
-        dense = self._dense_order()
-        parts.shapes.neighbour_order = "dense" if dense else "hybrid"
+        dense = parts.shapes.neighbour_order == "dense"  # learned by run
         hot, rest = self._ordered_chunks(dense)
         for shape in shapes_to_fill(parts):
             for path in self._paths(shape, hot, rest, dense):
