@@ -76,6 +76,13 @@ class Stock:
         self.model.reset()
         return self.complete(prompt, stop)
 
+    def fresh_app(self, app: Any, question: str) -> str:
+        """The LlamaIndex app's fresh response to *question*: the app run again from an empty
+        context (its synthesizer turns an empty completion into "Empty Response", so the
+        model's text alone is not what the app answers); not timed."""
+        self.model.reset()
+        return str(app.query(question).response)
+
 
 def vector_store_retriever(pc: PerCache, k: int) -> Any:
     """The LangChain apps' own retriever: an ``InMemoryVectorStore`` over the user's
@@ -131,18 +138,16 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
 
 def llamaindex_sides(
     pc: PerCache, stock: Stock, k: int, max_tokens: int, folder: Path
-) -> tuple[Callable[[str], str], Callable[[str], str], list[str], Any]:
+) -> tuple[Callable[[str], str], Callable[[str], str], Any, Any]:
     """The LlamaIndex app before (``index.as_query_engine`` on stock) and after
-    (``PerCacheQueryEngine.from_index`` with ``PerCacheLlamaCPP``), the prompts each sent,
-    and the after side's engine (its ``warm`` is the idle round)."""
+    (``PerCacheQueryEngine.from_index`` with ``PerCacheLlamaCPP``), the stock app itself (its
+    fresh response), and the after side's engine (its ``warm`` is the idle round)."""
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
     from llama_index.core.llms.callbacks import llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
 
     from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
-
-    sent: list[str] = []
 
     class StockLlamaCPP(CustomLLM):  # what LlamaIndex's LlamaCPP does with these settings
         @property
@@ -151,7 +156,6 @@ def llamaindex_sides(
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            sent.append(prompt)
             return CompletionResponse(text=stock.complete(prompt))
 
         @llm_completion_callback()
@@ -163,7 +167,7 @@ def llamaindex_sides(
     plain = index.as_query_engine(llm=StockLlamaCPP(), similarity_top_k=k)
     llm = PerCacheLlamaCPP(engine=internals(pc).engine, max_new_tokens=max_tokens, stop=["\n"])
     engine = PerCacheQueryEngine.from_index(index, cache_dir=folder, llm=llm, similarity_top_k=k)
-    return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), sent, engine
+    return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), plain, engine
 
 
 class OpenAIServers:
@@ -187,9 +191,9 @@ class OpenAIServers:
 
 def openai_sides(
     pc: PerCache, url: str, servers: OpenAIServers, k: int, max_tokens: int
-) -> tuple[Callable[[str], str], Callable[[str], str], Callable[[], str]]:
+) -> tuple[Callable[[str], str], Callable[[str], str], Callable[[str], str]]:
     """The ``openai`` app before (the server alone) and after (``percache serve`` at *url*),
-    and the fresh text of the last request the app sent."""
+    and the fresh text of the last request the app sent (the question is that request's)."""
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
@@ -214,7 +218,7 @@ def openai_sides(
         return chain.invoke
 
     fresh = chat(f"http://127.0.0.1:{servers.fresh.port}/v1", extra_body={"cache_prompt": False})
-    return app(f"http://127.0.0.1:{servers.alone.port}/v1"), app(url), lambda: str(fresh.invoke(sent[-1]).content)
+    return app(f"http://127.0.0.1:{servers.alone.port}/v1"), app(url), lambda question: str(fresh.invoke(sent[-1]).content)
 
 
 def run_user(
@@ -228,10 +232,10 @@ def run_user(
         pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=on)
         pc.add_documents(user.documents, progress=False)  # the endpoint's: percache serve --documents
         if app == "llamaindex":  # the engine's own cache, over the same chunks
-            before, after, sent, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
+            before, after, plain, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
             pc.close()
             pc, warm = app_engine.percache, app_engine.warm
-            fresh = lambda: stock.fresh(sent[-1])  # noqa: E731 (the prompt the app sent: both sides retrieve alike)
+            fresh = lambda question: stock.fresh_app(plain, question)  # noqa: E731
         elif app == "openai":
             assert servers is not None
             pc.preload()  # the server's cut rule, as percache serve does at start
@@ -241,7 +245,7 @@ def run_user(
         else:
             before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
             warm = pc.warm
-            fresh = lambda: stock.fresh(sent[-1])  # noqa: E731
+            fresh = lambda question: stock.fresh(sent[-1])  # noqa: E731
         row = _questions(user, app, args, pc, (before, after, fresh), warm)
     pc.close()  # (after the endpoint stopped serving)
     return row
@@ -249,7 +253,7 @@ def run_user(
 
 def _questions(
     user: User, app: str, args: argparse.Namespace, pc: PerCache,
-    sides: tuple[Callable[[str], str], Callable[[str], str], Callable[[], str]], warm: Callable[..., Any],
+    sides: tuple[Callable[[str], str], Callable[[str], str], Callable[[str], str]], warm: Callable[..., Any],
 ) -> dict[str, Any]:
     """The user's questions on both sides in turn, idle rounds between them; the row."""
     before, after, fresh_text = sides
@@ -267,7 +271,7 @@ def _questions(
             texts[side] = (before if side == "before" else after)(question)
             timings[side] = time.perf_counter() - started
         now = pc.stats()
-        fresh = fresh_text()
+        fresh = fresh_text(question)
         rows.append(
             {
                 "question": question,

@@ -9,8 +9,9 @@ shapes of its requests).
   for the chunks the app quoted lately and their nearest neighbours, then for every other
   chunk, then for shapes of several passages [prefix + passage + separator + neighbour]
   (the hot chunks' first, then by rank: every chunk's nearest before any chunk's second),
-  the neighbours ranked as the app's second passages were learned to be (hybrid retrieval
-  or the embeddings alone) (measured against running the predicted requests before the other
+  the neighbours ranked as the app ranks, learned: hybrid retrieval or the embeddings alone,
+  whichever rebuilt more of its requests exactly, else put more of its second passages
+  among their first's neighbours (measured against running the predicted requests before the other
   chunks: 1.097x against 0.917x the app before the swap on a SQuAD user, see
   docs/evaluation.md);
 - :class:`AppPredictedRequests`: the round's predicted questions built into requests as the
@@ -35,7 +36,7 @@ from ..answering.request_path import RequestPath
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..kv.engine import Decoding
 from ..serving.prompting import TextPrompt
-from ..serving.shapes import RequestShape, Retrieve, decoding_from
+from ..serving.shapes import APP, DENSE, HYBRID, RequestShape, Retrieve, decoding_from
 from ..serving.state_runner import Preempted
 from ..serving.streaming import drain
 from ..types import Chunk
@@ -61,10 +62,19 @@ def passages_for(parts: CacheParts) -> Retrieve:
     """The app's retriever where an adapter registered one, else PerCache's retrieval
     (question, n) -> passage texts, ranked as the app's requests were learned to rank
     theirs (``shapes.neighbour_order``: hybrid, or the embeddings' similarity alone)."""
-    if parts.shapes.retrieve is not None:
-        return parts.shapes.retrieve
-    dense = parts.shapes.neighbour_order == "dense"
+    return parts.shapes.retrieve or _ranked(parts, parts.shapes.neighbour_order == DENSE)
 
+
+def retrievals(parts: CacheParts) -> dict[str, Retrieve]:
+    """Every retrieval an app's request is rebuilt with in its agreement check: PerCache's
+    two rankings, and the app's own retriever where an adapter registered one."""
+    found = {HYBRID: _ranked(parts, dense=False), DENSE: _ranked(parts, dense=True)}
+    if parts.shapes.retrieve is not None:
+        found[APP] = parts.shapes.retrieve
+    return found
+
+
+def _ranked(parts: CacheParts, dense: bool) -> Retrieve:
     def retrieve(question: str, n: int) -> list[str]:
         return [r.chunk.text for r in parts.knowledge.retrieve(question, n, dense=dense)]
 
@@ -119,10 +129,10 @@ class AppLeadingStates:
 
     def run(self, round: IdleRound, part: WarmReport) -> WarmReport:
         parts = self.parts
-        parts.shapes.neighbour_order = "dense" if self._dense_order() else "hybrid"  # once a round, before its checks
-        part.agreement_checks += parts.shapes.check_agreement(passages_for(parts), round.should_stop)
+        part.agreement_checks += parts.shapes.check_agreement(retrievals(parts), round.should_stop)
         if round.should_stop():
             raise Preempted("idle round pre-empted during the agreement checks")
+        parts.shapes.neighbour_order = DENSE if self._dense_order() else HYBRID  # once a round, after its checks
         if not (parts.config.tiers.chunk_states and parts.config.idle.knowledge_prefill):
             return part
         runner = parts.runtime.runner
@@ -142,7 +152,7 @@ class AppLeadingStates:
         if runner is None or runner.states is None:
             return
         limit = PREFILL_BUDGET_SHARE * parts.runtime.state_budget_bytes
-        dense = parts.shapes.neighbour_order == "dense"  # learned by run
+        dense = parts.shapes.neighbour_order == DENSE  # learned by run
         hot, rest = self._ordered_chunks(dense)
         for shape in shapes_to_fill(parts):
             for path in self._paths(shape, hot, rest, dense):
@@ -179,10 +189,15 @@ class AppLeadingStates:
                     yield [chunk, near[rank]]
 
     def _dense_order(self) -> bool:
-        """Whether the embeddings' similarity alone (a plain vector store's ranking) put the
-        app's second passages among their first passage's neighbours more often than
-        PerCache's hybrid retrieval did, over the app's latest requests (hybrid on a tie,
-        and before any request of two passages)."""
+        """Whether the embeddings' similarity alone (a plain vector store's ranking) ranks
+        as the app does, better than PerCache's hybrid retrieval: it rebuilt more of the
+        app's requests exactly (the agreement checks); where both rebuilt as many (an app
+        with an embedder of its own rebuilds none), it put the app's second passages among
+        their first passage's neighbours more often, over the app's latest requests (hybrid
+        on a tie, and before any request of two passages)."""
+        agreed = self.parts.shapes.ranking_agreed()
+        if agreed[DENSE] != agreed[HYBRID]:
+            return agreed[DENSE] > agreed[HYBRID]
         knowledge = self.parts.knowledge
         count = self.parts.config.idle.knowledge_prefill_neighbours
         requests = [r for r in self.parts.shapes.recent_requests() if len(r) >= 2]
@@ -243,7 +258,7 @@ class AppPredictedRequests:
                 if not passages:
                     continue
                 spec = TextPrompt(shape.render(passages, question), tuple(passages), shape.add_bos)
-                if not shape.relayed and (shape.agreement or 0.0) >= AGREEMENT_TO_ANSWER:
+                if not shape.relayed and (self.parts.shapes.agreement(shape) or 0.0) >= AGREEMENT_TO_ANSWER:
                     with self.parts.activity.background(round.should_stop):
                         answer = drain(self.request_path.complete(spec.text, spec, self._decoding(shape)))
                     part.prefill_tokens += answer.prefilled_tokens

@@ -11,7 +11,9 @@ message; without it the text after the last passage is kept as the suffix). A
 :class:`RequestShape` is that split, bound to the decoding the app asked for, with how
 often it was seen, how many passages it quotes and its *agreement*: how often the request
 rebuilt from the question (the app's own retriever where PerCache holds it, else
-PerCache's retrieval, rendered in the shape) was the very prompt the app sent.
+PerCache's retrieval, rendered in the shape) was the very prompt the app sent. Each request
+is rebuilt with every retrieval at hand (:data:`APP`, :data:`HYBRID`, :data:`DENSE`), so
+that idle work ranks its passages the way that rebuilt the app's requests more often.
 
 Idle work (:mod:`percache_core.prediction.app_requests`) renders prompts in these shapes:
 the leading states ([prefix + passage], [... + passage 2]) pay whatever the agreement; a
@@ -36,8 +38,8 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import StorageWriteError
@@ -49,6 +51,9 @@ _PREFIX = "shape:"
 STAND_IN_QUESTION = "What do the notes above say about this?"  # follows a leading prompt's last passage
 
 Retrieve = Callable[[str, int], list[str]]  # (question, passages) -> passage texts, in prompt order
+APP = "app"  # the retrievals a request is rebuilt with: the app's own retriever (where registered),
+HYBRID = "hybrid"  # PerCache's hybrid retrieval (embeddings and BM25),
+DENSE = "dense"  # and the embeddings' similarity alone (a plain vector store's ranking)
 
 
 @dataclass
@@ -74,7 +79,7 @@ class RequestShape:
     add_bos: bool | None = None
     seen: int = 0
     compared: int = 0  # observed requests rebuilt from their question
-    agreed: int = 0  # of those, rebuilt to the very prompt the app sent
+    agreed: dict[str, int] = field(default_factory=dict)  # per retrieval: rebuilt to the very prompt sent
     last_seen: float = 0.0
     relayed: bool = False
 
@@ -83,10 +88,10 @@ class RequestShape:
         """Whether a whole request can be rendered from a question (the question was known)."""
         return self.middle is not None
 
-    @property
-    def agreement(self) -> float | None:
-        """The share of compared requests rebuilt exactly (None before any comparison)."""
-        return self.agreed / self.compared if self.compared else None
+    def agreement(self, retrieval: str) -> float | None:
+        """The share of compared requests *retrieval* rebuilt exactly (None before any
+        comparison)."""
+        return self.agreed.get(retrieval, 0) / self.compared if self.compared else None
 
     def render(self, passages: Sequence[str], question: str) -> str:
         """The request the app sends for *question* with *passages* (needs :attr:`predicts`)."""
@@ -194,6 +199,8 @@ class RequestShapes:
 
     ``retrieve`` is the app's own retriever where an adapter registered it
     (``pc.caller.retrieves_with``): idle work then builds requests from the app's passages.
+    ``neighbour_order`` is PerCache's ranking idle work follows (:data:`HYBRID` or
+    :data:`DENSE`, learned from the app's requests).
     """
 
     def __init__(self, store: Any = None) -> None:
@@ -203,7 +210,7 @@ class RequestShapes:
         self._checks: deque[Observed] = deque(maxlen=CHECKS_KEPT)
         self._recent: deque[tuple[str, ...]] = deque(maxlen=CHECKS_KEPT)  # the latest requests' passages
         self.retrieve: Retrieve | None = None
-        self.neighbour_order = "hybrid"  # how idle work ranks a passage's likely next one (it learns which)
+        self.neighbour_order = HYBRID  # how idle work ranks passages (it learns which)
         self.app_attached = False  # an app brings its own prompts here (``pc.caller.serves_app``)
         if store is not None:
             for record in store.records(_PREFIX):
@@ -211,6 +218,8 @@ class RequestShapes:
                     shape = RequestShape(**record.value)
                 except TypeError:  # written by another version: learned again
                     continue
+                if not isinstance(shape.agreed, dict):  # one count, before the retrievals were told apart
+                    shape.compared, shape.agreed = 0, {}
                 self._shapes[shape.key] = shape
 
     def observe(
@@ -265,10 +274,12 @@ class RequestShapes:
             except StorageWriteError:  # a full disk: the shape stays learned in this process
                 pass
 
-    def check_agreement(self, retrieve: Retrieve, should_stop: Callable[[], bool] = lambda: False) -> int:
-        """Rebuild the waiting observed requests from their questions with *retrieve* and
-        count, per shape, whether each came out as the very prompt the app sent; returns
-        how many were checked."""
+    def check_agreement(
+        self, retrievals: Mapping[str, Retrieve], should_stop: Callable[[], bool] = lambda: False
+    ) -> int:
+        """Rebuild the waiting observed requests from their questions with each of
+        *retrievals* (name -> retrieve) and count, per shape and retrieval, whether each
+        came out as the very prompt the app sent; returns how many were checked."""
         checked = 0
         while not should_stop():
             with self._lock:
@@ -278,14 +289,36 @@ class RequestShapes:
                 shape = self._shapes.get(observed.shape_key)
             if shape is None:
                 continue
-            passages = retrieve(observed.question, shape.passages)
-            same = len(passages) == shape.passages and shape.render(passages, observed.question) == observed.prompt
+            same = {name: self._rebuilt(shape, observed, retrieve) for name, retrieve in retrievals.items()}
             with self._lock:
                 shape.compared += 1
-                shape.agreed += same
+                for name, agreed in same.items():
+                    shape.agreed[name] = shape.agreed.get(name, 0) + agreed
             self._save(shape)
             checked += 1
         return checked
+
+    @staticmethod
+    def _rebuilt(shape: RequestShape, observed: Observed, retrieve: Retrieve) -> bool:
+        passages = retrieve(observed.question, shape.passages)
+        return len(passages) == shape.passages and shape.render(passages, observed.question) == observed.prompt
+
+    @property
+    def retrieval(self) -> str:
+        """The retrieval idle work builds the app's requests with: the app's own retriever
+        where registered, else PerCache's learned ranking."""
+        return APP if self.retrieve is not None else self.neighbour_order
+
+    def agreement(self, shape: RequestShape) -> float | None:
+        """*shape*'s agreement under :attr:`retrieval`."""
+        return shape.agreement(self.retrieval)
+
+    def ranking_agreed(self) -> dict[str, int]:
+        """How many of the app's requests each of PerCache's rankings rebuilt exactly, over
+        every shape (the learned ranking is the one that rebuilt more)."""
+        with self._lock:
+            shapes = list(self._shapes.values())
+        return {name: sum(s.agreed.get(name, 0) for s in shapes) for name in (HYBRID, DENSE)}
 
     def recent_passages(self) -> set[str]:
         """The passages the app's latest requests quoted."""
@@ -317,7 +350,8 @@ class RequestShapes:
                     "passages": s.passages,
                     "predicts": s.predicts,
                     "relayed": s.relayed,
-                    "agreement": s.agreement,
+                    "agreement": self.agreement(s),
+                    "agreement_by": {name: s.agreement(name) for name in s.agreed},
                     "compared": s.compared,
                     "prefix": _short(s.prefix),
                     "separator": s.separator,

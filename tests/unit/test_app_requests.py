@@ -61,9 +61,17 @@ def test_the_agreement_counts_requests_rebuilt_to_the_very_prompt_sent():
     for _ in range(3):
         shapes.observe(prompt, ["Lunch is at noon.", "Tea is at four."], "when is tea?", {"n": 1})
     answers = iter([["Lunch is at noon.", "Tea is at four."], ["Tea is at four.", "Lunch is at noon."], ["Tea is at four."]])
-    assert shapes.check_agreement(lambda question, n: next(answers)) == 3
+    same = ["Lunch is at noon.", "Tea is at four."]
+    retrievals = {"hybrid": lambda question, n: next(answers), "dense": lambda question, n: same}
+    assert shapes.check_agreement(retrievals) == 3
     shape = shapes.shapes()[0]
-    assert (shape.compared, shape.agreed, shape.agreement) == (3, 1, 1 / 3)
+    assert (shape.compared, shape.agreed) == (3, {"hybrid": 1, "dense": 3})
+    assert shapes.agreement(shape) == 1 / 3  # idle work ranks as PerCache's hybrid retrieval until it learns
+    assert shapes.ranking_agreed() == {"hybrid": 1, "dense": 3}
+    shapes.neighbour_order = "dense"
+    assert shapes.agreement(shape) == 1.0
+    shapes.retrieve = lambda question, n: same  # an app's own retriever, registered: its checks start now
+    assert shapes.agreement(shape) == 0.0
     assert shapes.pending_checks == 0
 
 
@@ -216,6 +224,39 @@ def test_the_pairs_follow_the_order_the_apps_second_passages_came_in(fake_cache)
         with_pair = send(pc, [first.text, second.text], "Anything else?")
         without = send(pc, [first.text, other.text], "Anything else?")
         assert with_pair.reused_tokens > without.reused_tokens > 0  # the learned pair's state is there
+
+
+def test_idle_work_ranks_as_the_ranking_that_rebuilt_the_apps_requests(fake_cache, monkeypatch):
+    """An app whose vector store ranks by the embeddings alone: its first request, rebuilt
+    by each of PerCache's rankings in the round's agreement check, teaches that round the
+    ranking; the agreement is that ranking's, so its predicted requests are decoded and the
+    app's identical request is answered from what idle work stored."""
+    probe = fake_cache("probe", engine=FakeEngine(name="fake"))
+    knowledge = internals(probe).knowledge
+
+    def top(question: str, dense: bool) -> list[str]:
+        return [r.chunk.text for r in knowledge.retrieve(question, 2, dense=dense)]
+
+    questions = ["Where is the rehearsal?", "Who repairs the boiler?", "What is the booking reference?"]
+    asked = next(q for q in (*questions, *(c.text for c in knowledge.chunks)) if top(q, True) != top(q, False))
+
+    def send(pc, question: str) -> object:  # the app: a plain vector store's top 2
+        passages = top(question, True)
+        prompt = TEMPLATE.format(context="\n\n".join(passages), question=question)
+        return pc.caller.complete(prompt, documents=passages, decoding=DECODING, question=question)
+
+    pc = fake_cache("dense-app", engine=FakeEngine(name="fake"))
+    pc.preload()
+    monkeypatch.setattr(internals(pc).scheduler, "predictor", lambda: _Predictor(pc.embedder.embed))
+    send(pc, asked)
+    report = pc.warm(progress=False, max_predictions=2)
+    stats = pc.stats()["app_requests"]
+    assert report.agreement_checks == 1 and stats["neighbour_order"] == "dense"
+    assert stats["shapes"][0]["agreement_by"] == {"hybrid": 0.0, "dense": 1.0}
+    assert stats["shapes"][0]["agreement"] == 1.0
+    assert report.app_answers_stored == 2  # decoded: the app sends exactly such requests
+    predicted = "Who repairs the boiler?"
+    assert send(pc, predicted).source == "prompt_answer"
 
 
 def test_an_app_attached_before_its_first_request_gets_no_states_of_this_caches_prompt(fake_cache):
