@@ -117,7 +117,7 @@ def add_user_arguments(
     parser: argparse.ArgumentParser, *, qmsum_users: int, squad_users: int, queries: int
 ) -> None:
     """The options that pick the users of a benchmark: --data, --qmsum-users,
-    --squad-users, --queries-per-user and --seed (with these defaults)."""
+    --squad-users, --queries-per-user, --seed (with these defaults) and --users."""
     parser.add_argument(
         "--data",
         help="folder with <set>/documents.jsonl and queries.jsonl (default ../shared/data)",
@@ -126,12 +126,14 @@ def add_user_arguments(
     parser.add_argument("--squad-users", type=int, default=squad_users)
     parser.add_argument("--queries-per-user", type=int, default=queries)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--users", help="comma-separated names: only these of the users picked")
 
 
 def users_from_arguments(args: argparse.Namespace) -> list[User]:
     """The QMSum users, then the SQuAD users, that :func:`add_user_arguments` options pick."""
     data = Path(args.data) if args.data else default_data_folder()
     picked = {"qmsum": args.qmsum_users, "squad11-dev": args.squad_users}
+    names = set(args.users.split(",")) if getattr(args, "users", None) else None
     return [
         user
         for dataset, count in picked.items()
@@ -139,4 +141,5 @@ def users_from_arguments(args: argparse.Namespace) -> list[User]:
         for user in load_users(
             data, dataset, users=count, queries_per_user=args.queries_per_user, seed=args.seed
         )
+        if names is None or user.name in names
     ]

@@ -491,3 +491,20 @@ def test_answer_counts_persist_with_the_folder_and_stats_say_what_they_count(fak
     assert stats["counted"]["answers and tokens"].startswith("every process")
     second.close()
     assert fake_cache("counted", documents=False).stats()["queries"] == 3
+
+
+def test_idle_works_plain_prompt_yields_the_engine_after_one_piece():
+    """The predictor's and the abstract's prompts are fed ``IDLE_PIECE_TOKENS`` at a time,
+    so a user's request that arrives during one waits for that piece, not the whole prompt
+    (a 500-token prompt in one call held a request for 1.0 s, benchmarks.idle_preemption)."""
+    from percache_core.engines.llama_cpp.answer_decoder import IDLE_PIECE_TOKENS, complete_plain
+    from percache_core.serving.state_runner import Preempted
+
+    engine = FakeEngine()
+    arrived = lambda: engine.n_past > 0  # noqa: E731 (a request arrives once the first piece is in)
+    with pytest.raises(Preempted):
+        complete_plain(engine, "x" * (3 * IDLE_PIECE_TOKENS), Decoding(max_new_tokens=4), should_stop=arrived)
+    assert engine.n_past == IDLE_PIECE_TOKENS
+    engine.reset()
+    text, prompt_tokens, _ = complete_plain(engine, "x" * (3 * IDLE_PIECE_TOKENS), Decoding(max_new_tokens=4))
+    assert prompt_tokens == 3 * IDLE_PIECE_TOKENS + 1 and engine.n_past > prompt_tokens  # whole, then decoded
