@@ -134,7 +134,7 @@ def users_from_arguments(args: argparse.Namespace) -> list[User]:
     data = Path(args.data) if args.data else default_data_folder()
     picked = {"qmsum": args.qmsum_users, "squad11-dev": args.squad_users}
     names = set(args.users.split(",")) if getattr(args, "users", None) else None
-    return [
+    users = [
         user
         for dataset, count in picked.items()
         if count
@@ -143,3 +143,7 @@ def users_from_arguments(args: argparse.Namespace) -> list[User]:
         )
         if names is None or user.name in names
     ]
+    missing = (names or set()) - {user.name for user in users}
+    if missing:
+        raise SystemExit(f"--users: not among the users picked: {', '.join(sorted(missing))}")
+    return users
