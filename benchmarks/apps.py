@@ -69,19 +69,12 @@ class Stock:
         out = self.model.create_completion(prompt, max_tokens=self.max_tokens, temperature=0.0, stop=list(stop))
         return out["choices"][0]["text"]
 
-    def fresh(self, prompt: str, stop: Sequence[str] = ("\n",)) -> str:
-        """The app's fresh text for *prompt*: one call from an empty context (the prefix
-        reuse of ``complete`` cuts the prefill where the previous prompt ends, which can
-        change the text); not timed."""
+    def fresh(self, run: Callable[[str], str], text: str) -> str:
+        """``run(text)`` (a prompt completed, or the stock app asked) from an empty context:
+        the fresh text (the prefix reuse of ``complete`` cuts the prefill where the previous
+        prompt ends, which can change the text); not timed."""
         self.model.reset()
-        return self.complete(prompt, stop)
-
-    def fresh_app(self, app: Any, question: str) -> str:
-        """The LlamaIndex app's fresh response to *question*: the app run again from an empty
-        context (its synthesizer turns an empty completion into "Empty Response", so the
-        model's text alone is not what the app answers); not timed."""
-        self.model.reset()
-        return str(app.query(question).response)
+        return run(text)
 
 
 def vector_store_retriever(pc: PerCache, k: int) -> Any:
@@ -138,10 +131,10 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
 
 def llamaindex_sides(
     pc: PerCache, stock: Stock, k: int, max_tokens: int, folder: Path
-) -> tuple[Callable[[str], str], Callable[[str], str], Any, Any]:
+) -> tuple[Callable[[str], str], Callable[[str], str], Any]:
     """The LlamaIndex app before (``index.as_query_engine`` on stock) and after
-    (``PerCacheQueryEngine.from_index`` with ``PerCacheLlamaCPP``), the stock app itself (its
-    fresh response), and the after side's engine (its ``warm`` is the idle round)."""
+    (``PerCacheQueryEngine.from_index`` with ``PerCacheLlamaCPP``), and the after side's
+    engine (its ``warm`` is the idle round)."""
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
     from llama_index.core.llms.callbacks import llm_completion_callback
@@ -167,7 +160,7 @@ def llamaindex_sides(
     plain = index.as_query_engine(llm=StockLlamaCPP(), similarity_top_k=k)
     llm = PerCacheLlamaCPP(engine=internals(pc).engine, max_new_tokens=max_tokens, stop=["\n"])
     engine = PerCacheQueryEngine.from_index(index, cache_dir=folder, llm=llm, similarity_top_k=k)
-    return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), plain, engine
+    return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), engine
 
 
 class OpenAIServers:
@@ -232,10 +225,12 @@ def run_user(
         pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=on)
         pc.add_documents(user.documents, progress=False)  # the endpoint's: percache serve --documents
         if app == "llamaindex":  # the engine's own cache, over the same chunks
-            before, after, plain, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
+            before, after, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
             pc.close()
             pc, warm = app_engine.percache, app_engine.warm
-            fresh = lambda question: stock.fresh_app(plain, question)  # noqa: E731
+            # the stock app asked again (its synthesizer turns an empty completion into "Empty
+            # Response": the model's text alone is not what the app answers)
+            fresh = lambda question: stock.fresh(before, question)  # noqa: E731
         elif app == "openai":
             assert servers is not None
             pc.preload()  # the server's cut rule, as percache serve does at start
@@ -245,7 +240,7 @@ def run_user(
         else:
             before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
             warm = pc.warm
-            fresh = lambda question: stock.fresh(sent[-1])  # noqa: E731
+            fresh = lambda question: stock.fresh(stock.complete, sent[-1])  # noqa: E731
         row = _questions(user, app, args, pc, (before, after, fresh), warm)
     pc.close()  # (after the endpoint stopped serving)
     return row

@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = []
             for question in questions[args.learn :]:
                 row = arrival(pc, lock, after, question, round(chance.uniform(0.2, args.max_wait), 2), args.max_wait + args.round_after)
-                row["identical"] = row.pop("text") == stock.fresh(sent[-1])
+                row["identical"] = row.pop("text") == stock.fresh(stock.complete, sent[-1])
                 rows.append(row)
                 print(f"{user.name}: wait {row['wait_s']:.2f}s delay {row['delay_s']:.3f}s latency {row['latency_s']:.2f}s "
                       f"preempted={row['preempted']} same={row['identical']}", flush=True)
