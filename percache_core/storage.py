@@ -10,6 +10,12 @@ another process catches up with :meth:`Store.changes` (cheaply: :meth:`Store.ver
 first). Byte budgets are enforced inside the writing transaction over what every
 process stored (:meth:`Store.put` with ``budget``), least frequently used first.
 
+The database keeps a write-ahead log with ``synchronous=NORMAL``: a commit does not wait
+for the disk (0.06 ms against 2 ms for a small record, measured here; an answer writes
+several). A crashed process loses nothing it committed; a power cut may lose the last
+commits, never part of one, and a state file whose bytes do not match its record's digest
+is dropped when read.
+
 Folders are created ``0700`` and files ``0600``: a cache holds personal data.
 A write that fails (disk full, read-only, locked too long) raises
 :class:`~percache_core.errors.StorageWriteError`; a reader never sees half a write.
@@ -203,6 +209,9 @@ class Store:
             )
             if created:
                 self.path.chmod(0o600)
+            # a commit appends to the write-ahead log without waiting for the disk (see above)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._prepare()
         except CacheFolderError:
             raise
@@ -527,7 +536,8 @@ class _Transaction:
                     db.execute("COMMIT")
                     return
                 except sqlite3.Error as failure:
-                    db.execute("ROLLBACK")
+                    if db.in_transaction:  # (a full disk may have rolled it back already)
+                        db.execute("ROLLBACK")
                     raise StorageWriteError(f"cannot write to {self._store.path}: {failure}") from failure
             if db.in_transaction:
                 db.execute("ROLLBACK")

@@ -155,8 +155,8 @@ def prompt_answer_key(
     }
     if relay is not None:  # the server's endpoint decodes as the body says
         settings = {"relay": [relay.path, {k: v for k, v in relay.body.items() if k not in RELAY_STREAM_FIELDS}]}
-    # PerCache's own prompt in stock's calls gives the same output however it is cut (under
-    # the engine's rule): one piece; other prompts are keyed by the calls they run in
+    # a prompt in stock's calls gives the same output however it is cut (under the engine's
+    # rule): one piece; other prompts are keyed by the calls they run in
     pieces = [layout.tokens] if layout.stock_calls else [s.tokens for s in layout.segments]
     return prompt_key(parts.runtime.model_id(), pieces, settings)
 

@@ -153,10 +153,18 @@ class ModelRuntime:
 
     @property
     def states(self) -> TieredStateStore:
-        """The stored chunk states of this engine's fingerprint (opened on first use)."""
+        """The stored chunk states of this engine's fingerprint (opened on first use), with
+        the states the runner's writer still stores stored first."""
         self._open_states()
         assert self._states is not None
+        self.flush()
         return self._states
+
+    def flush(self) -> None:
+        """Wait until the states the runner's writer still stores are stored (nothing to
+        wait for before the states are opened)."""
+        if self._runner is not None:
+            self._runner.flush()
 
     @property
     def state_budget_bytes(self) -> int:
@@ -266,6 +274,7 @@ class ModelRuntime:
     def delete_chunk_states(self, chunk_ids: set[str]) -> int:
         """Delete the stored states that may hold these chunks' text, of every fingerprint
         (see :func:`~percache_core.kv.state_store.delete_document_states`); the count."""
+        self.flush()  # a state the writer still stores is deleted too
         dropped = delete_document_states(self._folder / "states", chunk_ids)
         if self._states is not None:
             self._states.sync()
@@ -315,7 +324,7 @@ class ModelRuntime:
         }
         if self._states is None or self._runner is None:  # what the folder holds, every model's, no model loaded
             return {"nodes": 0, "bytes": 0, "bytes_on_disk": folder_bytes(self._folder / "states"), **budget}
-        self._runner.flush()  # the states a writer still stores
+        self.flush()  # the states a writer still stores
         tree = self._states.tree
         nodes = tree.nodes
         covered = tree.tokens_covered()

@@ -80,9 +80,10 @@ def question_text(question: str) -> str:
 class PromptLayout:
     """A prompt as segments, with the chunks that were kept in it.
 
-    *rule*: PerCache's own prompt runs in stock's calls under the engine's cut rule (one
-    prefill from the restore point on; the state after segment *k* is taken at
-    :meth:`state_point` ``k``). Without it (no rule on this build), one call per segment.
+    *rule*: the prompt runs in stock's calls under the engine's cut rule (one prefill from
+    the restore point on; the state after segment *k* is taken at :meth:`state_point` ``k``
+    afterwards). Without it (no rule on this build, or an engine that feeds each piece as
+    a request of its own), one call per segment.
     """
 
     segments: tuple[Segment, ...]
@@ -91,8 +92,9 @@ class PromptLayout:
 
     @property
     def stock_calls(self) -> bool:
-        """Whether this is PerCache's own prompt prefilled in stock's calls (under *rule*)."""
-        return self.rule is not None and not self.caller_prompt
+        """Whether the prompt is prefilled in stock's calls (under *rule*), its states taken
+        afterwards, rather than one call per segment."""
+        return self.rule is not None
 
     def state_point(self, index: int) -> int:
         """Where the state of the prefix through segment *index* is taken: that segment's
@@ -127,8 +129,8 @@ class PromptLayout:
 
     @property
     def caller_prompt(self) -> bool:
-        """Whether this is a caller's finished prompt (:func:`lay_out_text`: one call, cut
-        under the engine's rule) rather than PerCache's own (one call per segment)."""
+        """Whether this is a caller's finished prompt (:func:`lay_out_text`: cut only where
+        a state is kept, under the engine's rule) rather than PerCache's own."""
         return all(s.kind == "text" for s in self.segments)
 
     @cached_property
@@ -295,7 +297,7 @@ def with_cut(layout: PromptLayout, cut: int, rule: CutRule | None) -> PromptLayo
         text = "".join(s.text for s, e in zip(layout.segments, ends) if start < e <= end)
         keep = 0 < index < len(bounds) - 2  # ends at a document the layout kept a state after
         pieces.append(Segment("text", text, tuple(tokens[start:end]), keep_state=keep))
-    return PromptLayout(tuple(pieces), layout.dropped_chunk_ids)
+    return PromptLayout(tuple(pieces), layout.dropped_chunk_ids, layout.rule)
 
 
 def _char_boundaries(text: str, boundaries: dict[int, int]) -> dict[int, int]:

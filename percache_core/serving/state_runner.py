@@ -28,12 +28,15 @@ from ..kv.tiers import TieredStateStore
 from ..kv.tree import StateNode, path_keys, prefix_keys
 from ..types import Chunk
 from .prompting import PromptLayout, PromptSpec, TextPrompt, chunk_text, system_text
+from .state_writer import StateWriter
 from .streaming import drain
 
 logger = logging.getLogger(__name__)
 
 StopCheck = Callable[[], bool]
 
+
+IDLE_PIECE_TOKENS = 128  # idle work's plain prompts are fed this many tokens between pre-emption checks
 
 class Preempted(PerCacheError):
     """Idle work stopped because a user's question is waiting."""
@@ -155,6 +158,7 @@ class StateRunner:
         self._budget = budget or (lambda: self.config.budgets.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES)
         self.restore_failures = 0
         self.storage_failures = 0
+        self.writer = StateWriter("percache-states")  # new states stored off the answer's time
 
     @property
     def config(self) -> PerCacheConfig:
@@ -201,11 +205,12 @@ class StateRunner:
         raise NotImplementedError
 
     def flush(self) -> None:
-        """Wait until the states of earlier runs are stored (nothing waits where a run
-        stores its states before it returns)."""
+        """Wait until the states of earlier runs are stored (:class:`StateWriter`)."""
+        self.writer.flush()
 
     def close(self) -> None:
-        """Store what is pending and stop any writer of this runner's own."""
+        """Store what is pending and stop the writer."""
+        self.writer.close()
 
     def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]:
         """The stored-state keys of the layout's prefixes (all but the whole prompt): a
@@ -240,11 +245,13 @@ class StateRunner:
         return self._needs_prefill(self.lay_out("", [], spec=spec, max_new_tokens=1))
 
     def _needs_prefill(self, layout: PromptLayout) -> bool:
+        self.flush()
         keys = self._keys(layout, self.states if self.config.tiers.chunk_states else None)
         return len(layout.segments) >= 2 and bool(keys) and keys[-1] not in self.states
 
     def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
         """Whether the full [system, *chunks] prefix of this prompt has a stored state."""
+        self.flush()
         layout = self.lay_out(question, chunks, max_new_tokens=max_new_tokens)
         keys = path_keys(self.states.root_key, [list(s.tokens) for s in layout.segments[:-1]])
         return keys[-1] in self.states
@@ -252,6 +259,7 @@ class StateRunner:
     def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
         """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
         position, a chunk whose prefix state is stored comes first; the rest keep their order."""
+        self.flush()
         tokenize = self.engine.tokenize
         parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.retrieval.system_prompt), True)])[0]
         remaining = list(chunks)
@@ -292,4 +300,5 @@ class StateRunner:
 
     def evict_to_budget(self) -> None:
         """Evict least frequently used unpinned leaves down to the chunk-state budget."""
+        self.flush()
         self.states.evict_to(self.budget_bytes)

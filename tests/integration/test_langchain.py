@@ -160,9 +160,9 @@ def test_llm_reuses_document_states_and_matches_the_cache_off(make_cache):
         retriever.invoke("When is the rehearsal?", config={"callbacks": [events]})
         assert events.starts == 2  # the wrapper and the inner retriever both report
         llm = PerCacheLLM(percache=pc)
-        results[name] = [
-            llm.invoke(prompt_for(q)) for q in ("When is the rehearsal?", "Where is the rehearsal?")
-        ]
+        # another prompt in between: the context no longer holds the notes, a stored state does
+        asks = ("When is the rehearsal?", None, "Where is the rehearsal?")
+        results[name] = [llm.invoke(prompt_for(q) if q else "Say hello in one word.") for q in asks]
     assert results["on"] == results["off"]
     assert on.stats()["chunk_state_hits"] == 1 and on.stats()["reused_tokens"] > 0
     assert len(internals(on).knowledge) == 2  # the retriever added the documents
@@ -238,7 +238,9 @@ def test_chat_model_keeps_the_text_with_or_without_cache_for_two_chains(make_cac
     entries = len(internals(shared).qa_bank)
     assert entries == 4  # two chains x two questions; the repeats were served
     assert outputs(shared, PerCacheLLMCache(shared)) == expected  # all from the cache now
-    assert len(internals(shared).qa_bank) == entries and shared.stats()["chunk_state_hits"] > 0
+    assert len(internals(shared).qa_bank) == entries
+    # the notes' states were kept; each chain's later questions went on from the context
+    assert shared.stats()["chunk_states"]["nodes"] > 0 and shared.stats()["reused_tokens"] > 0
 
 
 def test_chat_model_stream_goes_through_the_llm_cache(make_cache):

@@ -14,11 +14,11 @@ import pytest
 
 from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
 from percache_core.engines.llama_server.runner import ServerRunner
-from percache_core.engines.llama_server.slot import ServerCuts, SlotContent
+from percache_core.engines.llama_server.slot import ServerCuts, ServerSlot, SlotContent
 from percache_core.inspection import internals
 from percache_core.kv.cuts import CutRule
 from percache_core.serving.prompting import PromptLayout, Segment
-from percache_core.serving.state_runner import RunOptions
+from percache_core.serving.state_runner import IDLE_PIECE_TOKENS, Preempted, RunOptions
 from percache_core.serving.streaming import drain
 
 pytestmark = pytest.mark.model
@@ -360,3 +360,29 @@ def test_the_llamaindex_query_engine_on_the_server_answers_as_the_apps_own(
         assert [r.metadata["percache"]["source"] for r in responses][2] == "qa_bank"
     finally:
         cached.close()
+
+
+def test_idle_works_plain_prompt_yields_the_server_after_one_piece(server: LlamaServer, monkeypatch: Any) -> None:
+    """The predictor's and the abstract's prompts go to the server ``IDLE_PIECE_TOKENS`` at a
+    time (a request each, nothing generated until the last), so a client's request that
+    arrives during one waits for that piece, not the whole prompt."""
+    slot = ServerSlot(server, ServerCuts(None, 512))
+    sent: list[tuple[int, int, bool]] = []
+    complete = server.complete
+
+    def counted(tokens: Sequence[int], decoding: Decoding, **options: Any) -> Iterator[str]:
+        sent.append((len(tokens), decoding.max_new_tokens, options["cache_prompt"]))
+        return complete(tokens, decoding, **options)
+
+    monkeypatch.setattr(server, "complete", counted)
+    prompt = "Notes of the week. " + " ".join(f"Item {i}: the rehearsal moved to room {i}." for i in range(40))
+    with pytest.raises(Preempted):
+        slot.complete_plain(prompt, Decoding(4), should_stop=lambda: bool(sent))
+    assert sent == [(IDLE_PIECE_TOKENS, 0, False)]  # one piece, then the request's turn
+    sent.clear()
+    text, prompt_tokens, generated = slot.complete_plain(prompt, Decoding(4))
+    assert prompt_tokens > 2 * IDLE_PIECE_TOKENS
+    assert [n for n, _, _ in sent] == [*range(IDLE_PIECE_TOKENS, prompt_tokens, IDLE_PIECE_TOKENS), prompt_tokens]
+    assert [m for _, m, _ in sent] == [0] * (len(sent) - 1) + [4]  # the pieces generate nothing
+    assert [c for _, _, c in sent] == [False] + [True] * (len(sent) - 1)  # each goes on from the slot's cache
+    assert server.last.prompt_tokens <= IDLE_PIECE_TOKENS and generated <= 4  # the rest came from the cache

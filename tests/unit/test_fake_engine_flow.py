@@ -497,8 +497,8 @@ def test_idle_works_plain_prompt_yields_the_engine_after_one_piece():
     """The predictor's and the abstract's prompts are fed ``IDLE_PIECE_TOKENS`` at a time,
     so a user's request that arrives during one waits for that piece, not the whole prompt
     (a 500-token prompt in one call held a request for 1.0 s, benchmarks.idle_preemption)."""
-    from percache_core.engines.llama_cpp.answer_decoder import IDLE_PIECE_TOKENS, complete_plain
-    from percache_core.serving.state_runner import Preempted
+    from percache_core.engines.llama_cpp.answer_decoder import complete_plain
+    from percache_core.serving.state_runner import IDLE_PIECE_TOKENS, Preempted
 
     engine = FakeEngine()
     arrived = lambda: engine.n_past > 0  # noqa: E731 (a request arrives once the first piece is in)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from ...config import PerCacheConfig
 from ...kv.engine import Decoding, Engine, Sampling
 from ...kv.stopping import StopStringFilter
-from ...serving.state_runner import Preempted, RunOptions, RunResult, StopCheck
+from ...serving.state_runner import IDLE_PIECE_TOKENS, Preempted, RunOptions, RunResult, StopCheck
 from ...serving.text_stream import close_source, shown_text
 from .drafting import (
     AnswerDraft,
@@ -32,7 +32,6 @@ from .drafting import (
 
 logger = logging.getLogger(__name__)
 
-IDLE_PIECE_TOKENS = 128  # idle work's plain prompts are fed this many tokens between pre-emption checks
 
 
 class AnswerDecoder:

@@ -92,6 +92,7 @@ class PromptRunner(StateRunner):
             decode=options.decode and not options.prefix_only,
         )
         with engine.lock:
+            self.flush()  # the states earlier runs took are stored before any lookup
             live = self._live if self._live is not None and self._live.changes == engine.changes else None
             layout, kept = self.restorer.reuse_point(layout, states, live)
             segments = [list(s.tokens) for s in layout.segments]
@@ -139,7 +140,9 @@ class PromptRunner(StateRunner):
             # runs it, and until then the context is kept only where the calls were the same
             cut = bool(spec.documents) and self.config.tiers.chunk_states
             rule = measure_cut_rule(engine) if cut else None
-            return lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
+            layout = lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
+            # prefilled in stock's calls (the cuts are the rule's), its states taken afterwards
+            return replace(layout, rule=rule) if len(layout.segments) > 1 else layout
         # PerCache's own prompt runs in stock's calls where the engine has a cut rule (the
         # self-check runs once per build and model; its verdict is kept on disk)
         rule = measure_cut_rule(engine)
@@ -180,13 +183,16 @@ class PromptRunner(StateRunner):
                 yield from self.decoder.decode(result, options, should_stop, started, bound, rebuild)
         finally:
             # The prefill is complete, so its states are whole whatever happened while
-            # decoding; they are written after the answer so that they do not delay it.
+            # decoding; they are taken after the answer, while the sequence still holds the
+            # prompt, and written by the writer thread, so that they do not delay it.
             if not result.approximate:  # the next prompt may keep what this one prefilled
                 self._live = LiveContext(tuple(prompt), tuple(starts), engine.changes)
             clock = time.perf_counter()
             if pending and not result.approximate:
-                new_states = self._taken_states(result.layout, keys, new_states, pending)
-            self._keep_states(result.layout, keys, new_states, idle=options.idle)
+                new_states = taken_states(engine, self.states, result.layout, keys, new_states, pending)
+            if new_states:
+                layout, idle = result.layout, options.idle
+                self.writer.submit(lambda: self._keep_states(layout, keys, new_states, idle=idle))
             timings["store_states"] = time.perf_counter() - clock
 
     def _restore_known(
@@ -287,11 +293,11 @@ class PromptRunner(StateRunner):
         should_stop: StopCheck | None,
         new_states: list[NewState],
     ) -> tuple[list[int], list[int]]:
-        """Prefill PerCache's own prompt from where the sequence is (a restored or kept
+        """Prefill the prompt from where the sequence is (a restored or kept
         state point) to its end in stock's calls: one call of at most ``n_batch`` tokens
         after another, cut only where the engine's rule allows, so the output is stock
         llama.cpp's. The states of new prefixes are taken at their state points after the
-        answer (:meth:`_taken_states`); only a state whose sliding-window cells the rest of
+        answer (:func:`taken_states`); only a state whose sliding-window cells the rest of
         the prompt would push out is saved on the way (a cut there changes nothing under
         the rule). Returns the segment indices whose states are to be taken afterwards, and
         where each call started."""
@@ -344,32 +350,6 @@ class PromptRunner(StateRunner):
         new_states.append(NewState(index, parent_key or states.root_key, data, engine.n_past))
         return key, engine.n_past
 
-    def _taken_states(
-        self, layout: PromptLayout, keys: list[str], saved: list[NewState], pending: list[int]
-    ) -> list[NewState]:
-        """*saved* and the states of the *pending* segments, taken from the sequence at their
-        state points (it still holds the prompt's KV; the answer's tokens come after it),
-        parents first; the deeper ones are left out after one that the sequence no longer
-        holds whole."""
-        engine, states = self.engine, self.states
-        found = {new.index: new for new in saved}
-        parent: tuple[str, int] = ("", 0)
-        for index in range(len(keys)):
-            node = states.tree.get(keys[index])
-            if node is not None:
-                parent = (keys[index], node.n_tokens)
-            elif index in found:
-                parent = (keys[index], found[index].n_tokens)
-            elif index in pending:
-                point = layout.state_point(index)
-                start = parent[1] if states.slices else 0
-                data = engine.save_prefix(point, start)
-                if data is None:
-                    break
-                found[index] = NewState(index, parent[0] or states.root_key, data, point)
-                parent = (keys[index], point)
-        return [found[index] for index in sorted(found)]
-
     def _rebuilder(
         self, result: RunResult, segments: list[list[int]], keys: list[str], options: RunOptions
     ) -> Callable[[], None]:
@@ -392,3 +372,28 @@ class PromptRunner(StateRunner):
 
         return rebuild
 
+
+def taken_states(
+    engine: Engine, states: TieredStateStore, layout: PromptLayout, keys: list[str], saved: list[NewState], pending: list[int]
+) -> list[NewState]:
+    """*saved* and the states of the *pending* segments, taken from *engine*'s sequence at
+    their state points (it still holds the prompt's KV; the answer's tokens come after it),
+    parents first; the deeper ones are left out after one that the sequence no longer holds
+    whole."""
+    found = {new.index: new for new in saved}
+    parent: tuple[str, int] = ("", 0)
+    for index in range(len(keys)):
+        node = states.tree.get(keys[index])
+        if node is not None:
+            parent = (keys[index], node.n_tokens)
+        elif index in found:
+            parent = (keys[index], found[index].n_tokens)
+        elif index in pending:
+            point = layout.state_point(index)
+            start = parent[1] if states.slices else 0
+            data = engine.save_prefix(point, start)
+            if data is None:
+                break
+            found[index] = NewState(index, parent[0] or states.root_key, data, point)
+            parent = (keys[index], point)
+    return [found[index] for index in sorted(found)]

@@ -56,7 +56,7 @@ class StateRestorer:
 
     @staticmethod
     def usable(layout: PromptLayout, keys: list[str], candidates: list[StateNode], end: int) -> list[StateNode]:
-        """Of the stored prefixes *candidates* of PerCache's own prompt in stock's calls,
+        """Of the stored prefixes *candidates* of a prompt in stock's calls,
         those that end at their state point in *layout* and leave at least
         ``rule.min_tokens`` to prefill before *end* (the cut a restore makes is then one the
         rule allows)."""
@@ -129,7 +129,7 @@ class StateRestorer:
             starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
             return layout, segment_cut(live, tokens, starts, layout.ends[:-1])
         kept = text_cut(live, tokens, rule) if live is not None else 0
-        if layout.stock_calls:  # PerCache's own prompt: its states are at its state points
+        if not layout.caller_prompt:  # PerCache's own prompt: its states are at its state points
             return layout, kept
         stored = self._stored_text_prefix(tokens, rule) if states is not None else 0
         point = max(kept, stored)

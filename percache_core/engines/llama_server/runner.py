@@ -144,7 +144,7 @@ class ServerRunner(StateRunner):
         with server.lock:
             self.flush()
             if states is not None and states.bytes > self.budget_bytes:
-                super().evict_to_budget()  # the budget was lowered: new states evict on their own
+                self.evict_to_budget()  # the budget was lowered: new states evict on their own
             result = RunResult(layout)
             keys = self._keys(layout, states)
             if options.restore_depth is not None:
@@ -338,18 +338,6 @@ class ServerRunner(StateRunner):
         elif completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
             self.slot.content = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
 
-    def path_is_stored(self, question: str, chunks: Sequence[Chunk], max_new_tokens: int) -> bool:
-        self.flush()
-        return super().path_is_stored(question, chunks, max_new_tokens)
-
-    def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        self.flush()
-        return super().stored_order(chunks)
-
-    def evict_to_budget(self) -> None:
-        self.flush()
-        super().evict_to_budget()
-
     @contextmanager
     def lend_engine(self) -> Iterator[None]:
         """Hold the server for a request run outside PerCache (a passed-through one): the
@@ -361,14 +349,6 @@ class ServerRunner(StateRunner):
                 yield
             finally:
                 self.slot.content = None
-
-    def flush(self) -> None:
-        """Wait until the states of earlier runs are stored."""
-        self.taking.flush()
-
-    def close(self) -> None:
-        """Store what is pending and stop the writer."""
-        self.taking.close()
 
     def bytes_per_token(self) -> float:
         """The bytes a slot file takes per token, measured once."""

@@ -20,7 +20,7 @@ from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode
 from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, split_at
-from ...serving.state_runner import Preempted, StopCheck
+from ...serving.state_runner import IDLE_PIECE_TOKENS, Preempted, StopCheck
 from ...serving.text_stream import shown_text
 from .server import LlamaServer, ServerError
 from .slot_files import slot_file_cells, slot_file_join, slot_file_prefix, slot_file_slice
@@ -291,20 +291,27 @@ class ServerSlot:
     def complete_plain(
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
     ) -> tuple[str, int, int]:
-        """Complete *prompt* on the server with *decoding* and nothing reused (idle work's
-        LLM calls): (text, prompt tokens, generated tokens). The prompt keeps its last
-        ``n_ctx - max_new_tokens`` tokens. Raises :class:`Preempted` when *should_stop*
-        turns true."""
+        """Complete *prompt* on the server with *decoding* (idle work's LLM calls: the
+        predictor's and the abstract's): (text, prompt tokens, generated tokens). The prompt
+        keeps its last ``n_ctx - max_new_tokens`` tokens and is prefilled
+        :data:`IDLE_PIECE_TOKENS` at a time, a request each that goes on from the slot's
+        cache, so that a client's request waits for one piece at most (their text only
+        proposes questions: their batches need not be an answer's). Raises
+        :class:`Preempted` when *should_stop* turns true."""
         max_new_tokens = decoding.required_tokens()
         server = self.server
         with server.lock:
-            if should_stop is not None and should_stop():
-                raise Preempted("completion pre-empted by a user question")
             tokens = server.tokenize_chat(prompt) if chat else server.tokenize(prompt, True)
             tokens = tokens[-(server.n_ctx - max_new_tokens) :]
             self.content = None
+            for end in [*range(IDLE_PIECE_TOKENS, len(tokens), IDLE_PIECE_TOKENS), None]:
+                if should_stop is not None and should_stop():
+                    raise Preempted("completion pre-empted by a user question")
+                if end is not None:  # a piece, nothing generated
+                    for _ in server.complete(tokens[:end], Decoding(0), cache_prompt=end > IDLE_PIECE_TOKENS):
+                        pass
             filter_ = StopStringFilter(list(decoding.stop or ()), strip=False)
-            pieces = server.complete(tokens, decoding, cache_prompt=False)
+            pieces = server.complete(tokens, decoding, cache_prompt=len(tokens) > IDLE_PIECE_TOKENS)
             for _ in shown_text(pieces, filter_, should_stop, what="completion"):
                 pass
             return filter_.text, len(tokens), len(server.last.tokens)

@@ -1,15 +1,14 @@
 """Chunk states taken from a llama-server's slot: which states a request's prefill allows
 (:meth:`SlotStates.wanted`), the slot saved once and cut to each state
 (:meth:`SlotStates.save_early` on a sliding-window model, :meth:`SlotStates.store_later`
-after the answer), and the cutting and storing done in a writer thread, off the answer's
-time (:meth:`SlotStates.flush` waits for it).
+after the answer), and the cutting and storing done in the runner's writer thread, off the
+answer's time (:class:`~percache_core.serving.state_writer.StateWriter`).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from ...serving.prompting import PromptLayout
@@ -37,8 +36,6 @@ class SlotStates:
     def __init__(self, runner: StateRunner, slot: ServerSlot) -> None:
         self.runner = runner
         self.slot = slot
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="percache-server-states")
-        self._pending: Future[None] | None = None
 
     def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int, *, past_window: bool = False) -> list[int]:
         """The segments whose states are wanted, not stored, and may be taken from the slot
@@ -135,8 +132,8 @@ class SlotStates:
     ) -> None:
         """Save the slot now if a state is to be taken from it after a request that
         prefilled *span* (the next request changes the slot), and cut and store the states
-        in the background, off the answer's time; the next run (or :meth:`flush`) waits
-        for them first."""
+        in the runner's writer thread, off the answer's time; the next run (or the
+        runner's ``flush``) waits for them first."""
         start, end = span
         wanted = self.wanted(layout, keys, start, end)
         saved = b""
@@ -160,16 +157,4 @@ class SlotStates:
                 if indices:
                     self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
 
-        self.flush()
-        self._pending = self._writer.submit(store)
-
-    def flush(self) -> None:
-        """Wait until the states of earlier runs are stored."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
-        """Store what is pending and stop the writer."""
-        self.flush()
-        self._writer.shutdown()
+        self.runner.writer.submit(store)
