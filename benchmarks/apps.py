@@ -26,7 +26,8 @@ side took are written (untimed, as while its user reads the answer) before the o
 runs, so that its writer thread never shares the cores with a timed question. Reported per app and
 user: mean latency before and after, the ratio, the answers identical to the app's own
 fresh text (the before side's), where the time went (answers by source, restored and
-prefilled tokens), the learned shapes and their agreement, and the idle seconds spent.
+prefilled tokens), the learned shapes and their agreement, and the idle seconds spent. A PNG of
+each app's latency per user, before and after, is written beside the JSON.
 
     python -m benchmarks.apps --data ../shared/data --qmsum-users 1 --squad-users 1 \\
         --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex,openai
@@ -45,6 +46,8 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from benchmarks.output import write_json
@@ -316,6 +319,32 @@ def _questions(
     }
 
 
+def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
+    """A PNG of each app's mean latency per user, before and after the swap, with the ratio
+    over each pair of bars. Needs matplotlib (``pip install "percache-core[bench]"``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.3 * len(results)), 4))
+    places = np.arange(len(results))
+    for offset, side, colour in ((-0.2, "before", "tab:gray"), (0.2, "after", "tab:blue")):
+        axis.bar(places + offset, [r[f"{side}_mean_s"] for r in results], 0.4, label=side, color=colour)
+    for place, r in zip(places, results):
+        top = max(r["before_mean_s"], r["after_mean_s"])
+        axis.annotate(f"{r['ratio']:.2f}x", (place, top), ha="center", va="bottom", fontsize=7)
+    axis.set_xticks(places, [f"{r['app']}\n{r['user'].split('/')[-1]}" for r in results], fontsize=7)
+    axis.set(ylabel="mean latency per question (s)", title="Each app before and after the swap, per user")
+    axis.set_ylim(top=1.2 * max(max(r["before_mean_s"], r["after_mean_s"]) for r in results))
+    axis.legend(fontsize=7, loc="upper right", ncols=2)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_user_arguments(parser, qmsum_users=1, squad_users=1, queries=8)
@@ -353,7 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if servers is not None:
         servers.close()
     print(f"all: {summary}")
-    write_json({"summary": summary, "per_user": results, "settings": vars(args)}, args.out)
+    out = write_json({"summary": summary, "per_user": results, "settings": vars(args)}, args.out)
+    try:
+        print(f"plot: {plot(results, out.with_suffix('.png'))}")
+    except ImportError:
+        pass  # matplotlib is optional
     return 0
 
 

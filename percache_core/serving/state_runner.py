@@ -94,6 +94,23 @@ class RelayedRequest:
     chunks: list[dict[str, Any]] = field(default_factory=list)
     reply: Completion = field(default_factory=Completion)
 
+    @property
+    def most_new_tokens(self) -> int | None:
+        """The most tokens the server may generate for the request: the largest of its
+        ``max_tokens``, ``max_completion_tokens`` and ``n_predict`` (the server takes them as
+        one setting); None when none bounds it (absent, or negative: until the context ends).
+
+        >>> RelayedRequest("/v1/chat/completions", {"max_tokens": 32}).most_new_tokens
+        32
+        >>> RelayedRequest("/v1/chat/completions", {"n_predict": -1}).most_new_tokens is None
+        True
+        """
+        given = [self.body.get(name) for name in ("max_tokens", "max_completion_tokens", "n_predict")]
+        given = [value for value in given if value is not None]
+        if not given or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in given):
+            return None
+        return max(given)
+
 
 @dataclass(frozen=True)
 class NewState:

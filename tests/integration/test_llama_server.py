@@ -293,6 +293,44 @@ def test_the_slot_is_cut_back_to_an_allowed_start(
         pc.close()
 
 
+def test_a_prompt_the_window_never_passes_runs_as_one_request_and_keeps_its_states(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a sliding-window model (Gemma: 512) a prompt that, with the most tokens it may
+    generate, stays within the window is sent as one request (no state saved on the way):
+    the slot saved after the answer holds every cell, so its states are kept from there."""
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        notes = [document["text"] for document in corpus["documents"][:3]]
+        requests: list[int] = []
+        complete = server.complete
+
+        def counted(tokens: Sequence[int], *args: Any, **kwargs: Any) -> Iterator[str]:
+            requests.append(len(tokens))
+            return complete(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(server, "complete", counted)
+        asked = []
+        for question in ("When is the rehearsal?", "How much did finance approve?"):
+            prompt = "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
+            tokens = runner.lay_out("", [], spec=TextPrompt(prompt), max_new_tokens=16).tokens
+            assert len(tokens) + 16 <= runner.window
+            with pc.caller.lend_engine():
+                pass  # what the slot holds is unknown now: only a stored state can be reused
+            requests.clear()
+            answer = pc.caller.complete(prompt, documents=notes, decoding=Decoding(max_new_tokens=16))
+            assert requests == [len(tokens)]  # one request (a restored state goes by slot file)
+            asked.append((answer, tokens))
+            internals(pc).runtime.flush()
+            assert pc.stats()["chunk_states"]["nodes"] > 0  # taken from the slot saved after the answer
+        assert asked[1][0].reused_tokens >= 128  # the notes' states the first ask kept, restored
+        for answer, tokens in asked:
+            assert answer.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+    finally:
+        pc.close()
+
+
 def test_an_idle_round_on_the_server_fills_states_and_predicts(
     tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
 ) -> None:

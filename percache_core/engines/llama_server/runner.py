@@ -178,7 +178,7 @@ class ServerRunner(StateRunner):
         clock = time.perf_counter()
         complete = False
         early = EarlySave()
-        if self.states is not None and self.rule is not None and self.window < NO_WINDOW:
+        if self.states is not None and self.rule is not None and self._window_may_pass(end, options):
             point = self._save_early(result, layout, keys, (point, end), early, should_stop)
         start = point  # where the last request's prefill started (0 where it was run again)
         try:
@@ -196,6 +196,17 @@ class ServerRunner(StateRunner):
             if complete and self.states is not None and self.rule is not None:
                 self.taking.store_later(layout, keys, early, (start, end), options.idle)
             result.timings["store_states"] = time.perf_counter() - clock
+
+    def _window_may_pass(self, end: int, options: RunOptions) -> bool:
+        """Whether a sliding window may pass the first cells of a prompt of *end* tokens
+        before the request ends (the prompt and the most tokens it may generate are longer
+        than the window), so that a slot saved after it would lack them: only then are its
+        states saved on the way, at the cost of a request and a slot save on its time.
+        A state taken later is still checked to hold every cell it needs."""
+        if self.window >= NO_WINDOW:
+            return False
+        most = (options.relay.most_new_tokens if options.relay is not None else options.max_new_tokens) if options.decode else 0
+        return most is None or end + most > self.window
 
     def _save_early(
         self, result: RunResult, layout: PromptLayout, keys: list[str], span: tuple[int, int], early: EarlySave,
