@@ -205,7 +205,9 @@ class ServerRunner(StateRunner):
         A state taken later is still checked to hold every cell it needs."""
         if self.window >= NO_WINDOW:
             return False
-        most = (options.relay.most_new_tokens if options.relay is not None else options.max_new_tokens) if options.decode else 0
+        if not options.decode:
+            return end > self.window
+        most = options.relay.most_new_tokens if options.relay is not None else options.max_new_tokens
         return most is None or end + most > self.window
 
     def _save_early(
