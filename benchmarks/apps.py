@@ -30,7 +30,7 @@ prefilled tokens), the learned shapes and their agreement, and the idle seconds 
 each app's latency per user, before and after, is written beside the JSON.
 
     python -m benchmarks.apps --data ../shared/data --qmsum-users 1 --squad-users 1 \\
-        --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex,openai
+        --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex,openai --models bundled,smollm2
 
 ``--evaluation-idle`` gives the apps the idle time the end-to-end evaluation gives PerCache's
 own pipeline (``benchmarks.e2e``: two unbounded rounds before the first question, one after
@@ -51,11 +51,11 @@ import numpy as np
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from benchmarks.output import write_json
+from benchmarks.stock import model_paths
 from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
-from percache_core.models import bundled_model_path
 
 TEMPLATE = "Answer the question from the notes below.\n\n{context}\n\nQuestion: {question}\nAnswer:"
 SYSTEM = "Answer the question from the notes below, briefly.\n\n{context}"  # the openai app's system message
@@ -334,7 +334,9 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
     for place, r in zip(places, results):
         top = max(r["before_mean_s"], r["after_mean_s"])
         axis.annotate(f"{r['ratio']:.2f}x", (place, top), ha="center", va="bottom", fontsize=7)
-    axis.set_xticks(places, [f"{r['app']}\n{r['user'].split('/')[-1]}" for r in results], fontsize=7)
+    models = {r.get("model") for r in results}
+    labels = [f"{r['app']}\n{r['user'].split('/')[-1]}" + (f"\n{r['model'].split('.')[0]}" if len(models) > 1 else "") for r in results]
+    axis.set_xticks(places, labels, fontsize=7)
     axis.set(ylabel="mean latency per question (s)", title="Each app before and after the swap, per user")
     axis.set_ylim(top=1.2 * max(max(r["before_mean_s"], r["after_mean_s"]) for r in results))
     axis.legend(fontsize=7, loc="upper right", ncols=2)
@@ -343,6 +345,27 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def run_model(model: Path, apps: Sequence[str], users: Sequence[User], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every app over every user on one GGUF model; a row per app and user."""
+    engine = LlamaEngine(model, n_ctx=2048, n_batch=512, n_threads=args.threads)
+    stock = Stock(model, args.threads, args.max_tokens)
+    servers = OpenAIServers(model, args.threads) if "openai" in apps else None
+    results = []
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            for app in apps:
+                for user in users:
+                    r = {"model": model.name, **run_user(user, app, args, engine, stock, Path(folder), servers)}
+                    results.append(r)
+                    print(f"== {model.name} {app} {user.name}: {r['before_mean_s']:.3f}s -> {r['after_mean_s']:.3f}s "
+                          f"({r['ratio']:.3f}x), {r['identical']}/{r['questions']} identical, idle {r['idle_seconds']:.0f}s, "
+                          f"reused {r['reused_tokens']} of {r['prompt_tokens']} tokens, {r['neighbour_order']} pairs", flush=True)
+    finally:
+        if servers is not None:
+            servers.close()
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,31 +379,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=3, help="passages per question")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", default="bundled", help="bundled, smollm2 or GGUF paths, comma-separated")
     parser.add_argument("--out", default="benchmarks/results/apps.json")
     args = parser.parse_args(argv)
     users = users_from_arguments(args)
-    model = bundled_model_path()
-    engine = LlamaEngine(model, n_ctx=2048, n_batch=512, n_threads=args.threads)
-    stock = Stock(model, args.threads, args.max_tokens)
     apps = args.apps.split(",")
     if set(apps) - {"langchain", "llamaindex", "openai"}:
         parser.error(f"unknown apps: {args.apps}")
-    servers = OpenAIServers(model, args.threads) if "openai" in apps else None
     results = []
-    with tempfile.TemporaryDirectory() as folder:
-        for app in apps:
-            for user in users:
-                results.append(run_user(user, app, args, engine, stock, Path(folder), servers))
-                r = results[-1]
-                print(f"== {app} {user.name}: {r['before_mean_s']:.3f}s -> {r['after_mean_s']:.3f}s ({r['ratio']:.3f}x), "
-                      f"{r['identical']}/{r['questions']} identical, idle {r['idle_seconds']:.0f}s, "
-                      f"reused {r['reused_tokens']} of {r['prompt_tokens']} tokens, {r['neighbour_order']} pairs", flush=True)
+    for model in model_paths(args.models):
+        results += run_model(model, apps, users, args)
     before = sum(r["before_mean_s"] * r["questions"] for r in results)
     after = sum(r["after_mean_s"] * r["questions"] for r in results)
     summary = {"ratio": after / before if before else None, "identical": sum(r["identical"] for r in results),
                "questions": sum(r["questions"] for r in results)}
-    if servers is not None:
-        servers.close()
     print(f"all: {summary}")
     out = write_json({"summary": summary, "per_user": results, "settings": vars(args)}, args.out)
     try:

@@ -138,29 +138,29 @@ class PromptVerbs:
         self._parts.shapes.retrieve = retrieve
 
     def serves_app(self) -> None:
-        """Say that an app brings its own prompts to this cache (the adapters and ``percache
-        serve`` do): until ``pc.answer`` is asked in this process, idle rounds then leave
-        PerCache's own prompt alone, even before the app's first request teaches them its
-        shape (states of a prompt the app never sends would only take idle time and disk)."""
+        """Say that an app brings its own prompts to this cache (the adapters and ``percache serve``
+        do): until ``pc.answer`` is asked in this process, idle rounds leave PerCache's own prompt
+        alone, even before the app's first request teaches them its shape (states of a prompt the
+        app never sends would only take idle time and disk)."""
         self._parts.shapes.app_attached = True
 
     def relay(
         self, request: RelayedRequest, prompt: str, *, documents: Sequence[str] = (), stream: bool = False,
         question: str | None = None,
     ) -> Answer | AnswerStream:
-        """Run a client's OpenAI request on a llama-server engine's own endpoint, with the
-        chunk states of its leading part restored: the server lays out, samples, stops and
-        parses the reply as it does for the client alone (``percache serve`` uses this).
+        """Run a client's OpenAI request on a llama-server engine's own endpoint, with the chunk
+        states of its leading part restored: the server lays out, samples, stops and parses the
+        reply as it does for the client alone (``percache serve`` uses this).
 
-        *prompt* is the prompt the server lays out for *request* (``apply_template`` of a
-        chat's body, a completion's prompt string), cut where one of *documents* ends as
-        :meth:`complete` does. The server must report the planned reuse of a prompt of the
-        same length before any text, else the request runs again from nothing. An
-        identical request run before (same prompt and body) is answered from its stored
-        answer without the model; *request* then holds its finish reason and no chunks.
-        Its shape is learned as :meth:`complete` learns one, so that idle work prefills
-        predicted requests as the client sends them (their states; a relayed reply is the
-        server's, so none is decoded ahead).
+        *prompt* is the prompt the server lays out for *request* (``apply_template`` of a chat's
+        body, a completion's prompt string), cut where one of *documents* ends as :meth:`complete`
+        does. The server must report the planned reuse of a prompt of the same length before any
+        text, else the request runs again from nothing. An identical request run before (same
+        prompt and body) is answered from its stored answer without the model; *request* then
+        holds its finish reason and no chunks. Its shape is learned as :meth:`complete` learns
+        one, so that idle work prefills predicted requests as the client sends them (their
+        states; a relayed reply is the server's, so none is decoded ahead). Its own states are
+        stored after the reply (:meth:`finish_relay`).
 
         Args:
             request: the path and body; the run fills in its chunks, finish reason and usage.
@@ -176,8 +176,7 @@ class PromptVerbs:
             TypeError: on a prompt that is not a non-empty string.
             PerCacheError: when this cache's engine is not a llama-server.
 
-        >>> request = RelayedRequest("/v1/chat/completions", body)           # doctest: +SKIP
-        >>> pc.caller.relay(request, server.apply_template(body)).text       # doctest: +SKIP
+        >>> pc.caller.relay(RelayedRequest(path, body), server.apply_template(body)).text  # doctest: +SKIP
         """
         self._ensure_open()
         if not isinstance(prompt, str) or not prompt:
@@ -189,6 +188,12 @@ class PromptVerbs:
         events = self._path.complete(prompt, spec, decoding, relay=request)
         # (the server decodes as the body says; one token of room is what the layout keeps)
         return delivered(self._parts.activity.in_user_turn(events), stream)
+
+    def finish_relay(self) -> None:
+        """Store the states the last :meth:`relay` left on the server, off the reply's time
+        (``percache serve`` calls this once the reply is sent; else the server's next use)."""
+        self._ensure_open()
+        self._parts.runtime.flush()
 
     def lend_engine(self) -> AbstractContextManager[None]:
         """Hold the engine for a request PerCache does not run (a passed-through one):
@@ -266,8 +271,6 @@ class PromptVerbs:
         """
         self._ensure_open()
         return self._parts.runtime.runner.stored_order(chunks)
-
-    # -- the caller's own answers -----------------------------------------------------------
 
     # -- what the caller's prompts are made for ---------------------------------------------
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -174,7 +175,9 @@ class Endpoint:
         assert isinstance(answer, Answer)
         reply = whole_reply(kind, answer.text, relay.reply.finish_reason, model, relay.reply.usage, relay.chunks)
         reply["percache"] = _about(answer)
-        return JSONResponse(reply, headers={SOURCE_HEADER: answer.source})
+        # the request's states are stored once the reply is sent (the slot saved, off its time)
+        stored = BackgroundTask(self.pc.caller.finish_relay)
+        return JSONResponse(reply, headers={SOURCE_HEADER: answer.source}, background=stored)
 
     def _prompt(self, kind: Kind, body: dict[str, Any]) -> tuple[str, list[str], str | None]:
         """The prompt the server lays out for *body*, the texts after which states are
@@ -232,6 +235,7 @@ class Endpoint:
             for index, chunk in enumerate(tail):
                 yield sse({**chunk, "percache": _about(answer)} if index == len(tail) - 1 else chunk)
             yield DONE
+            await run_in_threadpool(self.pc.caller.finish_relay)  # its states, after the reply
         finally:
             stream.close()
 

@@ -6,6 +6,7 @@ mid-stream leaves nothing stored; a dead server fails requests cleanly and loses
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -107,6 +108,41 @@ def test_openai_client_gets_the_servers_own_text_with_states_and_stored_answers(
     reference = alone.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=16, extra_body=NO_REUSE)
     assert reply.choices[0].text == reference.choices[0].text
     assert internals(pc).runtime.runner.unexpected_reuse == 0
+
+
+def test_the_reply_comes_before_the_slot_save_and_the_next_request_restores_its_states(
+    tmp_path: Path, server: LlamaServer, embedder: Any, alone: openai.OpenAI, monkeypatch: Any
+) -> None:
+    pc = PerCache.open(tmp_path / "after-reply", engine=server, embedder=embedder)
+    slot = internals(pc).runtime.runner.slot
+    replied, saves = threading.Event(), []
+    original = slot.save
+
+    def save() -> bytes:  # blocks until the client has its reply (a save before the reply would time out)
+        saves.append(replied.wait(5))
+        return original()
+
+    try:
+        with serving(pc, server) as url:
+            client = openai.OpenAI(base_url=url, api_key="none")
+            ask = lambda messages: client.chat.completions.create(  # noqa: E731
+                model="m", messages=messages, temperature=0, max_tokens=32
+            )
+            other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Buy apples and flour."}]
+            ask([*other, {"role": "user", "content": "What do I buy?"}])  # (the server measured once, unwatched)
+            pc.caller.finish_relay()
+            monkeypatch.setattr(slot, "save", save)
+            for turn, question in enumerate(QUESTIONS[:2]):
+                reply = ask(chat(question))
+                replied.set()
+                assert reply.choices[0].message.content == alone_text(alone, chat(question))
+                if turn:  # the states saved after the first reply, restored
+                    assert reply.percache["source"] == "chunk_states" and reply.percache["reused_tokens"] > 0
+                pc.caller.finish_relay()  # (waits for the reply's background save)
+                replied.clear()
+        assert saves and all(saves)
+    finally:
+        pc.close()
 
 
 def test_langchain_and_llamaindex_openai_clients_answer_as_against_the_server_alone(

@@ -194,7 +194,8 @@ class ServerRunner(StateRunner):
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
-                self.taking.store_later(layout, keys, early, (start, end), options.idle)
+                after_reply = options.relay is not None and not options.idle  # the client's reply first
+                self.taking.store_later(layout, keys, early, (start, end), options.idle, after_reply=after_reply)
             result.timings["store_states"] = time.perf_counter() - clock
 
     def _window_may_pass(self, end: int, options: RunOptions) -> bool:
@@ -351,6 +352,11 @@ class ServerRunner(StateRunner):
         elif completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
             self.slot.content = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
 
+    def flush(self) -> None:
+        """The slot save a relayed reply left (:meth:`SlotStates.settle`), then the writer's stores."""
+        self.taking.settle()
+        super().flush()
+
     @contextmanager
     def lend_engine(self) -> Iterator[None]:
         """Hold the server for a request run outside PerCache (a passed-through one): the
@@ -371,6 +377,7 @@ class ServerRunner(StateRunner):
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
     ) -> tuple[str, int, int]:
         """Idle work's LLM calls, with nothing reused (see :meth:`ServerSlot.complete_plain`)."""
+        self.taking.settle()  # before the slot changes
         return self.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
 
 

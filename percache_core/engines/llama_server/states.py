@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ...serving.prompting import PromptLayout
@@ -36,6 +37,7 @@ class SlotStates:
     def __init__(self, runner: StateRunner, slot: ServerSlot) -> None:
         self.runner = runner
         self.slot = slot
+        self._pending: Callable[[], None] | None = None  # a slot save left for after a reply (settle)
 
     def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int, *, past_window: bool = False) -> list[int]:
         """The segments whose states are wanted, not stored, and may be taken from the slot
@@ -128,12 +130,35 @@ class SlotStates:
         return taken
 
     def store_later(
-        self, layout: PromptLayout, keys: list[str], early: EarlySave, span: tuple[int, int], idle: bool
+        self, layout: PromptLayout, keys: list[str], early: EarlySave, span: tuple[int, int], idle: bool,
+        *, after_reply: bool = False,
     ) -> None:
         """Save the slot now if a state is to be taken from it after a request that
         prefilled *span* (the next request changes the slot), and cut and store the states
         in the runner's writer thread, off the answer's time; the next run (or the
-        runner's ``flush``) waits for them first."""
+        runner's ``flush``) waits for them first. With *after_reply* (a relayed client's
+        request, whose reply waits for the run's end), the slot is saved by :meth:`settle`
+        instead: once the reply is sent, or by whatever uses the server next, first."""
+        if after_reply:
+            self._pending = lambda: self._save_and_store(layout, keys, early, span, idle)
+            return
+        self._save_and_store(layout, keys, early, span, idle)
+
+    def settle(self) -> None:
+        """Run the slot save that :meth:`store_later` left for after a reply, holding the
+        server, before anything else changes the slot (the runner's ``flush`` calls this
+        first; a slot that holds other tokens by then gives no state: the slices check the
+        tokens they are cut from)."""
+        if self._pending is None:
+            return
+        with self.slot.server.lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                pending()
+
+    def _save_and_store(
+        self, layout: PromptLayout, keys: list[str], early: EarlySave, span: tuple[int, int], idle: bool
+    ) -> None:
         start, end = span
         wanted = self.wanted(layout, keys, start, end)
         saved = b""
