@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import neighbour_pairs
+from benchmarks import app_passages, neighbour_pairs
 from benchmarks.e2e_harness import SYSTEMS, evaluate, write_report
 from percache_core.types import ANSWERED_BEFORE
 
@@ -65,13 +65,18 @@ def write_data(tmp_path):
     (data / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
 
 
+def retrieval_only_run(tmp_path, bench) -> dict:
+    """*bench*'s ``main`` over the tiny data set (one QMSum user); its JSON."""
+    write_data(tmp_path)
+    out = tmp_path / "result.json"
+    argv = ["--data", str(tmp_path / "data"), "--qmsum-users", "1", "--squad-users", "0", "--out", str(out)]
+    assert bench.main(argv) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.model  # the real embedder
 def test_neighbour_pairs_count_second_chunks_within_the_meeting(tmp_path):
-    write_data(tmp_path)
-    out = tmp_path / "pairs.json"
-    argv = ["--data", str(tmp_path / "data"), "--qmsum-users", "1", "--squad-users", "0", "--out", str(out)]
-    assert neighbour_pairs.main(argv) == 0
-    result = json.loads(out.read_text())
+    result = retrieval_only_run(tmp_path, neighbour_pairs)
     # meeting m1 has two chunks: each one's only neighbour there is the other, which every
     # m1 question retrieves second
     assert result["questions"] == 3 and result["share_second_chunk_is_a_neighbour"]["1"] == 1.0
@@ -125,3 +130,13 @@ def test_tiny_run_is_complete_repeatable_and_reported(tmp_path, engine, embedder
     summary = (tmp_path / "out" / "e2e.md").read_text()
     assert "| percache |" in summary and "| tau = 0.9 |" in summary and "| prefill |" in summary
     assert "tau_tradeoff.png" in {p.name for p in written}
+
+
+@pytest.mark.model  # the real embedder
+def test_app_passages_rank_each_questions_second_and_third_passage(tmp_path):
+    result = retrieval_only_run(tmp_path, app_passages)
+    # three chunks and three passages a question: the second is one of the first's two
+    # neighbours, the third the only chunk left
+    assert result["summary"]["questions"] == 3 and result["per_user"][0]["chunks"] == 3
+    assert result["summary"]["second_within"]["2"] == 3 and result["summary"]["third_within"]["1"] == 3
+    assert all(rank in (0, 1) for rank in result["per_user"][0]["second"])
