@@ -53,9 +53,10 @@ def user_ranks(user: User, folder: Path, k: int) -> dict[str, Any]:
     pc = PerCache.open(folder / user.name.replace("/", "_"), config=PerCacheConfig(top_k=k))
     try:
         pc.add_documents(user.documents, progress=False)
-        texts = [c.text for c in internals(pc).knowledge.chunks]
-        row = {text: index for index, text in enumerate(texts)}
-        vectors = np.asarray(pc.embedder.embed(texts), dtype=np.float64)
+        knowledge = internals(pc).knowledge
+        chunks, stored = knowledge.embedding_matrix()  # the embeddings it stored (no second pass)
+        row = {chunk.text: index for index, chunk in enumerate(chunks)}
+        vectors = np.asarray(stored, dtype=np.float64)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         retriever = vector_store_retriever(pc, k)
         second, third_pair, third_next = [], [], []
@@ -64,12 +65,14 @@ def user_ranks(user: User, folder: Path, k: int) -> dict[str, Any]:
             if len(found) < 3:
                 continue
             first, then, last = found[:3]
-            second.append(rank_after(vectors @ vectors[first], then, [first]))
+            # the neighbours idle work stores pairs with (the app's dense ranking)
+            near = [row[c.text] for c in knowledge.neighbours(chunks[first], len(chunks), dense=True)]
+            second.append(near.index(then) if then in near else MISSING)
             third_pair.append(rank_after(vectors @ (vectors[first] + vectors[then]), last, [first, then]))
             third_next.append(rank_after(vectors @ vectors[then], last, [first, then]))
     finally:
         pc.close()
-    return {"user": user.name, "chunks": len(texts), "second": second, "third_by_pair": third_pair,
+    return {"user": user.name, "chunks": len(chunks), "second": second, "third_by_pair": third_pair,
             "third_by_second": third_next}
 
 
