@@ -190,10 +190,10 @@ class PromptVerbs:
         return delivered(self._parts.activity.in_user_turn(events), stream)
 
     def finish_relay(self) -> None:
-        """Store the states the last :meth:`relay` left on the server, off the reply's time
-        (``percache serve`` calls this once the reply is sent; else the server's next use)."""
+        """Save the server's slot for the states the last :meth:`relay` left, off the reply's
+        time (``percache serve``: once the reply is sent; else the server's next use does)."""
         self._ensure_open()
-        self._parts.runtime.flush()
+        self._parts.runtime.runner.settle()  # (their cutting and writing stay in the writer thread)
 
     def lend_engine(self) -> AbstractContextManager[None]:
         """Hold the engine for a request PerCache does not run (a passed-through one):

@@ -221,8 +221,14 @@ class StateRunner:
         """The bytes one prompt token's state takes on this engine, measured once."""
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """Take from the engine what a run left for after its reply (a llama-server's slot
+        save: ``ServerRunner.settle``); an in-process run leaves nothing."""
+
     def flush(self) -> None:
-        """Wait until the states of earlier runs are stored (:class:`StateWriter`)."""
+        """Settle what runs left for after their replies (:meth:`settle`), then wait until
+        the states of earlier runs are stored (:class:`StateWriter`)."""
+        self.settle()
         self.writer.flush()
 
     def close(self) -> None:

@@ -352,10 +352,9 @@ class ServerRunner(StateRunner):
         elif completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
             self.slot.content = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
 
-    def flush(self) -> None:
-        """The slot save a relayed reply left (:meth:`SlotStates.settle`), then the writer's stores."""
+    def settle(self) -> None:
+        """The slot save a relayed reply left (:meth:`SlotStates.settle`)."""
         self.taking.settle()
-        super().flush()
 
     @contextmanager
     def lend_engine(self) -> Iterator[None]:
@@ -377,7 +376,7 @@ class ServerRunner(StateRunner):
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
     ) -> tuple[str, int, int]:
         """Idle work's LLM calls, with nothing reused (see :meth:`ServerSlot.complete_plain`)."""
-        self.taking.settle()  # before the slot changes
+        self.settle()  # before the slot changes
         return self.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
 
 
