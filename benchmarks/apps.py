@@ -59,16 +59,23 @@ from percache_core.inspection import internals
 
 TEMPLATE = "Answer the question from the notes below.\n\n{context}\n\nQuestion: {question}\nAnswer:"
 SYSTEM = "Answer the question from the notes below, briefly.\n\n{context}"  # the openai app's system message
+LANGCHAIN_TUTORIAL = (  # the prompt of LangChain's RAG tutorial: the question before the context
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+    "to answer the question. If you don't know the answer, just say that you don't know. Use three "
+    "sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:"
+)
+APPS = ("langchain", "llamaindex", "openai", "llamaindex_starter", "langchain_tutorial")
 
 
 class Stock:
     """Stock ``llama_cpp.Llama`` (its prefix reuse on), greedy, as a framework's wrapper calls it."""
 
-    def __init__(self, model_path: Path, threads: int, max_tokens: int) -> None:
+    def __init__(self, model_path: Path, threads: int, max_tokens: int, n_ctx: int = 2048) -> None:
         from llama_cpp import Llama
 
-        self.model = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.model = Llama(str(model_path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
         self.max_tokens = max_tokens
+        self.n_ctx = n_ctx
 
     def complete(self, prompt: str, stop: Sequence[str] = ("\n",)) -> str:
         out = self.model.create_completion(prompt, max_tokens=self.max_tokens, temperature=0.0, stop=list(stop))
@@ -82,13 +89,99 @@ class Stock:
         return run(text)
 
 
-def vector_store_retriever(pc: PerCache, k: int) -> Any:
-    """The LangChain apps' own retriever: an ``InMemoryVectorStore`` over the user's
-    documents (the chunks PerCache made of them) with the bundled MiniLM (*pc*'s embedder)
-    as LangChain ``Embeddings``, *k* passages."""
+def stock_llamaindex_llm(stock: Stock) -> Any:
+    """What LlamaIndex's ``LlamaCPP`` does with these settings, on *stock* (its context window
+    the model's ``n_ctx``, greedy, the answer ending at a line break)."""
+    from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
+    from llama_index.core.llms.callbacks import llm_completion_callback
+    from llama_index.core.llms.custom import CustomLLM
+
+    class StockLlamaCPP(CustomLLM):
+        @property
+        def metadata(self) -> LLMMetadata:
+            return LLMMetadata(context_window=stock.n_ctx, num_output=stock.max_tokens, model_name="stock")
+
+        @llm_completion_callback()
+        def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+            return CompletionResponse(text=stock.complete(prompt))
+
+        @llm_completion_callback()
+        def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    return StockLlamaCPP()
+
+
+def user_files(user: User) -> list[tuple[str, str]]:
+    """The user's documents as whole files (name, text), as ``SimpleDirectoryReader`` reads a
+    folder: the data set's chunks of one document (``<doc>#c<i>``) joined in order."""
+    files: dict[str, list[str]] = {}
+    for document in user.documents:
+        files.setdefault(document["id"].split("#")[0], []).append(document["text"].strip())
+    return [(name, "\n".join(parts)) for name, parts in files.items()]
+
+
+def llamaindex_starter_sides(
+    user: User, stock: Stock, engine: LlamaEngine, max_tokens: int, folder: Path
+) -> tuple[Callable[[str], str], Callable[[str], str], Any]:
+    """LlamaIndex's starter app with its defaults: the user's whole files,
+    ``VectorStoreIndex.from_documents`` (its default splitter: 1,024-token chunks, 200
+    overlap), ``as_query_engine()`` (top 2, compact, its QA template) on stock with a
+    4,096-token context (before), ``PerCacheQueryEngine.from_index`` with
+    ``PerCacheLlamaCPP(n_ctx=4096)`` (after); the after side's engine."""
+    from llama_index.core import Document, VectorStoreIndex
+
+    from percache_core.knowledge.bert import BertEmbedder
+    from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
+
+    files = [Document(text=text, id_=name) for name, text in user_files(user)]
+    index = VectorStoreIndex.from_documents(files, embed_model=PerCacheEmbedding(BertEmbedder()))
+    plain = index.as_query_engine(llm=stock_llamaindex_llm(stock))
+    llm = PerCacheLlamaCPP(engine=engine, n_ctx=engine.n_ctx, max_new_tokens=max_tokens, stop=["\n"])
+    config = PerCacheConfig(n_ctx=engine.n_ctx, max_new_tokens=max_tokens)
+    after = PerCacheQueryEngine.from_index(index, cache_dir=folder, llm=llm, config=config)
+    return (lambda q: str(plain.query(q).response)), (lambda q: str(after.query(q).response)), after
+
+
+def langchain_tutorial_sides(
+    pc: PerCache, user: User, stock: Stock, max_tokens: int
+) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
+    """LangChain's RAG tutorial app: the user's files split by
+    ``RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=200)`` into an
+    ``InMemoryVectorStore``, ``as_retriever()`` (4 passages), the tutorial's prompt (the
+    question before the context); before on stock, after with the README's swap (the
+    splits are *pc*'s knowledge). The prompts each side sent."""
     from langchain_core.documents import Document
-    from langchain_core.embeddings import Embeddings
     from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    files = [Document(text, id=name) for name, text in user_files(user)]
+    splits = RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=200).split_documents(files)
+    pc.add_documents([{"id": f"split-{i}", "text": d.page_content} for i, d in enumerate(splits)], split=False)
+    store = InMemoryVectorStore(minilm_embeddings(pc))
+    store.add_documents(splits)
+    retriever = store.as_retriever()
+    return lcel_sides(pc, stock, retriever, LANGCHAIN_TUTORIAL, max_tokens)
+
+
+def stock_langchain_llm(stock: Stock) -> Any:
+    """What LangChain's ``LlamaCpp`` does with these settings, on *stock*."""
+    from langchain_core.language_models.llms import LLM
+
+    class StockLLM(LLM):
+        @property
+        def _llm_type(self) -> str:
+            return "stock-llama-cpp"
+
+        def _call(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any) -> str:
+            return stock.complete(prompt, stop or [])
+
+    return StockLLM()
+
+
+def minilm_embeddings(pc: PerCache) -> Any:
+    """The bundled MiniLM (*pc*'s embedder) as LangChain ``Embeddings``."""
+    from langchain_core.embeddings import Embeddings
 
     class MiniLM(Embeddings):
         def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -97,29 +190,37 @@ def vector_store_retriever(pc: PerCache, k: int) -> Any:
         def embed_query(self, text: str) -> list[float]:
             return self.embed_documents([text])[0]
 
+    return MiniLM()
+
+
+def vector_store_retriever(pc: PerCache, k: int) -> Any:
+    """The LangChain apps' own retriever: an ``InMemoryVectorStore`` over the user's
+    documents (the chunks PerCache made of them) with the bundled MiniLM (*pc*'s embedder)
+    as LangChain ``Embeddings``, *k* passages."""
+    from langchain_core.documents import Document
+    from langchain_core.vectorstores import InMemoryVectorStore
+
     notes = [Document(c.text, id=c.id) for c in internals(pc).knowledge.chunks]
-    return InMemoryVectorStore.from_documents(notes, MiniLM()).as_retriever(search_kwargs={"k": k})
+    return InMemoryVectorStore.from_documents(notes, minilm_embeddings(pc)).as_retriever(search_kwargs={"k": k})
 
 
 def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
     """The LCEL app before (stock) and after (PerCache), and the prompts each sent."""
-    from langchain_core.language_models.llms import LLM
+    return lcel_sides(pc, stock, vector_store_retriever(pc, k), TEMPLATE, max_tokens)
+
+
+def lcel_sides(
+    pc: PerCache, stock: Stock, retriever: Any, template: str, max_tokens: int
+) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
+    """An LCEL app ``{context: retriever | join, question} | prompt | llm | parser`` with
+    *template* before (stock) and after (the README's swap on *pc*), and the prompts each sent."""
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import PromptTemplate
     from langchain_core.runnables import RunnablePassthrough
 
     from percache_langchain import PerCacheLLM, PerCacheLLMCache, PerCacheRetriever
 
-    class StockLLM(LLM):  # what LangChain's LlamaCpp does with these settings
-        @property
-        def _llm_type(self) -> str:
-            return "stock-llama-cpp"
-
-        def _call(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any) -> str:
-            return stock.complete(prompt, stop or [])
-
-    retriever = vector_store_retriever(pc, k)
-    prompt = PromptTemplate.from_template(TEMPLATE)
+    prompt = PromptTemplate.from_template(template)
     sent: list[str] = []
 
     def keep(value: Any) -> Any:
@@ -127,7 +228,8 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
         return value
 
     join = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731
-    before = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | keep | StockLLM().bind(stop=["\n"]) | StrOutputParser()
+    before_llm = stock_langchain_llm(stock).bind(stop=["\n"])
+    before = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | keep | before_llm | StrOutputParser()
     wrapped = PerCacheRetriever(inner=retriever, percache=pc, add_to_knowledge=False)
     llm = PerCacheLLM(percache=pc, cache=PerCacheLLMCache(pc), max_new_tokens=max_tokens, stop=["\n"])
     after = {"context": wrapped | join, "question": RunnablePassthrough()} | prompt | keep | llm | StrOutputParser()
@@ -141,28 +243,12 @@ def llamaindex_sides(
     (``PerCacheQueryEngine.from_index`` with ``PerCacheLlamaCPP``), and the after side's
     engine (its ``warm`` is the idle round)."""
     from llama_index.core import Document, VectorStoreIndex
-    from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
-    from llama_index.core.llms.callbacks import llm_completion_callback
-    from llama_index.core.llms.custom import CustomLLM
 
     from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
 
-    class StockLlamaCPP(CustomLLM):  # what LlamaIndex's LlamaCPP does with these settings
-        @property
-        def metadata(self) -> LLMMetadata:
-            return LLMMetadata(context_window=2048, num_output=max_tokens, model_name="stock")
-
-        @llm_completion_callback()
-        def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            return CompletionResponse(text=stock.complete(prompt))
-
-        @llm_completion_callback()
-        def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
-            raise NotImplementedError
-
     notes = [Document(text=c.text, id_=c.id) for c in internals(pc).knowledge.chunks]
     index = VectorStoreIndex.from_documents(notes, embed_model=PerCacheEmbedding(pc.embedder))
-    plain = index.as_query_engine(llm=StockLlamaCPP(), similarity_top_k=k)
+    plain = index.as_query_engine(llm=stock_llamaindex_llm(stock), similarity_top_k=k)
     llm = PerCacheLlamaCPP(engine=internals(pc).engine, max_new_tokens=max_tokens, stop=["\n"])
     engine = PerCacheQueryEngine.from_index(index, cache_dir=folder, llm=llm, similarity_top_k=k)
     return (lambda q: str(plain.query(q).response)), (lambda q: str(engine.query(q).response)), engine
@@ -219,18 +305,47 @@ def openai_sides(
     return app(f"http://127.0.0.1:{servers.alone.port}/v1"), app(url), lambda question: str(fresh.invoke(sent[-1]).content)
 
 
+class Models:
+    """One GGUF model as both sides load it: a PerCache engine and stock ``llama_cpp.Llama``
+    per context length (2,048 tokens; the starter apps' 4,096), loaded on first use."""
+
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        self.path, self.args = path, args
+        self._engines: dict[int, LlamaEngine] = {}
+        self._stocks: dict[int, Stock] = {}
+
+    def engine(self, n_ctx: int = 2048) -> LlamaEngine:
+        if n_ctx not in self._engines:
+            self._engines[n_ctx] = LlamaEngine(self.path, n_ctx=n_ctx, n_batch=512, n_threads=self.args.threads)
+        return self._engines[n_ctx]
+
+    def stock(self, n_ctx: int = 2048) -> Stock:
+        if n_ctx not in self._stocks:
+            self._stocks[n_ctx] = Stock(self.path, self.args.threads, self.args.max_tokens, n_ctx)
+        return self._stocks[n_ctx]
+
+
+STARTER_CTX = 4096  # PerCacheLlamaCPP(n_ctx=4096): room for two 1,024-token chunks and the template
+
+
 def run_user(
-    user: User, app: str, args: argparse.Namespace, engine: LlamaEngine, stock: Stock, folder: Path,
-    servers: OpenAIServers | None = None,
+    user: User, app: str, args: argparse.Namespace, models: Models, folder: Path, servers: OpenAIServers | None = None
 ) -> dict[str, Any]:
     """One user's questions through one app, before and after, side by side."""
     with ExitStack() as stack:
         config = PerCacheConfig(max_new_tokens=args.max_tokens, top_k=args.k)
-        on = servers.under if app == "openai" and servers is not None else engine
+        on = servers.under if app == "openai" and servers is not None else models.engine()
         pc = PerCache.open(folder / f"{app}-{user.name}", config=config, engine=on)
-        pc.add_documents(user.documents, progress=False)  # the endpoint's: percache serve --documents
-        if app == "llamaindex":  # the engine's own cache, over the same chunks
-            before, after, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
+        if app not in ("llamaindex_starter", "langchain_tutorial"):  # their own chunks
+            pc.add_documents(user.documents, progress=False)  # the endpoint's: percache serve --documents
+        stock = models.stock(STARTER_CTX if app == "llamaindex_starter" else 2048)
+        if app in ("llamaindex", "llamaindex_starter"):  # the engine's own cache, over the app's chunks
+            if app == "llamaindex":
+                before, after, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
+            else:
+                before, after, app_engine = llamaindex_starter_sides(
+                    user, stock, models.engine(STARTER_CTX), args.max_tokens, folder / f"lis-{user.name}"
+                )
             pc.close()
             pc, warm = app_engine.percache, app_engine.warm
             # the stock app asked again (its synthesizer turns an empty completion into "Empty
@@ -243,7 +358,10 @@ def run_user(
             before, after, fresh = openai_sides(pc, url, servers, args.k, args.max_tokens)
             warm = pc.warm
         else:
-            before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
+            if app == "langchain":
+                before, after, sent = langchain_sides(pc, stock, args.k, args.max_tokens)
+            else:
+                before, after, sent = langchain_tutorial_sides(pc, user, stock, args.max_tokens)
             warm = pc.warm
             fresh = lambda question: stock.fresh(stock.complete, sent[-1])  # noqa: E731
         row = _questions(user, app, args, pc, (before, after, fresh), warm)
@@ -251,46 +369,49 @@ def run_user(
     return row
 
 
+def _ask(question: str, index: int, pc: PerCache, sides: tuple[Callable[[str], str], ...]) -> dict[str, Any]:
+    """*question* on both sides in turn (the order alternating with *index*), then the fresh
+    text (untimed); the row."""
+    before, after, fresh_text = sides
+    timings: dict[str, float] = {}
+    texts: dict[str, str] = {}
+    counters = pc.stats()
+    for side in (("before", "after") if index % 2 == 0 else ("after", "before")):
+        started = time.perf_counter()
+        texts[side] = (before if side == "before" else after)(question)
+        timings[side] = time.perf_counter() - started
+        if side == "after":  # its states written (untimed) before the other side shares the cores
+            internals(pc).runner.flush()
+    now = pc.stats()
+    fresh = fresh_text(question)
+    return {
+        "question": question,
+        "before_s": timings["before"],
+        "after_s": timings["after"],
+        "identical": texts["after"] == fresh,
+        "stock_identical": texts["before"] == fresh,
+        "texts": {**texts, "fresh": fresh},
+        **{name: now[name] - counters[name] for name in ("prompt_answers", "reused_tokens", "prefilled_tokens", "generated_tokens")},
+    }
+
+
 def _questions(
     user: User, app: str, args: argparse.Namespace, pc: PerCache,
     sides: tuple[Callable[[str], str], Callable[[str], str], Callable[[str], str]], warm: Callable[..., Any],
 ) -> dict[str, Any]:
-    """The user's questions on both sides in turn, idle rounds between them; the row."""
-    before, after, fresh_text = sides
+    """The user's questions on both sides in turn, idle rounds between them (then each asked
+    again, with ``--repeats``); the row."""
     rows: list[dict[str, Any]] = []
     limit = None if args.evaluation_idle else args.idle_seconds  # an unbounded round: as benchmarks.e2e
     rounds_first = 2 if args.evaluation_idle else 1 if args.idle_seconds else 0
     idle = [warm(progress=False, max_seconds=limit) for _ in range(rounds_first)]
     for index, query in enumerate(user.queries):
-        question = query["question"]
-        timings: dict[str, float] = {}
-        texts: dict[str, str] = {}
-        counters = pc.stats()
-        for side in (("before", "after") if index % 2 == 0 else ("after", "before")):
-            started = time.perf_counter()
-            texts[side] = (before if side == "before" else after)(question)
-            timings[side] = time.perf_counter() - started
-            if side == "after":  # its states written (untimed) before the other side shares the cores
-                internals(pc).runner.flush()
-        now = pc.stats()
-        fresh = fresh_text(question)
-        rows.append(
-            {
-                "question": question,
-                "before_s": timings["before"],
-                "after_s": timings["after"],
-                "identical": texts["after"] == fresh,
-                "stock_identical": texts["before"] == fresh,
-                "texts": {**texts, "fresh": fresh},
-                "prompt_answers": now["prompt_answers"] - counters["prompt_answers"],
-                "reused_tokens": now["reused_tokens"] - counters["reused_tokens"],
-                "prefilled_tokens": now["prefilled_tokens"] - counters["prefilled_tokens"],
-                "generated_tokens": now["generated_tokens"] - counters["generated_tokens"],
-            }
-        )
+        rows.append(_ask(query["question"], index, pc, sides))
         if rounds_first:
             idle.append(warm(progress=False, max_seconds=limit))
-        print(f"{app} {user.name} q{index}: {timings['before']:.2f}s -> {timings['after']:.2f}s same={rows[-1]['identical']}", flush=True)
+        print(f"{app} {user.name} q{index}: {rows[-1]['before_s']:.2f}s -> {rows[-1]['after_s']:.2f}s "
+              f"same={rows[-1]['identical']}", flush=True)  # fmt: skip
+    repeats = [_ask(q["question"], i, pc, sides) for i, q in enumerate(user.queries)] if args.repeats else []
     stats = pc.stats()
     before_mean = sum(r["before_s"] for r in rows) / len(rows)
     after_mean = sum(r["after_s"] for r in rows) / len(rows)
@@ -316,7 +437,18 @@ def _questions(
         "prompt_tokens": sum(r["reused_tokens"] + r["prefilled_tokens"] for r in rows),
         "chunk_states": stats["chunk_states"],
         "rows": rows,
+        **_repeat_summary(repeats),
     }
+
+
+def _repeat_summary(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The identical questions asked again: their mean latencies, ratio and identical count."""
+    if not repeats:
+        return {}
+    before = sum(r["before_s"] for r in repeats) / len(repeats)
+    after = sum(r["after_s"] for r in repeats) / len(repeats)
+    return {"repeat_before_mean_s": before, "repeat_after_mean_s": after, "repeat_ratio": after / before,
+            "repeat_identical": sum(r["identical"] for r in repeats), "repeat_rows": repeats}
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -349,15 +481,14 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def run_model(model: Path, apps: Sequence[str], users: Sequence[User], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every app over every user on one GGUF model; a row per app and user."""
-    engine = LlamaEngine(model, n_ctx=2048, n_batch=512, n_threads=args.threads)
-    stock = Stock(model, args.threads, args.max_tokens)
+    models = Models(model, args)
     servers = OpenAIServers(model, args.threads) if "openai" in apps else None
     results = []
     try:
         with tempfile.TemporaryDirectory() as folder:
             for app in apps:
                 for user in users:
-                    r = {"model": model.name, **run_user(user, app, args, engine, stock, Path(folder), servers)}
+                    r = {"model": model.name, **run_user(user, app, args, models, Path(folder), servers)}
                     results.append(r)
                     print(f"== {model.name} {app} {user.name}: {r['before_mean_s']:.3f}s -> {r['after_mean_s']:.3f}s "
                           f"({r['ratio']:.3f}x), {r['identical']}/{r['questions']} identical, idle {r['idle_seconds']:.0f}s, "
@@ -371,7 +502,8 @@ def run_model(model: Path, apps: Sequence[str], users: Sequence[User], args: arg
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_user_arguments(parser, qmsum_users=1, squad_users=1, queries=8)
-    parser.add_argument("--apps", default="langchain,llamaindex", help="comma-separated: langchain, llamaindex, openai")
+    parser.add_argument("--apps", default="langchain,llamaindex", help=f"comma-separated: {', '.join(APPS)}")
+    parser.add_argument("--repeats", action="store_true", help="then each question asked again (identical requests)")
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="one idle round of at most this long before each question")
     parser.add_argument("--evaluation-idle", action="store_true",
                         help="the evaluation's idle instead (as benchmarks.e2e gives PerCache's own pipeline): "
@@ -384,8 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     users = users_from_arguments(args)
     apps = args.apps.split(",")
-    if set(apps) - {"langchain", "llamaindex", "openai"}:
-        parser.error(f"unknown apps: {args.apps}")
+    if set(apps) - set(APPS):
+        parser.error(f"unknown apps: {args.apps} (known: {', '.join(APPS)})")
     results = []
     for model in model_paths(args.models):
         results += run_model(model, apps, users, args)

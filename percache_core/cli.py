@@ -155,11 +155,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise PerCacheError(f"percache serve needs the serve extra: pip install 'percache-core[serve]' ({error})") from None
 
     key = checked_api_key(args.host, args.api_key)  # before any work
+    if args.wait_upstream < 0:
+        raise PerCacheError("--wait-upstream must be 0 or more seconds")
     for pattern in args.documents or ():
         if not Path(pattern).expanduser().is_dir() and not document_files(pattern):
             raise PerCacheError(f"--documents {pattern}: no folder and no .txt, .md or .jsonl file there")
     config = shared_config(args.shared_url)
-    server = open_server(args.upstream, args.model, args.slot_save_path)
+    server = open_server(args.upstream, args.model, args.slot_save_path, wait_upstream_s=args.wait_upstream)
     settings = EndpointSettings(api_key=key, max_request_bytes=args.max_request_bytes)
     documents = tuple(args.documents or ())
     between = BetweenRequests(idle=(args.idle or bool(documents)) and not args.no_idle, documents=documents)
@@ -174,7 +176,10 @@ def _add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE})")
     serve.add_argument("--upstream", help="URL of a running llama-server (e.g. http://127.0.0.1:8081) or another OpenAI-compatible server (stored replies only)")
-    serve.add_argument("--model", help="a GGUF file: start a llama-server on it (instead of --upstream)")
+    serve.add_argument("--model", help="a GGUF file: start a llama-server on it (neither: the bundled model)")
+    serve.add_argument("--wait-upstream", type=float, default=60.0, metavar="SECONDS",
+                       help="how long to wait for --upstream to answer at start (default 60: one started "
+                            "beside this command may still be loading its model)")
     serve.add_argument("--slot-save-path", help="the upstream server's --slot-save-path folder (chunk states)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")

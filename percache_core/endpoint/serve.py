@@ -27,23 +27,33 @@ SHARED_SECRET_ENV = "PERCACHE_SHARED_SECRET"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def open_server(upstream: str | None, model: str | None, slot_save_path: str | None) -> LlamaServer | PlainUpstream:
+def open_server(
+    upstream: str | None, model: str | None, slot_save_path: str | None, *, wait_upstream_s: float = 0.0
+) -> LlamaServer | PlainUpstream:
     """The server to serve over: the one at *upstream*, a llama-server (its
     ``--slot-save-path`` folder as *slot_save_path*, else stored answers only) or another
     OpenAI-compatible server (:func:`~percache_core.endpoint.upstream.detect_upstream`:
-    stored replies only), or a llama-server started on the GGUF *model*.
+    stored replies only), waited for up to *wait_upstream_s* seconds (one started at the same
+    time is still loading); or a llama-server started on the GGUF *model* (neither given: the
+    bundled model, as ``percache ask`` loads it).
 
     Raises:
-        PerCacheError: neither or both of *upstream* and *model*; nothing OpenAI-compatible
-            at *upstream*.
+        PerCacheError: both *upstream* and *model*; nothing OpenAI-compatible at *upstream*
+            within the wait.
     """
-    if (upstream is None) == (model is None):
-        raise PerCacheError("give either --upstream URL (a running llama-server) or --model GGUF")
+    if upstream is not None and model is not None:
+        raise PerCacheError("give either --upstream URL (a running server) or --model GGUF, not both")
     if upstream is not None:
         key = os.environ.get("LLAMA_API_KEY")
-        if detect_upstream(upstream, key) == "openai":
+
+        def waiting() -> None:
+            print(f"percache serve: waiting up to {wait_upstream_s:g} s for the upstream at {upstream}", flush=True)
+
+        if detect_upstream(upstream, key, wait_s=wait_upstream_s, waiting=waiting) == "openai":
             return PlainUpstream(upstream, key)
         return LlamaServer(upstream, slot_save_path=slot_save_path, api_key=key)
+    if model is None:
+        print("percache serve: starting a llama-server on the bundled model (give --upstream or --model for another)")
     return LlamaServer.start(model, ServerLaunch(slot_save_path=slot_save_path))
 
 

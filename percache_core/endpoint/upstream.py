@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,21 +40,35 @@ def _json(reply: httpx.Response | None) -> Any:
         return None
 
 
-def detect_upstream(url: str, api_key: str | None = None) -> UpstreamKind:
+def detect_upstream(
+    url: str, api_key: str | None = None, *, wait_s: float = 0.0, waiting: Callable[[], None] | None = None
+) -> UpstreamKind:
     """``"llama-server"`` where ``/props`` gives llama-server's generation settings, else
-    ``"openai"`` where ``/v1/models`` lists models.
+    ``"openai"`` where ``/v1/models`` lists models; asked again every half second for up to
+    *wait_s* seconds while neither answers (an upstream started at the same time is still
+    loading its model: a llama-server answers 503 then), *waiting* called once when it starts
+    to wait.
 
     Raises:
-        PerCacheError: neither answers (no server there, or not an OpenAI-compatible one).
+        PerCacheError: neither answers within *wait_s* (no server there, or not an
+            OpenAI-compatible one).
     """
     base = url.rstrip("/")
-    props = _json(_get(base + "/props", api_key))
-    if isinstance(props, dict) and "default_generation_settings" in props:
-        return "llama-server"
-    models = _json(_get(base + "/v1/models", api_key))
-    if isinstance(models, dict) and isinstance(models.get("data"), list):
-        return "openai"
-    raise PerCacheError(f"no OpenAI-compatible server answers at {url} (neither /props nor /v1/models)")
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        props = _json(_get(base + "/props", api_key))
+        if isinstance(props, dict) and "default_generation_settings" in props:
+            return "llama-server"
+        models = _json(_get(base + "/v1/models", api_key))
+        if isinstance(models, dict) and isinstance(models.get("data"), list):
+            return "openai"
+        if time.monotonic() >= deadline:
+            waited = f" within {wait_s:g} s" if wait_s > 0 else ""
+            raise PerCacheError(f"no OpenAI-compatible server answers at {url}{waited} (neither /props nor /v1/models)")
+        if waiting is not None:
+            waiting()
+            waiting = None
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 @dataclass

@@ -13,7 +13,8 @@ one-call logits bit for bit; with repacking, cuts must also fall on multiples of
 :func:`measure_cut_rule` finds such a :class:`CutRule` for a loaded engine among
 :data:`CANDIDATES`: a prompt (two lengths that are not multiples of 4) is prefilled in one
 call, then again cut in several ways that obey the rule, and the rule holds when every
-last-position logit row is bit-identical. A caller's prompt may then be cut wherever a
+last-position logit row is bit-identical; then a long prompt (past two sliding windows, or
+1,101 tokens), cut near a third and two thirds, the same way. A caller's prompt may then be cut wherever a
 state is worth keeping (within the rule), and its output equals a one-call prefill's with
 or without stored states. ``None``: no candidate holds on this build (callers then keep a
 layout that does not depend on the cache).
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import Engine, EngineVerdicts
+from .probe_text import probe_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -127,14 +129,36 @@ def _first_exact_rule(engine: Engine) -> CutRule | None:
     tokens = engine.tokenize(PROBE_PROMPT, True)
     prompts = [tokens[:n] for n in _LENGTHS if n <= len(tokens)]
     references = [_last_logits(engine, [prompt]) for prompt in prompts]
+    long: list[int] | None = None
     for rule in CANDIDATES:
         if all(
             np.array_equal(_last_logits(engine, pieces), reference)
             for prompt, reference in zip(prompts, references)
             for pieces in cut_schedules(prompt, rule)
         ):
-            return rule
+            long = long if long is not None else probe_tokens(engine, _long_length(engine))
+            if _long_cuts_hold(engine, long, rule):
+                return rule
     return None
+
+
+def _long_length(engine: Engine) -> int:
+    """The long prompt's length: past two sliding windows (pieces that each cross one) or
+    1,101 tokens, within the context; not a multiple of 4."""
+    window = int(getattr(engine, "n_swa", 0) or 0)
+    return min(int(getattr(engine, "n_ctx", 2048)) - 1, max(2 * window + 109, 1101)) // 4 * 4 + 1
+
+
+def _long_cuts_hold(engine: Engine, tokens: list[int], rule: CutRule) -> bool:
+    """Whether *tokens* cut near a third and two thirds (under *rule*) give the one call's
+    last logits: the cuts a framework's long passages make, past the model's window."""
+    n = len(tokens)
+    cuts = [position // rule.multiple * rule.multiple for position in (n // 3, 2 * n // 3)]
+    if not (rule.allows(0, cuts[0], n) and rule.allows(cuts[0], cuts[1], n)):
+        return True  # too short a context to cut: the short prompts decide
+    reference = _last_logits(engine, [tokens])
+    pieces = [tokens[: cuts[0]], tokens[cuts[0] : cuts[1]], tokens[cuts[1] :]]
+    return bool(np.array_equal(_last_logits(engine, pieces), reference))
 
 
 def cut_schedules(tokens: list[int], rule: CutRule) -> list[list[list[int]]]:

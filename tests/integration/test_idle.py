@@ -17,12 +17,21 @@ STEP_ALONE = dict(IDLE, prediction=False, knowledge_prefill=False)
 
 
 def all_nodes_restorable(pc) -> bool:
-    engine = internals(pc).engine
+    """Whether every stored node's path restores (its first state loaded, the slices after it appended)."""
+    engine, states = internals(pc).engine, internals(pc).states
+
+    def restores(node) -> bool:
+        chain = states.chain(node)
+        if not chain:
+            return False
+        first, *rest = chain
+        data = states.get(first)
+        if data is None or not engine.load_state(data, first.n_tokens):
+            return False
+        return all((piece := states.get(n)) is not None and engine.append_slice(piece, n.n_tokens) for n in rest)
+
     with engine.lock:
-        return all(
-            (data := internals(pc).states.get(node)) is not None and engine.load_state(data, node.n_tokens)
-            for node in internals(pc).tree.nodes
-        )
+        return all(restores(node) for node in internals(pc).tree.nodes)
 
 
 def test_warm_round_predicts_and_populates_both_tiers_below_the_cutoff(make_cache):

@@ -2,7 +2,7 @@
 model: the start-up round trip, answers identical to whole states and to no cache, a
 broken chain falling back to a shorter prefix, and the bytes saved on deep paths."""
 
-from percache_core.engines.llama_cpp.slicing import slices_round_trip
+from percache_core.engines.llama_cpp.slicing import state_round_trip
 from percache_core.inspection import internals
 
 QUESTIONS = [
@@ -14,8 +14,12 @@ QUESTIONS = [
 ]
 
 
-def test_the_bundled_engine_passes_the_round_trip(engine):
-    assert slices_round_trip(engine)
+def test_the_bundled_engine_passes_the_round_trip_past_its_window(engine):
+    # the session engine: n_ctx 2048, Gemma 3's window 512: whole states, slices and the
+    # prefill after them each cross the window
+    assert engine.n_swa == 512
+    verdict = state_round_trip(engine)
+    assert verdict.slices and verdict.reach == engine.n_ctx
     assert engine.n_past == 0  # the check leaves an empty sequence
 
 

@@ -100,8 +100,10 @@ def test_serve_refuses_an_open_address_without_a_key_before_any_work(
     monkeypatch.delenv("PERCACHE_API_KEY", raising=False)
     assert main(["serve", "--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9"]) == 2
     assert "needs --api-key" in capsys.readouterr().err
-    assert main(["serve", "--cache", "x"]) == 2  # neither --upstream nor --model
-    assert "--upstream" in capsys.readouterr().err
+    assert main(["serve", "--cache", "x", "--upstream", "http://127.0.0.1:9", "--model", "m.gguf"]) == 2  # both
+    assert "not both" in capsys.readouterr().err
+    assert main(["serve", "--upstream", "http://127.0.0.1:9", "--wait-upstream", "-1"]) == 2
+    assert "--wait-upstream" in capsys.readouterr().err
     monkeypatch.delenv("PERCACHE_SHARED_SECRET", raising=False)
     assert main(["serve", "--upstream", "http://127.0.0.1:9", "--shared-url", "redis://127.0.0.1:9/0"]) == 2
     assert "PERCACHE_SHARED_SECRET" in capsys.readouterr().err

@@ -33,6 +33,7 @@ import numpy as np
 from ...errors import EngineError, ModelNotFoundError, missing_dependency
 from ...kv.cuts import batch_bounds
 from ...kv.engine import Sampling
+from ...kv.state_cells import laid_out_as_prefill
 from ...models import file_identity, file_sha256
 from .compute_thread import ComputeThread, on_compute_thread
 from .text_model import LlamaTextModel
@@ -40,6 +41,7 @@ from .text_model import LlamaTextModel
 logger = logging.getLogger(__name__)
 
 _SCRATCH = 1  # the sequence id state slices pass through
+_STATE_HEADER = 8  # a sequence state's magic and sequence id, before its cells
 _backend_lock = threading.Lock()
 _backend_ready = False
 _silent_log_callback = None  # kept alive for the process lifetime once installed
@@ -91,6 +93,11 @@ def _processor_identity() -> str:
 def _readonly_pointer(data: bytes):
     """*data* as the uint8 pointer llama.cpp reads states from (no copy)."""
     return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+
+
+def _holds(lc: Any, memory: Any, sequence: int, start: int, end: int) -> bool:
+    """Whether *sequence* of *memory* holds positions *start* to *end* - 1 (none outside)."""
+    return lc.llama_memory_seq_pos_max(memory, sequence) == end - 1 and lc.llama_memory_seq_pos_min(memory, sequence) == start
 
 
 def _init_backend(lc, verbose: bool) -> None:
@@ -278,10 +285,15 @@ class LlamaEngine(LlamaTextModel):
 
     @on_compute_thread
     def load_state(self, data: bytes, n_tokens: int) -> bool:
-        """Replace the sequence with *data* saved at *n_tokens*; False if llama.cpp refuses."""
+        """Replace the sequence with *data* saved at *n_tokens*, its cells laid out as a
+        fresh prefill's (:func:`~percache_core.kv.state_cells.laid_out_as_prefill`); False
+        (sequence empty) if llama.cpp refuses it or it cannot be laid out so."""
         self.reset()  # counts as a change
-        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(data), len(data), 0)
-        if read == 0 or self._lc.llama_memory_seq_pos_max(self._memory, 0) != n_tokens - 1:
+        laid_out = laid_out_as_prefill(data, _STATE_HEADER, 0, n_tokens, self.n_swa)
+        if laid_out is None:
+            return False
+        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(laid_out), len(laid_out), 0)
+        if read == 0 or not _holds(self._lc, self._memory, 0, 0, n_tokens):
             self.reset()
             return False
         self.n_past = n_tokens
@@ -334,11 +346,14 @@ class LlamaEngine(LlamaTextModel):
     def append_slice(self, data: bytes, n_tokens: int) -> bool:
         """Add a slice saved by :meth:`save_slice` that ends at *n_tokens* after the current
         sequence (the slice must start at ``n_past``). The slice is read into scratch
-        sequence 1 and its cells then shared with sequence 0; they keep their positions.
-        False (sequence unchanged) if llama.cpp refuses it or its positions do not fit."""
+        sequence 1, its cells laid out as a fresh prefill's (see :meth:`load_state`), and then
+        shared with sequence 0; they keep their positions. False (sequence unchanged) if
+        llama.cpp refuses it or its positions do not fit."""
         memory = self._memory
         self.changes += 1
-        fits = self._read_into_scratch(data, n_tokens)
+        laid_out = laid_out_as_prefill(data, _STATE_HEADER, self.n_past, n_tokens, self.n_swa)
+        fits = laid_out is not None and self._read_into_scratch(laid_out, n_tokens)
+        fits = fits and _holds(self._lc, memory, _SCRATCH, self.n_past, n_tokens)
         fits = fits and self._lc.llama_memory_seq_pos_max(memory, 0) == self.n_past - 1
         if fits:
             self._lc.llama_memory_seq_cp(memory, _SCRATCH, 0, -1, -1)

@@ -4,7 +4,8 @@ token by :class:`~percache_core.engines.llama_cpp.runner.PromptRunner`.
 
 Its states are kept at the state points of the engine's cut rule (measured once, see
 :func:`~percache_core.kv.cuts.measure_cut_rule`), as slices where the engine passes a
-round trip at opening (:mod:`percache_core.engines.llama_cpp.slicing`) and whole otherwise.
+round trip at opening (:mod:`percache_core.engines.llama_cpp.slicing`) and whole otherwise,
+and only as deep as that round trip proved exact.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ...serving.prompting import TEMPLATE_VERSION
 from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .engine import LlamaEngine, load_identity
 from .runner import PromptRunner
-from .slicing import slices_work
+from .slicing import known_state_layout, state_layout
 
 
 def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> LlamaEngine:
@@ -62,7 +63,7 @@ class InProcessKind:
         # PerCache's own prompt takes its states at the cut rule's state points (in stock's
         # calls), or at segment ends without a rule: the two are never mixed
         rule = measure_cut_rule(engine)
-        slices = live.current.tiers.chunk_state_slices and slices_work(engine)
+        slices = state_layout(engine).slices and live.current.tiers.chunk_state_slices
         calls = "segment-calls" if rule is None else f"stock-calls-{rule.min_tokens}-{rule.multiple}"
         fingerprint = engine.fingerprint(f"{TEMPLATE_VERSION}|{'slices' if slices else 'whole'}|{calls}")
         return PromptRunner(engine, place.open(fingerprint, slices=slices), live, budget=budget)
@@ -71,18 +72,23 @@ class InProcessKind:
         return PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
 
     def self_check(self, engine: Engine, config: PerCacheConfig) -> None:
-        """The cuts that leave a prefill's logits unchanged, the batched-logit bound of
-        draft verification and whether drafts pay on this machine."""
+        """The cuts that leave a prefill's logits unchanged, which states restore exactly up
+        to ``n_ctx`` (the round trip at opening proved a shorter reach where ``n_ctx`` is
+        longer), the batched-logit bound of draft verification and whether drafts pay on
+        this machine."""
         measure_cut_rule(engine)
+        state_layout(engine, engine.n_ctx)
         with engine.lock:
             deviation_bound(engine)
             drafts_pay(engine)
 
     def self_check_report(self, engine: Engine, config: PerCacheConfig) -> dict[str, Any]:
         ran, rule = known_cut_rule(engine)
+        layout = known_state_layout(engine)
         return {
             "ran": ran,
             "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
+            "state_layout": None if layout is None else {"slices": layout.slices, "reach_tokens": layout.reach},
             "draft_bound_logits": known_bound(engine),
             "drafts_pay": known_drafts_pay(engine),
             "repack_weights": config.engine.repack_weights,

@@ -23,6 +23,7 @@ from ...errors import PerCacheError
 from ...kv.cuts import batch_bounds, measure_cut_rule
 from ...kv.engine import Decoding, Engine
 from ...kv.tiers import TieredStateStore
+from ...kv.tree import StateNode
 from ...serving.live_prefix import LiveContext, call_starts
 from ...serving.prompting import (
     PromptLayout,
@@ -94,11 +95,13 @@ class PromptRunner(StateRunner):
         with engine.lock:
             self.flush()  # the states earlier runs took are stored before any lookup
             live = self._live if self._live is not None and self._live.changes == engine.changes else None
+            if options.restore_depth is not None:  # stored states only (calibration, the exactness sweep)
+                live = None
             layout, kept = self.restorer.reuse_point(layout, states, live)
             segments = [list(s.tokens) for s in layout.segments]
             keys = self._keys(layout, states)
-            if options.restore_depth is not None:  # (calibrating composed states: as if the path were new)
-                keys, kept = keys[: options.restore_depth], 0
+            if options.restore_depth is not None:  # as if the path were new past that depth
+                keys = keys[: options.restore_depth]
             if options.prefix_only:
                 segments = segments[:-1]
             result = RunResult(layout)
@@ -108,6 +111,21 @@ class PromptRunner(StateRunner):
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
+
+    @property
+    def reach(self) -> int:
+        """The deepest a chunk state may end on this engine, in tokens: what its start-up
+        round trip proved restores exactly (:func:`~percache_core.engines.llama_cpp.slicing.state_layout`;
+        0 before it ran). Deeper states are neither kept nor restored."""
+        layout = slicing.known_state_layout(self.engine)
+        return layout.reach if layout is not None else 0
+
+    def stored_prefixes(self, keys: Sequence[str]) -> list[StateNode]:
+        """The stored prefixes among *keys* within :attr:`reach`, deepest first."""
+        if not keys or self.states is None:
+            return []
+        reach = self.reach
+        return [node for node in self.states.candidates(keys, budget_bytes=self.budget_bytes) if node.n_tokens <= reach]
 
     def bytes_per_token(self) -> float:
         """The bytes a stored state slice takes per token on the engine, measured once."""
@@ -188,6 +206,7 @@ class PromptRunner(StateRunner):
             if not result.approximate:  # the next prompt may keep what this one prefilled
                 self._live = LiveContext(tuple(prompt), tuple(starts), engine.changes)
             clock = time.perf_counter()
+            pending = [index for index in pending if result.layout.state_point(index) <= self.reach]
             if pending and not result.approximate:
                 new_states = taken_states(engine, self.states, result.layout, keys, new_states, pending)
             if new_states:
@@ -346,6 +365,8 @@ class PromptRunner(StateRunner):
         Returns it as the parent of the next."""
         engine, states = self.engine, self.states
         parent_key, start = parent
+        if engine.n_past > self.reach:  # not proved to restore exactly (nor any deeper one)
+            return parent
         data = engine.save_slice(start) if states.slices and start else engine.save_state()
         new_states.append(NewState(index, parent_key or states.root_key, data, engine.n_past))
         return key, engine.n_past
@@ -359,7 +380,7 @@ class PromptRunner(StateRunner):
 
         def rebuild() -> None:
             layout = result.layout
-            candidates = self.states.candidates(keys, budget_bytes=self.budget_bytes) if keys else []
+            candidates = self.stored_prefixes(keys)
             if layout.stock_calls and not options.approximate:
                 # what the context held is gone: stored states only, then stock's calls
                 end = sum(map(len, segments))

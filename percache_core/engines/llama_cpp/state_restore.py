@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class StateRestorer:
-    """Restores prefixes for *runner* (its engine, stored states and budget; a failed
+    """Restores prefixes for *runner* (only those within the reach its engine's round trip
+    proved: :attr:`PromptRunner.reach`) (its engine, stored states and budget; a failed
     restore is counted in its ``restore_failures``): :meth:`reuse_point`,
     :meth:`keep_or_restore`, :meth:`restore_or_reset`, :meth:`restore`, :meth:`usable`,
     :meth:`independent_state` and :meth:`compose`."""
@@ -37,7 +38,7 @@ class StateRestorer:
         used where no stored state is as deep), else empty it: (segments, tokens) in place,
         and whether they are the context's."""
         ends = layout.ends
-        candidates = self.runner.states.candidates(keys, budget_bytes=self.runner.budget_bytes) if keys else []
+        candidates = self.runner.stored_prefixes(keys)
         live_ok = live is not None and live.changes == self.runner.engine.changes
         if layout.stock_calls:  # the context is kept where it holds more state points
             assert layout.rule is not None
@@ -82,7 +83,7 @@ class StateRestorer:
         A node's depth is its place among *keys* (a caller's prompt is keyed by its leading
         tokens, so the same node ends other segments in other layouts)."""
         if candidates is None:
-            candidates = self.runner.states.candidates(keys, budget_bytes=self.runner.budget_bytes)
+            candidates = self.runner.stored_prefixes(keys)
         for node in candidates:
             chain = self.runner.states.chain(node)
             if chain is None:
@@ -140,7 +141,7 @@ class StateRestorer:
     def _stored_text_prefix(self, tokens: Sequence[int], rule: CutRule) -> int:
         """The length of the longest stored state of a caller's prompt that *tokens* start
         with and that leaves at least ``rule.min_tokens`` to prefill (0: none)."""
-        limit = len(tokens) - rule.min_tokens
+        limit = min(len(tokens) - rule.min_tokens, self.runner.reach)
         lengths = sorted({n.n_tokens for n in self.runner.states.tree.nodes if n.label == "text" and n.n_tokens <= limit})
         lengths = [n for n in lengths if n % rule.multiple == 0 and n >= rule.min_tokens]
         if not lengths:

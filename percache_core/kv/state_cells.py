@@ -1,0 +1,228 @@
+"""The cells of a llama.cpp sequence state, as both llama.cpp engines keep them: read,
+cut to a range of positions and laid out again as a fresh prefill lays them out.
+
+A sequence's state (``llama_state_seq_get_data`` in the process, the part of a slot file
+after its token list on a server) is, per KV cache (one; a sliding-window model has two:
+the full-attention cache, then the sliding-window one): the stream count (1), the cell
+count, each cell's position and sequence id, then per layer the K rows and per layer the
+V rows (V element by element when transposed, as with flash attention off).
+
+**Why the layout matters.** A sliding-window cache does not write the cells its window has
+passed: a state saved after N tokens holds only the last *window* of them there. No later
+token attends to those cells, but a restore that lacks them puts the others in other cells
+than a fresh prefill does (llama.cpp places restored cells from the cache's head), and the
+attention then sums in another order: measured on Gemma 3 270M, in the process (a
+1,064-token state restored, 1,096 tokens prefilled: other logits, 0.74 apart, and another
+answer) and through the server. With the missing cells put back as zero cells before the
+state is loaded (:func:`laid_out_as_prefill`), every cell sits where a fresh prefill puts
+it and the logits are bit-identical (the engines' start-up round trips check this on each
+build).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One layer's K or V rows: its *header* as written, then *groups* runs of one row of
+    *size* bytes per cell (1 run; V transposed: one per embedding element)."""
+
+    header: bytes
+    size: int
+    groups: int
+    data: memoryview  # groups x cells x size
+
+    def rows(self, count: int, keep: list[int]) -> list[bytes | memoryview]:
+        """The rows of the cells *keep* (of *count*), run by run."""
+        out: list[bytes | memoryview] = []
+        contiguous = bool(keep) and keep == list(range(keep[0], keep[0] + len(keep)))
+        for group in range(self.groups):
+            base = group * count * self.size
+            if contiguous:  # one copy
+                out.append(self.data[base + keep[0] * self.size : base + (keep[-1] + 1) * self.size])
+            else:
+                out += [self.data[base + i * self.size : base + (i + 1) * self.size] for i in keep]
+        return out
+
+
+@dataclass(frozen=True)
+class CacheCells:
+    """One KV cache's cells: (position, sequence id) per cell in file order, and per layer
+    its K rows, then per layer its V rows."""
+
+    cells: list[tuple[int, int]]
+    v_trans: int
+    layers: list[Rows]  # K of every layer, then V of every layer
+
+
+def read_caches(saved: bytes | memoryview, offset: int) -> list[CacheCells]:
+    """The KV caches of a sequence state whose cells start at *offset* of *saved*. Raises
+    ValueError or struct.error on what it cannot read (several streams, a cell of several
+    sequences, cells with extra fields, bytes left over)."""
+    data = memoryview(saved)
+    caches = []
+
+    def take(fmt: str) -> tuple[int, ...]:
+        nonlocal offset
+        values = struct.unpack_from(fmt, data, offset)
+        offset += struct.calcsize(fmt)
+        return values
+
+    def rows(header_fmt: str, size: int, groups: int, cell_count: int, header: tuple[int, ...]) -> Rows:
+        nonlocal offset
+        length = groups * cell_count * size
+        if offset + length > len(data):
+            raise ValueError("truncated rows")
+        block = Rows(struct.pack(header_fmt, *header), size, groups, data[offset : offset + length])
+        offset += length
+        return block
+
+    while offset < len(data):
+        n_stream, cell_count = take("<II")
+        if n_stream != 1:
+            raise ValueError(f"{n_stream} streams")
+        cells = []
+        for _ in range(cell_count):
+            pos, n_seq = take("<iI")
+            if n_seq != 1:
+                raise ValueError("a cell of several sequences")
+            cells.append((pos, take("<i")[0]))
+        v_trans, n_layer = take("<II")
+        if v_trans > 1:
+            raise ValueError("not a cell layout this module reads")
+        layers = []
+        for _ in range(n_layer):
+            header = take("<iQ")
+            layers.append(rows("<iQ", header[1], 1, cell_count, header))
+        for _ in range(n_layer):
+            if v_trans:
+                header = take("<iII")
+                layers.append(rows("<iII", header[1], header[2], cell_count, header))
+            else:
+                header = take("<iQ")
+                layers.append(rows("<iQ", header[1], 1, cell_count, header))
+        caches.append(CacheCells(cells, v_trans, layers))
+    if offset != len(data) or not caches:
+        raise ValueError("unread bytes")
+    return caches
+
+
+def write_caches(caches: Sequence[CacheCells], *, sequence: int | None = None) -> list[bytes | memoryview]:
+    """The bytes of *caches* (to join after a header), each cell's sequence id set to
+    *sequence* where given."""
+    out: list[bytes | memoryview] = []
+    for cache in caches:
+        out.append(struct.pack("<II", 1, len(cache.cells)))
+        out += [struct.pack("<iIi", pos, 1, seq if sequence is None else sequence) for pos, seq in cache.cells]
+        out.append(struct.pack("<II", cache.v_trans, len(cache.layers) // 2))
+        for block in cache.layers:
+            out += [block.header, block.data]
+    return out
+
+
+def select_cells(cache: CacheCells, start: int, end: int, window: int) -> CacheCells | None:
+    """*cache* with only the cells of positions ``start .. end-1``; None where one is
+    missing or doubled (with a *window*, cells before ``end - window`` may be missing)."""
+    keep = [i for i, (pos, _) in enumerate(cache.cells) if start <= pos < end]
+    held = sorted(cache.cells[i][0] for i in keep)
+    needed = list(range(max(start, end - window) if window else start, end))
+    if len(set(held)) != len(held) or held[len(held) - len(needed) :] != needed:
+        return None
+    count = len(cache.cells)
+    layers = [
+        Rows(block.header, block.size, block.groups, memoryview(b"".join(block.rows(count, keep))))
+        for block in cache.layers
+    ]
+    return CacheCells([cache.cells[i] for i in keep], cache.v_trans, layers)
+
+
+def join_cells(parts: list[CacheCells], end: int, window: int, start: int = 0) -> CacheCells | None:
+    """The cells of *parts* one after another, as the cells of positions ``start ..
+    end-1`` in order: positions a part lacks before ``end - window`` (with a *window*) get
+    zero cells; None where the layouts differ or another cell is missing."""
+    first = parts[0]
+    if any(p.v_trans != first.v_trans or [b.header for b in p.layers] != [b.header for b in first.layers] for p in parts):
+        return None
+    cells: list[tuple[int, int]] = []
+    pieces: list[tuple[int, CacheCells | None]] = []  # (zero cells, None) or (0, a part), in position order
+    for part in parts:
+        positions = [pos for pos, _ in part.cells]
+        if not positions:
+            continue
+        following = start + len(cells)  # the position the next cell must have
+        if positions != list(range(positions[0], positions[0] + len(positions))) or positions[0] < following:
+            return None  # not one run of positions after the ones before
+        gap = positions[0] - following
+        if gap:
+            if not window or positions[0] > end - window:
+                return None  # a cell a later token attends to is missing
+            pieces.append((gap, None))
+            cells += [(pos, part.cells[0][1]) for pos in range(following, positions[0])]
+        pieces.append((0, part))
+        cells += part.cells
+    if len(cells) != end - start:
+        return None
+    layers = []
+    for index, block in enumerate(first.layers):
+        runs: list[bytes | memoryview] = []
+        for group in range(block.groups):
+            for zeros, part in pieces:
+                if part is None:
+                    runs.append(bytes(zeros * block.size))
+                    continue
+                size = len(part.cells) * block.size
+                runs.append(part.layers[index].data[group * size : (group + 1) * size])
+        layers.append(Rows(block.header, block.size, block.groups, memoryview(b"".join(runs))))
+    return CacheCells(cells, first.v_trans, layers)
+
+
+def laid_out_as_prefill(state: bytes, header: int, start: int, end: int, window: int) -> bytes | None:
+    """The sequence state *state* (cells after *header* bytes) of positions ``start ..
+    end-1``, with zero cells where a sliding-window cache lacks cells its *window* has
+    passed, so that loaded into a sequence of *start* tokens its cells lie as a fresh
+    prefill's do; *state* itself where no cell is missing (or the model has no window);
+    None where it cannot be read or lacks a cell that a later token attends to.
+
+    >>> laid_out_as_prefill(b"abc", 0, 0, 3, 0)
+    b'abc'
+    """
+    if not window:
+        return state
+    try:
+        caches = read_caches(state, header)
+    except (struct.error, ValueError):
+        return None
+    if all([pos for pos, _ in cache.cells] == list(range(start, end)) for cache in caches):
+        return state
+    padded = [_after_zero_cells(cache, start, end, window) for cache in caches]
+    if any(cache is None for cache in padded):
+        return None
+    return b"".join([bytes(state[:header]), *write_caches(padded)])  # type: ignore[arg-type]
+
+
+def _after_zero_cells(cache: CacheCells, start: int, end: int, window: int) -> CacheCells | None:
+    """*cache*, whose cells are one run of positions ending at ``end - 1``, as the cells of
+    positions ``start .. end-1``: zero cells before its first (one copy a layer; the general
+    case is :func:`join_cells`); None where a cell within the last *window* is missing."""
+    positions = [pos for pos, _ in cache.cells]
+    first = positions[0] if positions else end
+    if positions != list(range(first, end)) or first < start or first > max(start, end - window):
+        return None
+    gap = first - start
+    if not gap:
+        return cache
+    sequence = cache.cells[0][1]
+    cells = [(pos, sequence) for pos in range(start, first)] + cache.cells
+    layers = []
+    for block in cache.layers:
+        rows = np.frombuffer(block.data, dtype=np.uint8).reshape(block.groups, len(positions) * block.size)
+        padded = np.zeros((block.groups, len(cells) * block.size), dtype=np.uint8)
+        padded[:, gap * block.size :] = rows
+        layers.append(Rows(block.header, block.size, block.groups, memoryview(padded).cast("B")))
+    return CacheCells(cells, cache.v_trans, layers)
