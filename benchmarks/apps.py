@@ -149,7 +149,7 @@ def langchain_tutorial_sides(
     """LangChain's RAG tutorial app: the user's files split by
     ``RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=200)`` into an
     ``InMemoryVectorStore``, ``as_retriever()`` (4 passages), the tutorial's prompt (the
-    question before the context); before on stock, after with the README's swap (the
+    question before the context), no stop string; before on stock, after with the README's swap (the
     splits are *pc*'s knowledge). The prompts each side sent."""
     from langchain_core.documents import Document
     from langchain_core.vectorstores import InMemoryVectorStore
@@ -161,7 +161,7 @@ def langchain_tutorial_sides(
     store = InMemoryVectorStore(minilm_embeddings(pc))
     store.add_documents(splits)
     retriever = store.as_retriever()
-    return lcel_sides(pc, stock, retriever, LANGCHAIN_TUTORIAL, max_tokens)
+    return lcel_sides(pc, stock, retriever, LANGCHAIN_TUTORIAL, max_tokens, stop=())  # the tutorial sets none
 
 
 def stock_langchain_llm(stock: Stock) -> Any:
@@ -210,10 +210,11 @@ def langchain_sides(pc: PerCache, stock: Stock, k: int, max_tokens: int) -> tupl
 
 
 def lcel_sides(
-    pc: PerCache, stock: Stock, retriever: Any, template: str, max_tokens: int
+    pc: PerCache, stock: Stock, retriever: Any, template: str, max_tokens: int, stop: Sequence[str] = ("\n",)
 ) -> tuple[Callable[[str], str], Callable[[str], str], list[str]]:
     """An LCEL app ``{context: retriever | join, question} | prompt | llm | parser`` with
-    *template* before (stock) and after (the README's swap on *pc*), and the prompts each sent."""
+    *template* and *stop* before (stock) and after (the README's swap on *pc*), and the
+    prompts each sent."""
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import PromptTemplate
     from langchain_core.runnables import RunnablePassthrough
@@ -228,10 +229,10 @@ def lcel_sides(
         return value
 
     join = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731
-    before_llm = stock_langchain_llm(stock).bind(stop=["\n"])
+    before_llm = stock_langchain_llm(stock).bind(stop=list(stop))
     before = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | keep | before_llm | StrOutputParser()
     wrapped = PerCacheRetriever(inner=retriever, percache=pc, add_to_knowledge=False)
-    llm = PerCacheLLM(percache=pc, cache=PerCacheLLMCache(pc), max_new_tokens=max_tokens, stop=["\n"])
+    llm = PerCacheLLM(percache=pc, cache=PerCacheLLMCache(pc), max_new_tokens=max_tokens, stop=list(stop))
     after = {"context": wrapped | join, "question": RunnablePassthrough()} | prompt | keep | llm | StrOutputParser()
     return before.invoke, after.invoke, sent
 
@@ -363,7 +364,8 @@ def run_user(
             else:
                 before, after, sent = langchain_tutorial_sides(pc, user, stock, args.max_tokens)
             warm = pc.warm
-            fresh = lambda question: stock.fresh(stock.complete, sent[-1])  # noqa: E731
+            stop = ("\n",) if app == "langchain" else ()
+            fresh = lambda question: stock.fresh(lambda text: stock.complete(text, stop), sent[-1])  # noqa: E731
         row = _questions(user, app, args, pc, (before, after, fresh), warm)
     pc.close()  # (after the endpoint stopped serving)
     return row

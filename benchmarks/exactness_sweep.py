@@ -98,7 +98,8 @@ def make_prompts(engine: Any, material: list[tuple[str, list[str]]], count: int,
         size = int(rng.choice(CHUNK_TOKENS))
         most = max(1, min(6, budget // size))
         passages = []
-        for _ in range(int(rng.integers(1, most + 1))):
+        many = most if rng.random() < 0.5 else int(rng.integers(1, most + 1))  # every state point is a pair
+        for _ in range(many):
             start = int(rng.integers(0, max(1, len(tokens) - size)))
             passages.append(detokenize(engine, tokens[start : start + size]))
         template = TEMPLATES[len(prompts) // 3 % len(TEMPLATES)]

@@ -182,28 +182,31 @@ def join_cells(parts: list[CacheCells], end: int, window: int, start: int = 0) -
     return CacheCells(cells, first.v_trans, layers)
 
 
-def laid_out_as_prefill(state: bytes, header: int, start: int, end: int, window: int) -> bytes | None:
+def laid_out_as_prefill(state: bytes, header: int, start: int, end: int, window: int) -> tuple[bytes, int] | None:
     """The sequence state *state* (cells after *header* bytes) of positions ``start ..
     end-1``, with zero cells where a sliding-window cache lacks cells its *window* has
     passed, so that loaded into a sequence of *start* tokens its cells lie as a fresh
-    prefill's do; *state* itself where no cell is missing (or the model has no window);
-    None where it cannot be read or lacks a cell that a later token attends to.
+    prefill's do; and the position after the last zero cell (*start*: none). *state* itself
+    where no cell is missing (or the model has no window); None where it cannot be read or
+    lacks a cell that a later token attends to. The zero cells stand in for cells no later
+    token attends to: a sequence cut back to fewer tokens must not attend to them either.
 
     >>> laid_out_as_prefill(b"abc", 0, 0, 3, 0)
-    b'abc'
+    (b'abc', 0)
     """
     if not window:
-        return state
+        return state, start
     try:
         caches = read_caches(state, header)
     except (struct.error, ValueError):
         return None
+    firsts = [cache.cells[0][0] if cache.cells else end for cache in caches]
     if all([pos for pos, _ in cache.cells] == list(range(start, end)) for cache in caches):
-        return state
+        return state, start
     padded = [_after_zero_cells(cache, start, end, window) for cache in caches]
     if any(cache is None for cache in padded):
         return None
-    return b"".join([bytes(state[:header]), *write_caches(padded)])  # type: ignore[arg-type]
+    return b"".join([bytes(state[:header]), *write_caches(padded)]), max(firsts)  # type: ignore[arg-type]
 
 
 def _after_zero_cells(cache: CacheCells, start: int, end: int, window: int) -> CacheCells | None:

@@ -42,6 +42,9 @@ def test_whole_states_and_slices_past_the_window_restore_the_live_logits(engine)
         assert engine.load_state(whole, 1064)
         engine.eval(tokens[1064:1800])
         assert np.array_equal(engine.last_logits(), live)
+        assert engine.truncate(1200)  # its last 512 positions are real cells
+        assert engine.load_state(whole, 1064)
+        assert not engine.truncate(700)  # positions 188-551 are zero cells now: a rebuild, never a wrong answer
 
         assert engine.load_state(first, 300) and engine.append_slice(piece, 1064)
         engine.eval(tokens[1064:1800])

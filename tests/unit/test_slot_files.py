@@ -101,3 +101,22 @@ def test_cells_a_sliding_window_passed_come_back_as_zero_cells() -> None:
         joined = slot_file(tokens, section(list(range(10))), section(list(range(10)), v_trans=v_trans, zero_below=2))
         assert slot_file_join([head, tail], window) == joined
         assert slot_file_join([head, tail]) is None  # no window: the missing cells are refused
+
+
+def test_an_in_process_state_gets_zero_cells_where_the_window_left_none() -> None:
+    from percache_core.kv.state_cells import laid_out_as_prefill
+
+    header = struct.pack("<Ii", 0xAF143CD8, 0)  # an in-process state's magic and sequence id
+    whole = header + section(list(range(6)), v_trans=True) + section([3, 4, 5], v_trans=True)
+    laid_out = laid_out_as_prefill(whole, 8, 0, 6, window=3)
+    expected = header + section(list(range(6)), v_trans=True) + section(list(range(6)), v_trans=True, zero_below=3)
+    assert laid_out == (expected, 3)
+    # a slice of positions 2..5: zero cells from its start
+    piece = header + section([2, 3, 4, 5]) + section([3, 4, 5])
+    assert laid_out_as_prefill(piece, 8, 2, 6, window=3) == (header + section([2, 3, 4, 5]) + section([2, 3, 4, 5], zero_below=3), 3)
+    # every cell there: the state itself; a model without a window: never read
+    assert laid_out_as_prefill(expected, 8, 0, 6, window=3) == (expected, 0)
+    assert laid_out_as_prefill(b"not a state", 8, 0, 6, window=0) == (b"not a state", 0)
+    # a cell within the window missing, or bytes that do not read: refused
+    assert laid_out_as_prefill(header + section(list(range(6))) + section([4, 5]), 8, 0, 6, window=3) is None
+    assert laid_out_as_prefill(whole[:-1], 8, 0, 6, window=3) is None

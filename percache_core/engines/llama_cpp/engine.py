@@ -229,6 +229,7 @@ class LlamaEngine(LlamaTextModel):
         self.n_batch = n_batch
         self.n_past = 0
         self.changes = 0  # bumped by every call that changes the sequence
+        self._zero_end = 0  # positions below it may hold zero cells a restore put back (load_state)
         self._settings = _state_settings(lc, context_params, repack_weights, self.n_ctx)
         self._model_sha256: str | None = None
         self._verdict_key: str | None = None
@@ -271,7 +272,7 @@ class LlamaEngine(LlamaTextModel):
         """Empty the sequence."""
         self.changes += 1
         self._lc.llama_memory_clear(self._memory, True)
-        self.n_past = 0
+        self.n_past = self._zero_end = 0
 
     @on_compute_thread
     def save_state(self) -> bytes:
@@ -292,11 +293,11 @@ class LlamaEngine(LlamaTextModel):
         laid_out = laid_out_as_prefill(data, _STATE_HEADER, 0, n_tokens, self.n_swa)
         if laid_out is None:
             return False
-        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(laid_out), len(laid_out), 0)
+        read = self._lc.llama_state_seq_set_data(self._ctx, _readonly_pointer(laid_out[0]), len(laid_out[0]), 0)
         if read == 0 or not _holds(self._lc, self._memory, 0, 0, n_tokens):
             self.reset()
             return False
-        self.n_past = n_tokens
+        self.n_past, self._zero_end = n_tokens, laid_out[1]
         return True
 
     @on_compute_thread
@@ -328,8 +329,8 @@ class LlamaEngine(LlamaTextModel):
         lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
         lc.llama_memory_seq_cp(memory, 0, _SCRATCH, start, end)
         try:
-            if complete:
-                lowest = lc.llama_memory_seq_pos_min(memory, _SCRATCH)
+            if complete:  # (zero cells a restore put back are no cells of the prefix)
+                lowest = max(lc.llama_memory_seq_pos_min(memory, _SCRATCH), self._zero_end)
                 window = self.n_swa
                 if lc.llama_memory_seq_pos_max(memory, _SCRATCH) != end - 1 or (
                     window and lowest > max(start, end - window)
@@ -352,12 +353,12 @@ class LlamaEngine(LlamaTextModel):
         memory = self._memory
         self.changes += 1
         laid_out = laid_out_as_prefill(data, _STATE_HEADER, self.n_past, n_tokens, self.n_swa)
-        fits = laid_out is not None and self._read_into_scratch(laid_out, n_tokens)
+        fits = laid_out is not None and self._read_into_scratch(laid_out[0], n_tokens)
         fits = fits and _holds(self._lc, memory, _SCRATCH, self.n_past, n_tokens)
         fits = fits and self._lc.llama_memory_seq_pos_max(memory, 0) == self.n_past - 1
         if fits:
             self._lc.llama_memory_seq_cp(memory, _SCRATCH, 0, -1, -1)
-            self.n_past = n_tokens
+            self.n_past, self._zero_end = n_tokens, max(self._zero_end, laid_out[1])  # type: ignore[index]
         self._lc.llama_memory_seq_rm(memory, _SCRATCH, -1, -1)
         return fits
 
@@ -462,7 +463,7 @@ class LlamaEngine(LlamaTextModel):
         self.n_past = n_tokens
         if n_tokens == 0:
             return True
-        lowest = self._lc.llama_memory_seq_pos_min(self._memory, 0)
+        lowest = max(self._lc.llama_memory_seq_pos_min(self._memory, 0), self._zero_end)  # (zero cells: none)
         window = self.n_swa
         return self._lc.llama_memory_seq_pos_max(self._memory, 0) == n_tokens - 1 and (
             window == 0 or lowest <= max(0, n_tokens - window)
