@@ -193,6 +193,8 @@ def sweep_model(model: Path, material: list, args: argparse.Namespace, folder: P
         rows.append(row)
         pairs = sum(len(p) for r in rows for p in r["kinds"].values())
         differed = sum(1 for r in rows for p in r["kinds"].values() for x in p if not x["identical"])
+        partial = Path(args.out).with_suffix(f".{model.stem}.partial.json")  # kept while it runs
+        write_json({"model": model.name, "prompts": len(rows), "pairs": pairs, "differed": differed, "rows": rows}, partial)
         print(f"{model.stem}: prompt {index + 1}/{len(prompts)}, {pairs} pairs, {differed} differed "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     stock.close()

@@ -96,7 +96,7 @@ class PromptVerbs:
         resolved = self._parts.config.engine.resolve(decoding)
         if self._parts.activity.background_stop() is None:  # a request the app sent, not idle work's
             _learn_shape(self._parts, self.quoted_passages, prompt, question, (resolved, add_bos))
-        events = self._path.complete(prompt, TextPrompt(prompt, tuple(documents), add_bos), resolved)
+        events = self._path.complete(prompt, TextPrompt(prompt, _before_question(prompt, documents, question), add_bos), resolved)
         return delivered(self._parts.activity.in_user_turn(events), stream)
 
     def record_passages(self, passages: Iterable[DocumentInput]) -> int:
@@ -390,6 +390,25 @@ def _quote_keys(texts: Iterable[str]) -> dict[str, list[str]]:
         if len(text) >= QUOTE_KEY:
             index.setdefault(text[:QUOTE_KEY], []).append(text)
     return index
+
+
+def _before_question(prompt: str, documents: Sequence[str], question: str | None) -> tuple[str, ...]:
+    """Of *documents*, those that begin before *question* stands in *prompt* ends (all
+    where it is unknown or not there): a state after a document that follows the question
+    holds it, so it serves only a prompt with the same question there, whose answer is
+    stored anyway (LangChain's RAG tutorial puts the question first). A chat's last message
+    (the question itself) stays: the next turn repeats it in its history.
+
+    >>> _before_question("Q: why? Notes: a. b.", ["a.", "b."], "why?")
+    ()
+    >>> _before_question("Notes: a. b. Q: why?", ["a.", "b.", "Q: why?"], "why?")
+    ('a.', 'b.', 'Q: why?')
+    """
+    needle = question.strip() if isinstance(question, str) else ""
+    at = prompt.find(needle) if needle else -1
+    if at < 0:
+        return tuple(documents)
+    return tuple(d for d in documents if d.strip() and prompt.find(d.strip()) <= at)
 
 
 def _refreshed(

@@ -130,12 +130,16 @@ class Observed:
 def split_request(prompt: str, passages: Sequence[str], question: str | None) -> tuple[str, str, str | None, str] | None:
     """(prefix, separator, middle, suffix) of *prompt* around its *passages* (in order, each
     found after the one before) and *question* (after the last passage); None where the
-    passages are not separated alike (a template that labels each one differently).
+    passages are not separated alike (a template that labels each one differently) or the
+    question comes before them (LangChain's RAG tutorial: every state after the question
+    holds it, so no leading state serves another question, and idle work has none to make).
 
     >>> split_request("A: x; y. Q: why?", ["x", "y"], "why?")
     ('A: ', '; ', '. Q: ', '')
     >>> split_request("A: x; y. Q: why?", ["x", "y"], None)
     ('A: ', '; ', None, '. Q: why?')
+    >>> split_request("Q: why? A: x; y.", ["x", "y"], "why?") is None
+    True
     """
     if not passages:
         return None
@@ -152,6 +156,8 @@ def split_request(prompt: str, passages: Sequence[str], question: str | None) ->
         return None
     separator = separators.pop() if separators else ""
     prefix, rest = prompt[: spans[0][0]], prompt[cursor:]
+    if question and question in prefix:
+        return None
     at = rest.rfind(question) if question else -1
     if question is None or at < 0:
         return prefix, separator, None, rest
