@@ -122,20 +122,20 @@ def user_files(user: User) -> list[tuple[str, str]]:
 
 
 def llamaindex_starter_sides(
-    user: User, stock: Stock, engine: LlamaEngine, max_tokens: int, folder: Path
+    user: User, pc: PerCache, stock: Stock, engine: LlamaEngine, max_tokens: int, folder: Path
 ) -> tuple[Callable[[str], str], Callable[[str], str], Any]:
     """LlamaIndex's starter app with its defaults: the user's whole files,
     ``VectorStoreIndex.from_documents`` (its default splitter: 1,024-token chunks, 200
     overlap), ``as_query_engine()`` (top 2, compact, its QA template) on stock with a
     4,096-token context (before), ``PerCacheQueryEngine.from_index`` with
-    ``PerCacheLlamaCPP(n_ctx=4096)`` (after); the after side's engine."""
+    ``PerCacheLlamaCPP(n_ctx=4096)`` (after), both embedding with *pc*'s embedder (the bundled
+    MiniLM); the after side's engine."""
     from llama_index.core import Document, VectorStoreIndex
 
-    from percache_core.knowledge.bert import BertEmbedder
     from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
 
     files = [Document(text=text, id_=name) for name, text in user_files(user)]
-    index = VectorStoreIndex.from_documents(files, embed_model=PerCacheEmbedding(BertEmbedder()))
+    index = VectorStoreIndex.from_documents(files, embed_model=PerCacheEmbedding(pc.embedder))
     plain = index.as_query_engine(llm=stock_llamaindex_llm(stock))
     llm = PerCacheLlamaCPP(engine=engine, n_ctx=engine.n_ctx, max_new_tokens=max_tokens, stop=["\n"])
     config = PerCacheConfig(n_ctx=engine.n_ctx, max_new_tokens=max_tokens)
@@ -345,7 +345,7 @@ def run_user(
                 before, after, app_engine = llamaindex_sides(pc, stock, args.k, args.max_tokens, folder / f"li-{user.name}")
             else:
                 before, after, app_engine = llamaindex_starter_sides(
-                    user, stock, models.engine(STARTER_CTX), args.max_tokens, folder / f"lis-{user.name}"
+                    user, pc, stock, models.engine(STARTER_CTX), args.max_tokens, folder / f"lis-{user.name}"
                 )
             pc.close()
             pc, warm = app_engine.percache, app_engine.warm

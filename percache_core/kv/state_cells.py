@@ -25,8 +25,6 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class Rows:
@@ -113,13 +111,12 @@ def read_caches(saved: bytes | memoryview, offset: int) -> list[CacheCells]:
     return caches
 
 
-def write_caches(caches: Sequence[CacheCells], *, sequence: int | None = None) -> list[bytes | memoryview]:
-    """The bytes of *caches* (to join after a header), each cell's sequence id set to
-    *sequence* where given."""
+def write_caches(caches: Sequence[CacheCells]) -> list[bytes | memoryview]:
+    """The bytes of *caches* (to join after a header)."""
     out: list[bytes | memoryview] = []
     for cache in caches:
         out.append(struct.pack("<II", 1, len(cache.cells)))
-        out += [struct.pack("<iIi", pos, 1, seq if sequence is None else sequence) for pos, seq in cache.cells]
+        out += [struct.pack("<iIi", pos, 1, seq) for pos, seq in cache.cells]
         out.append(struct.pack("<II", cache.v_trans, len(cache.layers) // 2))
         for block in cache.layers:
             out += [block.header, block.data]
@@ -203,29 +200,7 @@ def laid_out_as_prefill(state: bytes, header: int, start: int, end: int, window:
     firsts = [cache.cells[0][0] if cache.cells else end for cache in caches]
     if all([pos for pos, _ in cache.cells] == list(range(start, end)) for cache in caches):
         return state, start
-    padded = [_after_zero_cells(cache, start, end, window) for cache in caches]
+    padded = [join_cells([cache], end, window, start) for cache in caches]
     if any(cache is None for cache in padded):
         return None
     return b"".join([bytes(state[:header]), *write_caches(padded)]), max(firsts)  # type: ignore[arg-type]
-
-
-def _after_zero_cells(cache: CacheCells, start: int, end: int, window: int) -> CacheCells | None:
-    """*cache*, whose cells are one run of positions ending at ``end - 1``, as the cells of
-    positions ``start .. end-1``: zero cells before its first (one copy a layer; the general
-    case is :func:`join_cells`); None where a cell within the last *window* is missing."""
-    positions = [pos for pos, _ in cache.cells]
-    first = positions[0] if positions else end
-    if positions != list(range(first, end)) or first < start or first > max(start, end - window):
-        return None
-    gap = first - start
-    if not gap:
-        return cache
-    sequence = cache.cells[0][1]
-    cells = [(pos, sequence) for pos in range(start, first)] + cache.cells
-    layers = []
-    for block in cache.layers:
-        rows = np.frombuffer(block.data, dtype=np.uint8).reshape(block.groups, len(positions) * block.size)
-        padded = np.zeros((block.groups, len(cells) * block.size), dtype=np.uint8)
-        padded[:, gap * block.size :] = rows
-        layers.append(Rows(block.header, block.size, block.groups, memoryview(padded).cast("B")))
-    return CacheCells(cells, cache.v_trans, layers)

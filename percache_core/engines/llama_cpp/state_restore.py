@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class StateRestorer:
-    """Restores prefixes for *runner* (only those within the reach its engine's round trip
-    proved: :attr:`PromptRunner.reach`) (its engine, stored states and budget; a failed
+    """Restores prefixes for *runner* (its engine, stored states and budget; only states
+    within the reach its engine's round trip proved, :attr:`PromptRunner.reach`; a failed
     restore is counted in its ``restore_failures``): :meth:`reuse_point`,
     :meth:`keep_or_restore`, :meth:`restore_or_reset`, :meth:`restore`, :meth:`usable`,
     :meth:`independent_state` and :meth:`compose`."""
