@@ -22,7 +22,11 @@ reply: what the states taken after a reply cost the next request), ``chat turns`
 prompt), ``repeats`` (the whole chat asked again), ``concurrent`` (4 clients at once, each its own questions; errors and texts),
 ``restart`` (a chat's first turn, then both servers and the endpoint restarted, then the
 chat's next turn), ``shared tier`` (the chat asked on a second endpoint, with its own server
-and cache folder, that shares one Redis with the first).
+and cache folder, that shares one Redis with the first), ``load`` (1, 4 and 8 clients at once,
+``--requests`` each, half of the clients asking about passages the others ask about too: a
+llama-server started with its defaults alone, against ``percache serve`` in front of one
+started the same way with ``--slot-save-path``, fresh servers for each side and count; wall
+time, p50/p95 latency, errors).
 
     .venv/bin/python -m benchmarks.endpoint --data ../shared/data --out benchmarks/results/endpoint.json
 """
@@ -55,7 +59,8 @@ from .stock import QMSUM_USER, model_paths, rag_chat_turns, user_rows
 MAX_TOKENS = 40
 ARITHMETIC = ("-b", "512", "-ub", "512", "--swa-full")  # LlamaServer.start's flags that change numbers
 Messages = list[tuple[str, str]]
-WORKLOADS = ("first asks", "back to back", "chat turns", "repeats", "concurrent", "restart", "shared tier")
+WORKLOADS = ("first asks", "back to back", "chat turns", "repeats", "concurrent", "restart", "shared tier", "load")
+LOAD_CLIENTS = (1, 4, 8)
 
 
 @contextmanager
@@ -181,6 +186,8 @@ def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: i
             rows.append(restart(model_path, cache, sessions[turns:], fresh, threads, embedder, documents))
         if "shared tier" in workloads:
             rows.append(shared_tier(model_path, Path(folder), prompts[:turns], fresh, threads, embedder, documents))
+        if "load" in workloads:
+            rows += [load(model_path, Path(folder), sessions, (count, requests), threads, fresh) for count in LOAD_CLIENTS]
         reference.close()
     return rows
 
@@ -285,6 +292,93 @@ def concurrent(url: str, model: str, first_turn: Messages, questions: list[str],
     return row
 
 
+class DefaultServer:
+    """``llama-server -m MODEL -t N`` and nothing else (4 slots, one KV cache), with
+    ``--slot-save-path`` when given a folder (what ``percache serve`` needs for states)."""
+
+    def __init__(self, model_path: Path, threads: int, slot_folder: Path | None = None) -> None:
+        from percache_core.engines.llama_server.server import find_server_binary
+        from percache_core.engines.llama_server.server_process import wait_until_ready
+
+        self.port = free_port("127.0.0.1")
+        slots = ("--slot-save-path", str(slot_folder)) if slot_folder is not None else ()
+        self.process = subprocess.Popen(
+            [str(find_server_binary()), "-m", str(model_path), "--port", str(self.port), "-t", str(threads),
+             "-tb", str(threads), *slots], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_until_ready(LlamaServer(url=self.url).http, 300)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[int, int], threads: int,
+         fresh: ChatOpenAI) -> dict[str, Any]:
+    """*shape* = (clients, requests each) at once (client i asks session i // 2's passages
+    with its own questions: pairs share passages), on a default server alone and through
+    ``percache serve`` in front of one, each on fresh servers. With one client (every request
+    alone) the replies are compared with the fresh text."""
+    clients, requests = shape
+    asks = [[list(sessions[(c // 2 + n * clients) % len(sessions)][:1])
+             + [("user", sessions[(c + n) % len(sessions)][1][1])] for n in range(requests)] for c in range(clients)]
+    row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests}
+    for side in ("alone", "percache"):
+        slot_folder = folder / f"slots-{side}-{clients}"
+        slot_folder.mkdir()
+        server = DefaultServer(model_path, threads, slot_folder if side == "percache" else None)
+        try:
+            if side == "alone":
+                row.update(_load_side("server_alone", server.url + "/v1", asks))
+            else:
+                attached = LlamaServer(url=server.url, slot_save_path=slot_folder)
+                with PerCache.open(folder / f"cache-{clients}", config=PerCacheConfig(prediction=False),
+                                   engine=attached) as pc, serving_in_thread(pc, attached) as url:
+                    pc.preload()
+                    row.update(_load_side("percache", url, asks))
+                    row["slots_used"] = attached.leases.count
+        finally:
+            server.close()
+    row["ratio"] = round(row["percache_s"] / row["server_alone_s"], 4)
+    if clients == 1:
+        references = [str(fresh.invoke(lc_messages(m)).content) for m in asks[0]]
+        for side in ("percache", "server_alone"):
+            row[f"{side}_identical_to_fresh"] = sum(a == b for a, b in zip(row.pop(f"{side}_texts")[0], references))
+    else:
+        row.pop("percache_texts"), row.pop("server_alone_texts")
+    print(f"  load {clients} clients: PerCache {row['percache_s']:.1f} s, alone {row['server_alone_s']:.1f} s, "
+          f"ratio {row['ratio']}, errors {row['percache_errors']}/{row['server_alone_errors']}", flush=True)
+    return row
+
+
+def _load_side(name: str, url: str, asks: list[list[Messages]]) -> dict[str, Any]:
+    """Wall seconds, p50/p95 latency and errors of the clients' *asks* at once against *url*."""
+    latencies: list[float] = []
+    errors = 0
+
+    def run(own: list[Messages]) -> list[str]:
+        nonlocal errors
+        chat, texts = client(url), []
+        for messages in own:
+            started = time.perf_counter()
+            try:
+                texts.append(str(chat.invoke(lc_messages(messages)).content))
+                latencies.append(time.perf_counter() - started)
+            except Exception:  # counted: the row reports errors
+                errors += 1
+                texts.append("")
+        return texts
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(asks)) as pool:
+        texts = list(pool.map(run, asks))
+    seconds = time.perf_counter() - started
+    ordered = sorted(latencies) or [0.0]
+    return {f"{name}_s": round(seconds, 2), f"{name}_p50_s": round(ordered[len(ordered) // 2], 3),
+            f"{name}_p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+            f"{name}_errors": errors, f"{name}_texts": texts}
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Bars: PerCache's time over the server alone's per workload (total and first piece)."""
     import matplotlib
@@ -295,7 +389,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     models = results["models"]
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3.6), squeeze=False)
     for axis, (name, rows) in zip(axes[0], models.items()):
-        timed = [r for r in rows if "ratio" in r]
+        timed = [r for r in rows if "ttft_ratio" in r]
         x = range(len(timed))
         axis.bar([i - 0.2 for i in x], [r["ratio"] for r in timed], 0.4, label="total")
         axis.bar([i + 0.2 for i in x], [r["ttft_ratio"] for r in timed], 0.4, label="first piece")

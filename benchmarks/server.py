@@ -44,6 +44,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 
 from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
 from percache_core.engines.llama_server.server import find_server_binary
+from percache_core.engines.llama_server.server_process import wait_until_ready
 from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 from percache_langchain import PerCacheChatModel
@@ -67,7 +68,7 @@ class ServerAlone:
             "-c", str(N_CTX), "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        LlamaServer(url=f"http://127.0.0.1:{self.port}")._wait_until_ready(180)  # (stopped by close below)
+        wait_until_ready(LlamaServer(url=f"http://127.0.0.1:{self.port}").http, 180)  # (stopped by close below)
 
     def _post(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)

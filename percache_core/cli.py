@@ -157,11 +157,13 @@ def run_serve(args: argparse.Namespace) -> int:
     key = checked_api_key(args.host, args.api_key)  # before any work
     if args.wait_upstream < 0:
         raise PerCacheError("--wait-upstream must be 0 or more seconds")
+    if args.slots is not None and (args.slots < 1 or args.upstream is not None):
+        raise PerCacheError("--slots: 1 or more, for a server this command starts (an --upstream runs its own -np)")
     for pattern in args.documents or ():
         if not Path(pattern).expanduser().is_dir() and not document_files(pattern):
             raise PerCacheError(f"--documents {pattern}: no folder and no .txt, .md or .jsonl file there")
     config = shared_config(args.shared_url)
-    server = open_server(args.upstream, args.model, args.slot_save_path, wait_upstream_s=args.wait_upstream)
+    server = open_server(args.upstream, args.model, args.slot_save_path, wait_upstream_s=args.wait_upstream, slots=args.slots)
     settings = EndpointSettings(api_key=key, max_request_bytes=args.max_request_bytes)
     documents = tuple(args.documents or ())
     between = BetweenRequests(idle=(args.idle or bool(documents)) and not args.no_idle, documents=documents)
@@ -181,6 +183,9 @@ def _add_serve_parser(commands: Any) -> None:
                        help="how long to wait for --upstream to answer at start (default 60: one started "
                             "beside this command may still be loading its model)")
     serve.add_argument("--slot-save-path", help="the upstream server's --slot-save-path folder (chunk states)")
+    serve.add_argument("--slots", type=int, metavar="N",
+                       help="slots of the server this command starts (default 4, as llama-server's; each its own "
+                            "KV cache of the context size)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")

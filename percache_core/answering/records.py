@@ -40,13 +40,14 @@ class RunRecords:
         self, key: str | None, result: RunResult, *, idle: bool | None = None, finish_reason: str = ""
     ) -> bool:
         """Store what an exact run of a prompt produced under *key*, for the next identical
-        prompt: a user's run with ``store_answers``, idle work's always (*idle*: idle work
+        prompt (not a run batched with another request on a server: its text is the server's
+        under that batching only): a user's run with ``store_answers``, idle work's always (*idle*: idle work
         ran it; None: whether the run was in the background; *finish_reason*: a relayed
         request's). Returns whether it was stored."""
         parts = self.parts
         if idle is None:
             idle = parts.activity.background_stop() is not None
-        if key is None or result.approximate or not (parts.config.tiers.store_answers or idle):
+        if key is None or result.approximate or result.batched or not (parts.config.tiers.store_answers or idle):
             return False
         answer = PromptAnswer(
             result.text,
@@ -101,7 +102,7 @@ class RunRecords:
         to its prompt (*result*, exact): one calibration label each, at no model cost; the
         number of labels. Only where the answer policy wants them (a bounded semantic mode:
         they serve nothing else)."""
-        if result.approximate or not result.text or not self.parts.answers.labels_offers:
+        if result.approximate or result.batched or not result.text or not self.parts.answers.labels_offers:
             return 0
         chunk_ids = result.layout.chunk_ids
         labels = [

@@ -281,7 +281,7 @@ class RequestPath:
         served = next((c for c, d in zip(candidates, drafts) if d and result.tokens == d), None)
         if served is not None:
             parts.qa_bank.record_hit(served.entry.id)
-        elif config.tiers.qa_bank and config.tiers.store_answers and result.text and not result.approximate:
+        elif config.tiers.qa_bank and config.tiers.store_answers and result.text and not (result.approximate or result.batched):
             self._keep_user_answer(request, result, chunks)
         accuracy = parts.states.estimated_accuracy(parts.calibration, recompute) if result.approximate else None
         records.label_offered(question, request.offered or candidates, result)
@@ -316,7 +316,7 @@ class RequestPath:
         if item.decode:  # the same prompt asked later is answered without the model
             key = prompt_answer_key(parts, result.layout, Decoding(tokens, config.engine.sampling, trim=True))
             self.records.keep_prompt_answer(key, result, idle=True)
-        if item.store and config.tiers.qa_bank and (result.text or not item.decode):
+        if item.store and config.tiers.qa_bank and not result.batched and (result.text or not item.decode):
             self.records.keep_answer(request, result, chunks, item.origin, item.replacing)
         return result
 

@@ -3,9 +3,12 @@ cut to a range of positions and laid out again as a fresh prefill lays them out.
 
 A sequence's state (``llama_state_seq_get_data`` in the process, the part of a slot file
 after its token list on a server) is, per KV cache (one; a sliding-window model has two:
-the full-attention cache, then the sliding-window one): the stream count (1), the cell
-count, each cell's position and sequence id, then per layer the K rows and per layer the
-V rows (V element by element when transposed, as with flash attention off).
+the full-attention cache, then the sliding-window one): the stream count (1; a server
+whose slots have caches of their own, ``--no-kv-unified``, writes one per slot, each with
+its cell count, and only the sequence's own stream has cells: they are read into the
+restoring sequence's stream whichever it is), the cell count, each cell's position and
+sequence id, then per layer the K rows and per layer the V rows (V element by element when
+transposed, as with flash attention off).
 
 **Why the layout matters.** A sliding-window cache does not write the cells its window has
 passed: a state saved after N tokens holds only the last *window* of them there. No later
@@ -57,12 +60,13 @@ class CacheCells:
     cells: list[tuple[int, int]]
     v_trans: int
     layers: list[Rows]  # K of every layer, then V of every layer
+    streams: int = 1  # the cache's stream count (written back with the cells in the first)
 
 
 def read_caches(saved: bytes | memoryview, offset: int) -> list[CacheCells]:
     """The KV caches of a sequence state whose cells start at *offset* of *saved*. Raises
-    ValueError or struct.error on what it cannot read (several streams, a cell of several
-    sequences, cells with extra fields, bytes left over)."""
+    ValueError or struct.error on what it cannot read (cells in several streams, a cell of
+    several sequences, cells with extra fields, bytes left over)."""
     data = memoryview(saved)
     caches = []
 
@@ -81,10 +85,7 @@ def read_caches(saved: bytes | memoryview, offset: int) -> list[CacheCells]:
         offset += length
         return block
 
-    while offset < len(data):
-        n_stream, cell_count = take("<II")
-        if n_stream != 1:
-            raise ValueError(f"{n_stream} streams")
+    def cache(cell_count: int, streams: int) -> CacheCells:
         cells = []
         for _ in range(cell_count):
             pos, n_seq = take("<iI")
@@ -105,7 +106,20 @@ def read_caches(saved: bytes | memoryview, offset: int) -> list[CacheCells]:
             else:
                 header = take("<iQ")
                 layers.append(rows("<iQ", header[1], 1, cell_count, header))
-        caches.append(CacheCells(cells, v_trans, layers))
+        return CacheCells(cells, v_trans, layers, streams)
+
+    while offset < len(data):
+        n_stream = take("<I")[0]
+        found = None
+        for _ in range(n_stream):
+            cell_count = take("<I")[0]
+            if cell_count and found is not None:
+                raise ValueError("cells in several streams")
+            if cell_count:
+                found = cache(cell_count, n_stream)
+        if found is None:
+            raise ValueError("a cache without cells")
+        caches.append(found)
     if offset != len(data) or not caches:
         raise ValueError("unread bytes")
     return caches
@@ -115,11 +129,12 @@ def write_caches(caches: Sequence[CacheCells]) -> list[bytes | memoryview]:
     """The bytes of *caches* (to join after a header)."""
     out: list[bytes | memoryview] = []
     for cache in caches:
-        out.append(struct.pack("<II", 1, len(cache.cells)))
+        out.append(struct.pack("<II", cache.streams, len(cache.cells)))
         out += [struct.pack("<iIi", pos, 1, seq) for pos, seq in cache.cells]
         out.append(struct.pack("<II", cache.v_trans, len(cache.layers) // 2))
         for block in cache.layers:
             out += [block.header, block.data]
+        out += [struct.pack("<I", 0)] * (cache.streams - 1)  # the other streams: empty
     return out
 
 
@@ -136,7 +151,7 @@ def select_cells(cache: CacheCells, start: int, end: int, window: int) -> CacheC
         Rows(block.header, block.size, block.groups, memoryview(b"".join(block.rows(count, keep))))
         for block in cache.layers
     ]
-    return CacheCells([cache.cells[i] for i in keep], cache.v_trans, layers)
+    return CacheCells([cache.cells[i] for i in keep], cache.v_trans, layers, cache.streams)
 
 
 def join_cells(parts: list[CacheCells], end: int, window: int, start: int = 0) -> CacheCells | None:
@@ -176,7 +191,7 @@ def join_cells(parts: list[CacheCells], end: int, window: int, start: int = 0) -
                 size = len(part.cells) * block.size
                 runs.append(part.layers[index].data[group * size : (group + 1) * size])
         layers.append(Rows(block.header, block.size, block.groups, memoryview(b"".join(runs))))
-    return CacheCells(cells, first.v_trans, layers)
+    return CacheCells(cells, first.v_trans, layers, first.streams)
 
 
 def laid_out_as_prefill(state: bytes, header: int, start: int, end: int, window: int) -> tuple[bytes, int] | None:

@@ -72,6 +72,7 @@ class RunResult:
     idle_reused_chunks: int = 0  # of the restored chunks, those whose states idle work stored
     idle_reused_tokens: int = 0  # their prompt tokens
     live_tokens: int = 0  # of the reused tokens, those kept from the previous prompt in the context
+    batched: bool = False  # it shared a server's batches with another request: its text is kept nowhere
 
     @property
     def reused_chunks(self) -> int:

@@ -114,7 +114,7 @@ def test_the_reply_comes_before_the_slot_save_and_the_next_request_restores_its_
     tmp_path: Path, server: LlamaServer, embedder: Any, alone: openai.OpenAI, monkeypatch: Any
 ) -> None:
     pc = PerCache.open(tmp_path / "after-reply", engine=server, embedder=embedder)
-    slot = internals(pc).runtime.runner.slot
+    slot = internals(pc).runtime.runner.pool.slots[0]
     replied, saves = threading.Event(), []
     original = slot.save
 
@@ -272,10 +272,13 @@ def test_a_client_gone_mid_stream_leaves_nothing_stored(endpoint: tuple[str, Per
     assert reply.choices[0].message.content == alone_text(alone, messages, max_tokens=64)
 
 
-def test_concurrent_clients_are_served_one_at_a_time_with_the_servers_text(
+def test_concurrent_clients_run_at_once_and_nothing_batched_is_served_later(
     endpoint: tuple[str, PerCache], alone: openai.OpenAI
 ) -> None:
-    url, _ = endpoint
+    """Clients at once run in the server's slots together (a batched request gets the
+    server's text under that batching); asked again one at a time, every request gets the
+    server's fresh text: nothing computed under batching was stored."""
+    url, pc = endpoint
     model = openai.OpenAI(base_url=url, api_key="none").models.list().data[0].id
     asks = [chat(f"{QUESTIONS[i % 3]} (client {c})") for c in range(4) for i in range(3)]
 
@@ -288,7 +291,8 @@ def test_concurrent_clients_are_served_one_at_a_time_with_the_servers_text(
 
     with ThreadPoolExecutor(max_workers=4) as clients:
         texts = list(clients.map(ask, asks))
-    assert texts == [alone_text(alone, messages) for messages in asks]
+    assert all(texts) and internals(pc).runtime.runner.batched_runs >= 1
+    assert [ask(messages) for messages in asks] == [alone_text(alone, messages) for messages in asks]
 
 
 def test_a_dead_server_fails_requests_cleanly_and_loses_nothing_stored(
@@ -323,6 +327,43 @@ def test_a_dead_server_fails_requests_cleanly_and_loses_nothing_stored(
             pc.close()
     assert repeat.percache["source"] == "prompt_answer"
     assert repeat.choices[0].message.content == first.choices[0].message.content == alone_text(alone, chat(QUESTIONS[0]))
+
+
+def test_an_upstream_that_restarts_gets_502s_then_serves_again_with_its_states(
+    tmp_path: Path, model_path: Path, embedder: Any, alone: openai.OpenAI
+) -> None:
+    """The endpoint stays up while its attached llama-server is down (502s), and once the
+    server is back on the same address, build, model and slot folder, the states stored
+    before restore into it and the replies are the fresh text."""
+    from percache_core.engines.llama_server.server import free_port
+
+    slots = tmp_path / "slots"
+    launch = ServerLaunch(n_ctx=2048, slot_save_path=slots, port=free_port("127.0.0.1"))
+    upstream = LlamaServer.start(model_path, launch)
+    attached = LlamaServer(upstream.url, slot_save_path=slots)
+    pc = PerCache.open(tmp_path / "cache", engine=attached, embedder=embedder)
+    try:
+        with serving(pc, attached) as url:
+            client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+            ask = lambda messages: client.chat.completions.create(  # noqa: E731
+                model="m", messages=messages, temperature=0, max_tokens=32
+            )
+            first = ask(chat(QUESTIONS[0]))
+            deadline = time.monotonic() + 30  # its states are saved once the reply is sent
+            while not pc.stats()["chunk_states"]["nodes"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            upstream.close()  # the server goes down (a restart, an update)
+            with pytest.raises(openai.APIStatusError) as failed:
+                ask(chat(QUESTIONS[1]))
+            assert failed.value.status_code == 502
+            upstream = LlamaServer.start(model_path, launch)  # back where it was
+            after = ask(chat(QUESTIONS[1]))
+            assert after.percache["source"] == "chunk_states" and after.percache["reused_tokens"] >= 64
+            assert after.choices[0].message.content == alone_text(alone, chat(QUESTIONS[1]))
+            assert first.choices[0].message.content == alone_text(alone, chat(QUESTIONS[0]))
+    finally:
+        pc.close()
+        upstream.close()
 
 
 def test_the_percache_serve_command_serves_and_stops_with_its_server(

@@ -115,7 +115,7 @@ def test_a_reuse_other_than_planned_is_a_miss(
         # holds this prompt's first 128 tokens and plans to keep them
         other = LlamaServer(url=server.url)
         fresh_text(other, server.tokenize("Unrelated words, " * 40, True), max_new_tokens=2, stop=[])
-        runner.slot.content = SlotContent(tuple(layout.tokens[:128]), 128)
+        runner.pool.slots[0].content = SlotContent(tuple(layout.tokens[:128]), 128)
         result = drain(runner.run(layout, RunOptions(max_new_tokens=24)))
         assert runner.unexpected_reuse == 1 and result.reused_tokens == 0
         reference = fresh_text(server, layout.tokens, max_new_tokens=24, stop=pc.config.engine.stop).strip()

@@ -104,6 +104,10 @@ def test_serve_refuses_an_open_address_without_a_key_before_any_work(
     assert "not both" in capsys.readouterr().err
     assert main(["serve", "--upstream", "http://127.0.0.1:9", "--wait-upstream", "-1"]) == 2
     assert "--wait-upstream" in capsys.readouterr().err
+    assert main(["serve", "--upstream", "http://127.0.0.1:9", "--slots", "2"]) == 2  # the upstream runs its own
+    assert "--slots" in capsys.readouterr().err
+    assert main(["serve", "--model", "m.gguf", "--slots", "0"]) == 2
+    assert "--slots" in capsys.readouterr().err
     monkeypatch.delenv("PERCACHE_SHARED_SECRET", raising=False)
     assert main(["serve", "--upstream", "http://127.0.0.1:9", "--shared-url", "redis://127.0.0.1:9/0"]) == 2
     assert "PERCACHE_SHARED_SECRET" in capsys.readouterr().err

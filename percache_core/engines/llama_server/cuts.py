@@ -6,6 +6,12 @@ default) takes another kernel below 64 rows, so the rules that hold through a se
 measured there: :func:`measure_server_cut_rule` prefills a prompt's pieces the way PerCache
 restores a state (a prefix alone, then the whole prompt with ``cache_prompt``) and compares
 the first token's top log-probabilities with a fresh prefill's.
+
+The last candidate is "multiples of the server's micro-batch": on a CUDA build of this
+llama.cpp a restored prefix plus the rest's prefill equals a fresh prefill only where the
+cut is a multiple of the batch (measured on an H200 with 512: DESIGN 5b), so a GPU server
+still gets the states it can restore exactly. It is probed on a prompt long enough for two
+such cuts; a candidate no probe prompt can be cut under is not taken.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 
 from ...kv.cuts import PROBE_PROMPT, CutRule, cut_schedules
 from ...kv.engine import Decoding, EngineVerdicts
+from ...kv.probe_text import probe_tokens
 from .server import LlamaServer
 from .server_streams import UnexpectedReuse
 
@@ -30,10 +37,21 @@ _PROBE_LOGPROBS = 20  # top log-probabilities compared (a proxy for the logits t
 # fresh prefill's output with Gemma 3 270M and SmolLM2-135M, shorter ones did not)
 SERVER_CANDIDATES = (CutRule(8, 4), CutRule(16, 4), CutRule(32, 4), CutRule(64, 4), CutRule(64, 16), CutRule(128, 16))
 _SERVER_LENGTHS = (401, 406)  # three pieces of 128 fit
+_BATCH_PROBE_EXTRA = 77  # a batch-multiple rule's probe: two batches and a short last one
+
+
+def server_candidates(n_ubatch: int) -> tuple[CutRule, ...]:
+    """The rules measured on a server whose micro-batch is *n_ubatch*, in order: the small
+    ones of :data:`SERVER_CANDIDATES`, then multiples of the batch itself.
+
+    >>> server_candidates(512)[-1]
+    CutRule(min_tokens=512, multiple=512)
+    """
+    return (*SERVER_CANDIDATES, CutRule(n_ubatch, n_ubatch))
 
 
 def measure_server_cut_rule(server: LlamaServer) -> CutRule | None:
-    """The first rule of :data:`SERVER_CANDIDATES` under which *server*'s output does not depend
+    """The first rule of :func:`server_candidates` under which *server*'s output does not depend
     on where a prompt's prefill is cut, measured through the server itself (None: none
     holds), once per server and remembered (on disk for a server PerCache started, whose
     flags it knows). A cut is made the way PerCache makes one: a prefill of the prefix
@@ -53,23 +71,44 @@ def measure_server_cut_rule(server: LlamaServer) -> CutRule | None:
         if known:
             return rule
         tokens = server.tokenize(PROBE_PROMPT + "\n\n" + PROBE_PROMPT + "\n\n" + PROBE_PROMPT + "\n\n" + PROBE_PROMPT, True)
-        prompts = [tokens[:n] for n in _SERVER_LENGTHS if n <= len(tokens)]
-        references = [_server_logprobs(server, prompt, []) for prompt in prompts]
-        rule = next(
-            (
-                candidate for candidate in SERVER_CANDIDATES
-                if all(
-                    _server_logprobs(server, prompt, [len(piece) for piece in pieces[:-1]]) == reference
-                    for prompt, reference in zip(prompts, references)
-                    for pieces in cut_schedules(prompt, candidate)
-                )
-            ),
-            None,
-        )
+        probes = _Probes(server, [tokens[:n] for n in _SERVER_LENGTHS if n <= len(tokens)])
+        rule = next((candidate for candidate in server_candidates(server.n_ubatch) if probes.hold(candidate)), None)
         _server_verdicts.keep(server, rule)
     if rule is None:
         logger.warning("the server's output depends on where a prompt is cut: no chunk states are kept for it")
     return rule
+
+
+class _Probes:
+    """The probe prompts of *server* and their fresh prefills' log-probabilities (a rule
+    whose cuts none of them can hold gets a prompt of two batches and a short last one,
+    where the server's context allows)."""
+
+    def __init__(self, server: LlamaServer, prompts: list[list[int]]) -> None:
+        self.server = server
+        self.prompts = prompts
+        self._references: dict[int, object] = {}
+
+    def hold(self, candidate: CutRule) -> bool:
+        """Whether every way :func:`cut_schedules` cuts a probe prompt under *candidate*
+        gives the fresh prefill's output (False where no prompt can be cut under it)."""
+        prompts = [p for p in self.prompts if cut_schedules(p, candidate)]
+        length = 2 * candidate.min_tokens + _BATCH_PROBE_EXTRA
+        if not prompts and length < self.server.n_ctx:
+            long_prompt = probe_tokens(self.server, length)  # type: ignore[arg-type]
+            self.prompts.append(long_prompt)
+            prompts = [long_prompt] if cut_schedules(long_prompt, candidate) else []
+        return bool(prompts) and all(
+            _server_logprobs(self.server, prompt, [len(piece) for piece in pieces[:-1]]) == self._reference(prompt)
+            for prompt in prompts
+            for pieces in cut_schedules(prompt, candidate)
+        )
+
+    def _reference(self, prompt: list[int]) -> object:
+        key = len(prompt)
+        if key not in self._references:
+            self._references[key] = _server_logprobs(self.server, prompt, [])
+        return self._references[key]
 
 
 def known_server_cut_rule(server: LlamaServer) -> tuple[bool, CutRule | None]:
@@ -93,4 +132,4 @@ def _server_logprobs(server: LlamaServer, prompt: list[int], piece_lengths: list
             pass
     except UnexpectedReuse as error:
         return ("reused", error.expected, error.cached)
-    return server.last.top_logprobs
+    return server.last.top_logprobs  # (the caller holds the whole server)

@@ -6,8 +6,8 @@ Its states are slot files at the state points of the server's own cut rule (meas
 through it once, :func:`~percache_core.engines.llama_server.cuts.measure_server_cut_rule`):
 slices, each with only the cells after its parent's and joined on restore, where the
 server's files read back byte for byte (checked once), whole files otherwise;
-a server that cannot hold exact states (more than one slot, no readable slot folder, or no
-rule) keeps stored answers only.
+a server that cannot hold exact states (no readable slot folder, or no rule) keeps stored
+answers only. Every slot the server has is used (runs in different slots at once).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .cuts import known_server_cut_rule, measure_server_cut_rule
 from .runner import ServerRunner
 from .server import LlamaServer
 from .slot import ServerCuts, ServerSlot
+from .slot_probe import FRESH, slots_independent
 
 
 class ServerKind:
@@ -46,6 +47,7 @@ class ServerKind:
                 'reuse="approximate" composes chunk states token by token: it needs the in-process '
                 "engine (a LlamaEngine), not a llama-server"
             )
+        _lease_slots(engine)  # (measured first: it may take the states away)
         problem = engine.chunk_state_problem if config.tiers.chunk_states else None
         if problem is not None:
             warnings.warn(
@@ -58,15 +60,18 @@ class ServerKind:
     def open_runner(
         self, engine: LlamaServer, place: StatesPlace, live: LiveConfig, budget: Callable[[], int]
     ) -> ServerRunner:
+        _lease_slots(engine)
         settings = live.current.tiers
         rule = measure_server_cut_rule(engine) if engine.features.chunk_states and settings.chunk_states else None
         calls = "no-cuts" if rule is None else f"server-calls-{rule.min_tokens}-{rule.multiple}"
         slices = rule is not None and settings.chunk_state_slices and ServerSlot(engine, ServerCuts(rule)).slices_work()
         fingerprint = engine.fingerprint(f"{TEMPLATE_VERSION}|{'slices' if slices else 'whole'}|{calls}")
-        return ServerRunner(engine, place.open(fingerprint, slices=slices), live, rule=rule, budget=budget)
+        states = place.open(fingerprint, slices=slices)
+        return ServerRunner(engine, states, live, rule=rule, n_ubatch=engine.n_ubatch, budget=budget)
 
     def plain_runner(self, engine: LlamaServer) -> ServerRunner:
-        return ServerRunner(engine, None, PerCacheConfig(chunk_states=False), rule=None)  # a fresh prefill each time
+        _lease_slots(engine)
+        return ServerRunner(engine, None, PerCacheConfig(chunk_states=False), rule=None, n_ubatch=engine.n_ubatch)  # fresh each time
 
     def self_check(self, engine: LlamaServer, config: PerCacheConfig) -> None:
         """The cuts that leave the server's output unchanged (where it holds states)."""
@@ -80,7 +85,23 @@ class ServerKind:
             "engine": f"llama-server at {engine.url}",
             "features": engine.features.describe(),
             "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
+            "slots": {"server": engine.total_slots, "used": engine.leases.count},
         }
+
+
+def _lease_slots(engine: LlamaServer) -> None:
+    """Every slot of an attached server whose slots compute fresh requests independently
+    (measured); where restored states do not, no chunk states on it."""
+    if engine.owns_process or engine.total_slots < 2 or engine.leases.count > 1:
+        return
+    verdict = slots_independent(engine)
+    if verdict >= FRESH:
+        engine.use_every_slot()
+    if verdict == FRESH and engine.chunk_state_problem is None:
+        engine.slots_problem = (
+            "a state restored in one of its slots computes otherwise than a fresh prefill when another slot holds "
+            "cells (one KV cache for all slots): start it with --no-kv-unified (-c as n_ctx times -np)"
+        )
 
 
 KIND = ServerKind()

@@ -20,12 +20,20 @@ a prefill start only where a cut changes nothing:
 The server reports how many tokens it reused before any text arrives; a request whose
 reuse is not the planned one is cancelled and run again from nothing: a miss, never a
 different answer. Generated tokens are never reused (they were decoded one at a time).
-Drafts, state slices and composed (approximate) states need the in-process engine.
+Drafts and composed (approximate) states need the in-process engine.
+
+Every slot of the server is used (:class:`~percache_core.engines.llama_server.slot_pool.SlotPool`):
+runs in different slots go to the server at once, as its own clients' would. A run that
+shared the server's batches with another (:mod:`~percache_core.engines.llama_server.slot_leases`)
+gets the server's text under that batching, as a client of the server alone would, and
+leaves nothing: no stored answer (:attr:`RunResult.batched`), no state, nothing of its slot
+kept for the next request. Only what a request computed alone is stored or reused.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -39,12 +47,13 @@ from ...kv.stopping import StopStringFilter, stop_strings
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode, prefix_keys
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
-from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
+from ...serving.state_runner import NewState, RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
 from ...serving.text_stream import close_source, shown_text
 from ...types import Chunk
-from .server import LlamaServer, UnexpectedReuse
-from .slot import NO_WINDOW, ServerCuts, ServerSlot, SlotContent
-from .states import EarlySave, SlotStates
+from .server import Completion, InSlot, LlamaServer, UnexpectedReuse
+from .slot import NO_WINDOW, ServerCuts, SlotContent
+from .slot_pool import SlotPool, SlotRun
+from .states import EarlySave
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +81,10 @@ class ServerRunner(StateRunner):
         super().__init__(server, states, config, budget=budget)
         window = server.sliding_window if rule is not None else 0
         self.cuts = ServerCuts(rule, n_ubatch, window or NO_WINDOW)
-        self.slot = ServerSlot(server, self.cuts)
-        self.taking = SlotStates(self, self.slot)  # states taken from the slot, stored off the answer's time
+        self.pool = SlotPool(self, server, self.cuts)  # every slot, and the states taken from each
+        self.store_lock = threading.RLock()  # the stored states, shared by runs in several slots and the writer
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
+        self.batched_runs = 0  # runs that shared the server's batches with another (nothing kept)
 
     @property
     def rule(self) -> CutRule | None:
@@ -140,8 +150,7 @@ class ServerRunner(StateRunner):
             approximate=False,
         )
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
-        server = self.engine
-        with server.lock:
+        with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
@@ -152,24 +161,27 @@ class ServerRunner(StateRunner):
             end = len(layout.tokens)
             if options.prefix_only:  # to the last state point before the question
                 end = layout.state_point(len(layout.segments) - 2) if len(layout.segments) > 1 else 0
-            with states.pinned(keys) if states is not None else nullcontext():
-                yield from self._run(result, layout, keys, options, should_stop, started, end)
+            with _pinned(states, keys, self.store_lock) if states is not None else nullcontext():
+                yield from self._run(run, result, layout, keys, options, (should_stop, started, end))
         return result
 
     def _run(
         self,
+        run: SlotRun,
         result: RunResult,
         layout: PromptLayout,
         keys: list[str],
         options: RunOptions,
-        should_stop: StopCheck | None,
-        started: float,
-        end: int,
+        how: tuple[StopCheck | None, float, int],
     ) -> Generator[str, None, None]:
+        """:meth:`run` in *run*'s slot; *how*: the stop check, when the request started,
+        and where the prompt's prefill ends."""
+        should_stop, started, end = how
         tokens = layout.tokens
         clock = time.perf_counter()
         fresh = options.restore_depth is not None or not self.config.tiers.chunk_states  # caches off: nothing reused
-        point, depth = self._start(layout, keys, end, fresh=fresh)
+        with self.store_lock:
+            point, depth = self._start(run, layout, keys, end, fresh=fresh)
         result.depth, result.reused_tokens = depth, point
         if self.states is not None and self.rule is not None and layout.caller_prompt and options.decode:
             layout = result.layout = self.cuts.with_tail_cut(layout, point)
@@ -179,23 +191,28 @@ class ServerRunner(StateRunner):
         complete = False
         early = EarlySave()
         if self.states is not None and self.rule is not None and self._window_may_pass(end, options):
-            point = self._save_early(result, layout, keys, (point, end), early, should_stop)
+            point = self._save_early(run, result, (layout, keys), (point, end), early, should_stop)
         start = point  # where the last request's prefill started (0 where it was run again)
         try:
             if options.decode:
-                start = yield from self._complete(result, tokens, point, options, should_stop, started)
-                complete = self.slot.content is not None  # the request ran to its end
+                start = yield from self._complete(run, result, point, options, (should_stop, started))
+                complete = run.slot.content is not None  # the request ran to its end
             else:
                 if end > point:  # (a prefix with no state point to reach has nothing to prefill)
-                    start = self._prefill_to(result, tokens[:end], point, should_stop)
+                    start = self._prefill_to(run, result, tokens[:end], point, should_stop)
                 complete = True
             result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
+            self.pool.leases.done_computing(run.mark)
+            result.batched = run.mark.batched
+            if result.batched:  # what it computed is the server's under batching: nothing kept
+                self.batched_runs += 1
+                run.slot.content, complete = None, False
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
                 after_reply = options.relay is not None and not options.idle  # the client's reply first
-                self.taking.store_later(layout, keys, early, (start, end), options.idle, after_reply=after_reply)
+                run.taking.store_later(layout, keys, early, (start, end), options.idle, after_reply=after_reply)
             result.timings["store_states"] = time.perf_counter() - clock
 
     def _window_may_pass(self, end: int, options: RunOptions) -> bool:
@@ -212,37 +229,43 @@ class ServerRunner(StateRunner):
         return most is None or end + most > self.window
 
     def _save_early(
-        self, result: RunResult, layout: PromptLayout, keys: list[str], span: tuple[int, int], early: EarlySave,
-        should_stop: StopCheck | None,
+        self, run: SlotRun, result: RunResult, prompt: tuple[PromptLayout, list[str]], span: tuple[int, int],
+        early: EarlySave, should_stop: StopCheck | None,
     ) -> int:
-        """:meth:`SlotStates.save_early`; from nothing (0) where the server reused otherwise."""
+        """:meth:`SlotStates.save_early` (*prompt*: the layout and its keys); from nothing
+        (0) where the server reused otherwise."""
+        layout, keys = prompt
         try:
-            return self.taking.save_early(layout, keys, span, early, should_stop)
+            return run.taking.save_early(layout, keys, span, early, should_stop)
         except UnexpectedReuse as error:  # the slot held other than planned: from nothing
             logger.warning("%s; the prompt is prefilled from the start", error)
             self.unexpected_reuse += 1
             result.reused_tokens = result.depth = 0
-            self.slot.content = None
+            run.slot.content = None
             return 0
 
-    def _prefill_to(self, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None) -> int:
+    def _prefill_to(
+        self, run: SlotRun, result: RunResult, tokens: Sequence[int], point: int, should_stop: StopCheck | None
+    ) -> int:
         """Prefill *tokens* from *point* (from 0 when the server reused otherwise);
         returns where the prefill started."""
         try:
-            self.slot.prefill(tokens, point, should_stop)
+            run.slot.prefill(tokens, point, should_stop)
             return point
         except UnexpectedReuse as error:
             logger.warning("%s; the prompt is prefilled from the start", error)
             self.unexpected_reuse += 1
             result.reused_tokens = result.depth = 0
-            self.slot.prefill(tokens, 0, should_stop)
+            run.slot.prefill(tokens, 0, should_stop)
             return 0
 
-    def _start(self, layout: PromptLayout, keys: list[str], end: int, *, fresh: bool) -> tuple[int, int]:
-        """Bring the slot to the deepest allowed start: a stored state restored, or the
-        slot's own prefix when it reaches further (kept as is), else nothing (the next
-        request prefills from 0). Returns (tokens in place, segments they end)."""
-        live = 0 if fresh else self.slot.live_reuse(layout.tokens[:end])
+    def _start(self, run: SlotRun, layout: PromptLayout, keys: list[str], end: int, *, fresh: bool) -> tuple[int, int]:
+        """Bring the run's slot to the deepest allowed start: a stored state restored, or
+        the slot's own prefix when it reaches further (kept as is), else nothing (the next
+        request prefills from 0). Returns (tokens in place, segments they end). The caller
+        holds the store lock."""
+        slot = run.slot
+        live = 0 if fresh else slot.live_reuse(layout.tokens[:end])
         stored: list[StateNode] = []
         if keys and self.states is not None:
             stored = [
@@ -255,23 +278,19 @@ class ServerRunner(StateRunner):
         usable = [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end, past_window=True)]
         deepest = usable[0].n_tokens if usable else 0
         if live < 0 and not fresh:  # the slot holds more than may be kept: cut it back
-            kept = self.slot.cut_back(layout.tokens[:end], deepest + LIVE_CUT_GAIN)
+            kept = slot.cut_back(layout.tokens[:end], deepest + LIVE_CUT_GAIN)
             if kept:
-                return kept, self._depth(layout, kept)
+                return kept, _depth(layout, kept)
         for node in usable:
             if live > 0 and live >= node.n_tokens:
                 break
-            if self._restore(node, layout.tokens):
-                return node.n_tokens, self._depth(layout, node.n_tokens)
+            if slot.restore(node, layout.tokens, self.states):
+                return node.n_tokens, _depth(layout, node.n_tokens)
+            self.restore_failures += 1  # (the state dropped)
         if live > 0:
-            return live, self._depth(layout, live)
-        self.slot.content = None  # whatever it holds, the next request is fresh
+            return live, _depth(layout, live)
+        slot.content = None  # whatever it holds, the next request is fresh
         return 0, 0
-
-    @staticmethod
-    def _depth(layout: PromptLayout, point: int) -> int:
-        """The segments whose state points lie within the first *point* tokens."""
-        return sum(1 for i in range(len(layout.segments) - 1) if 0 < layout.state_point(i) <= point)
 
     def _stored_text_prefixes(self, tokens: Sequence[int], end: int) -> list[StateNode]:
         """Stored states of a caller's prompts that *tokens* start with (keyed by leading
@@ -282,34 +301,23 @@ class ServerRunner(StateRunner):
         keys = prefix_keys(self.states.root_key, tokens, lengths) if lengths else []
         return [node for key in keys if key in self.states and (node := self.states.tree.get(key)) is not None]
 
-    def _restore(self, node: StateNode, tokens: Sequence[int]) -> bool:
-        """Load *node*'s slot file into the slot; False (counted, the state dropped) when
-        it cannot be read or the server refuses it."""
-        assert self.states is not None
-        if self.slot.restore(node, tokens, self.states):
-            return True
-        self.restore_failures += 1
-        return False
-
     def _complete(
-        self,
-        result: RunResult,
-        tokens: Sequence[int],
-        point: int,
-        options: RunOptions,
-        should_stop: StopCheck | None,
-        started: float,
+        self, run: SlotRun, result: RunResult, point: int, options: RunOptions, how: tuple[StopCheck | None, float]
     ) -> Generator[str, None, int]:
-        """Complete the prompt from *point*; on a reuse other than planned, from 0.
-        Returns where its prefill started."""
+        """Complete the prompt from *point* in *run*'s slot; on a reuse other than planned,
+        from 0 (*how*: the stop check and when the request started). Returns where its
+        prefill started."""
         assert options.sampling is not None
-        relay = options.relay
+        should_stop, started = how
+        tokens, relay = result.layout.tokens, options.relay
         stops = stop_strings(self.config.engine.stop if options.stop is None else options.stop) if relay is None else ()
         stop = StopStringFilter(stops, strip=options.trim and relay is None)
         clock = time.perf_counter()
+        completion = Completion()
         for attempt in (0, 1):
-            self.slot.content = None
-            pieces = _timed(self._request(tokens, point, options, stops), result, started, clock)
+            run.slot.content = None
+            completion = Completion()
+            pieces = _timed(self._request(run, tokens, point, options, (stops, completion)), result, started, clock)
             try:
                 yield from shown_text(pieces, stop, should_stop)
                 break
@@ -321,26 +329,34 @@ class ServerRunner(StateRunner):
                 point = result.reused_tokens = result.depth = 0
         result.text = stop.text.strip() if options.trim and relay is None else stop.text
         result.timings["decode"] = time.perf_counter() - clock - result.timings.get("prefill", 0.0)
-        self._completed(result, tokens, point, relay)
+        self._completed(run, result, (point, completion), relay)
         return point
 
-    def _request(self, tokens: Sequence[int], point: int, options: RunOptions, stops: Sequence[str]) -> Iterator[str]:
-        """The request that completes *tokens* from *point*: the server's completion with
-        PerCache's decoding, or a relayed client's request on the server's own endpoint
-        (which lays out, stops and parses the reply)."""
+    def _request(
+        self, run: SlotRun, tokens: Sequence[int], point: int, options: RunOptions, into: tuple[Sequence[str], Completion]
+    ) -> Iterator[str]:
+        """The request that completes *tokens* from *point* in the run's slot: the
+        server's completion with PerCache's decoding and the stop strings of *into*, or a
+        relayed client's request on the server's own endpoint (which lays out, stops and
+        parses the reply); its :class:`Completion` is *into*'s."""
         relay, server = options.relay, self.engine
+        stops, completion = into
+        slot = InSlot(run.slot.index, completion)
         if relay is None:
             decoding = Decoding(options.max_new_tokens, options.sampling, list(stops))
-            return server.complete(tokens, decoding, cache_prompt=point > 0, expected_cached=point)
+            return server.complete(tokens, decoding, cache_prompt=point > 0, expected_cached=point, slot=slot)
         relay.chunks.clear()
         return server.relay(
-            relay.path, relay.body, cache_prompt=point > 0, expected_cached=point,
-            expected_total=len(tokens), chunks=relay.chunks,
-        )  # fmt: skip
+            relay.path, relay.body, cache_prompt=point > 0, expected=(point, len(tokens)), chunks=relay.chunks, slot=slot
+        )
 
-    def _completed(self, result: RunResult, tokens: Sequence[int], point: int, relay: RelayedRequest | None) -> None:
-        """Take the finished request's tokens into *result* and note what the slot holds."""
-        completion = self.engine.last
+    def _completed(
+        self, run: SlotRun, result: RunResult, done: tuple[int, Completion], relay: RelayedRequest | None
+    ) -> None:
+        """Take the finished request's tokens into *result* and note what the slot holds
+        (*done*: where its prefill started, and its :class:`Completion`)."""
+        point, completion = done
+        tokens = result.layout.tokens
         result.tokens = list(completion.tokens)
         result.generated_tokens = len(completion.tokens)
         valid = self.cuts.valid_end(point, len(tokens)) if self.rule else 0
@@ -348,36 +364,66 @@ class ServerRunner(StateRunner):
             relay.reply = completion
             result.generated_tokens = int(completion.usage.get("completion_tokens", 0))
             if completion.finish_reason:  # it ran to its end: the slot holds the prompt and a reply
-                self.slot.content = SlotContent(tuple(tokens), valid, None)
+                run.slot.content = SlotContent(tuple(tokens), valid, None)
         elif completion.stop_type:  # the request ran to its end: the slot holds prompt and answer
-            self.slot.content = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
+            run.slot.content = SlotContent(tuple(tokens), valid, tuple(completion.tokens[:-1]))
 
     def settle(self) -> None:
-        """The slot save a relayed reply left (:meth:`SlotStates.settle`)."""
-        self.taking.settle()
+        """The slot saves relayed replies left (:meth:`SlotPool.settle`)."""
+        self.pool.settle()
+
+    def _keep_states(self, layout: PromptLayout, keys: list[str], new_states: list[NewState], *, idle: bool = False) -> None:
+        with self.store_lock:
+            super()._keep_states(layout, keys, new_states, idle=idle)
+
+    def evict_to_budget(self) -> None:
+        self.flush()
+        with self.store_lock:
+            self.states.evict_to(self.budget_bytes)
 
     @contextmanager
     def lend_engine(self) -> Iterator[None]:
-        """Hold the server for a request run outside PerCache (a passed-through one): the
-        states of earlier runs are stored first, and the slot's content is unknown after."""
+        """Hold the whole server for a request run outside PerCache (a passed-through one):
+        the states of earlier runs are stored first, and every slot's content is unknown
+        after (the server picks the request's slot)."""
         with self.engine.lock:
             self.flush()
-            self.slot.content = None
+            self.pool.forget_contents()
             try:
                 yield
             finally:
-                self.slot.content = None
+                self.pool.forget_contents()
 
     def bytes_per_token(self) -> float:
         """The bytes a slot file takes per token, measured once."""
-        return self.slot.bytes_per_token()
+        return self.pool.slots[0].bytes_per_token()
 
     def complete_plain(
         self, prompt: str, decoding: Decoding, *, chat: bool = False, should_stop: StopCheck | None = None
     ) -> tuple[str, int, int]:
-        """Idle work's LLM calls, with nothing reused (see :meth:`ServerSlot.complete_plain`)."""
-        self.settle()  # before the slot changes
-        return self.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
+        """Idle work's LLM calls, with nothing reused, in a slot of their own (see
+        :meth:`ServerSlot.complete_plain`)."""
+        with self.pool.lease((), idle=True) as run:
+            return run.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
+
+
+def _depth(layout: PromptLayout, point: int) -> int:
+    """The segments whose state points lie within the first *point* tokens."""
+    return sum(1 for i in range(len(layout.segments) - 1) if 0 < layout.state_point(i) <= point)
+
+
+@contextmanager
+def _pinned(states: TieredStateStore, keys: list[str], lock: threading.RLock) -> Iterator[None]:
+    """The stored states of *keys* pinned (not evicted) while the block runs, changed
+    under *lock* (the runner's store lock)."""
+    pinned = states.pinned(keys)
+    with lock:
+        pinned.__enter__()
+    try:
+        yield
+    finally:
+        with lock:
+            pinned.__exit__(None, None, None)
 
 
 def _timed(pieces: Iterator[str], result: RunResult, started: float, since: float) -> Iterator[str]:

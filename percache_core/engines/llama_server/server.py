@@ -28,14 +28,12 @@ Start a server from the build ``make llama-server`` made (``.venv/bin/llama-serv
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import logging
 import os
 import struct
-import threading
-import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,23 +41,25 @@ from urllib.parse import urlsplit
 from ...kv.engine import ChatPrompt, Decoding, EngineFeatures, Sampling
 from .server_http import ServerError, ServerHTTP, ServerUnreachable
 from .server_process import ServerLaunch, ServerProcess, find_server_binary, free_port
-from .server_streams import Completion, UnexpectedReuse, completion_events, relay_events
+from .server_streams import Completion, InSlot, UnexpectedReuse, completion_events, relay_events
+from .slot_leases import SlotLeases
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Completion",
+    "InSlot",
     "LlamaServer",
     "ServerError",
     "ServerLaunch",
     "ServerUnreachable",
+    "SlotLeases",
     "UnexpectedReuse",
     "find_server_binary",
     "free_port",
     "gguf_sliding_window",
 ]
 
-SLOT = 0  # the one slot PerCache uses (a started server runs with -np 1)
 
 
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -100,11 +100,11 @@ def gguf_sliding_window(path: str | os.PathLike[str]) -> int:
 class LlamaServer:
     """A llama-server, started by :meth:`start` or attached to by its *url*.
 
-    An attached server is used as it runs: its settings are read from ``/props``; chunk
-    states need it to run with ``--slot-save-path`` (give the same folder as
-    *slot_save_path*, readable here), one slot (``-np 1``) and, on sliding-window models,
-    ``--swa-full``; where that is not so, PerCache keeps only stored answers for it and
-    says why (:attr:`chunk_state_problem`). Nothing is sent before the first use.
+    An attached server is used as it runs, with every slot it has (:attr:`leases`): its
+    settings are read from ``/props``; chunk states need it to run with
+    ``--slot-save-path`` (give the same folder as *slot_save_path*, readable here); where
+    that is not so, PerCache keeps only stored answers for it and says why
+    (:attr:`chunk_state_problem`). Nothing is sent before the first use.
 
     >>> server = LlamaServer(url="http://127.0.0.1:8080")   # doctest: +SKIP
     >>> server.tokenize("Hello")                             # doctest: +SKIP
@@ -125,22 +125,24 @@ class LlamaServer:
         self.http = ServerHTTP(parts.hostname, parts.port or 80, api_key=api_key, timeout_s=timeout_s)
         self.url = self.http.url
         self.slot_save_path = Path(slot_save_path) if slot_save_path is not None else None
-        self.lock = threading.RLock()  # one request chain at a time: the slot is shared state
+        self._leases: SlotLeases | None = None  # made on first use (the slot count is in /props)
         self._props: dict[str, Any] | None = None
         self._pieces: dict[int, bytes] = {}  # token id -> bytes, from /tokenize
         self._sliding_window: int | None = None
         self._process: ServerProcess | None = None  # a started server's
         self.launch_flags: tuple[str, ...] = ()  # the flags a started server runs with (but where)
         self.model_path: Path | None = None  # the GGUF (a started server's, or /props' when readable)
+        self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
+        self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
 
     # -- starting and stopping --------------------------------------------------------------
 
     @classmethod
     def start(cls, model_path: str | os.PathLike[str] | None = None, launch: ServerLaunch | None = None) -> LlamaServer:
         """Start a llama-server on *model_path* and wait until it answers. It runs with the
-        flags exact chunk states need: one slot, ``-b``/``-ub`` ``n_batch``,
-        ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states), ``--slot-save-path``
-        (the launch's, or a temporary folder removed on :meth:`close`).
+        launch's slots (default: llama-server's own, 4 sharing one KV cache), ``-b``/``-ub``
+        ``n_batch``, ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states) and
+        ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`).
 
         Args:
             model_path: a GGUF file (None: the bundled model).
@@ -163,28 +165,13 @@ class LlamaServer:
         process = ServerProcess(model, launch or ServerLaunch())
         server = cls(process.url, slot_save_path=process.slot_save_path)
         server._process, server.launch_flags, server.model_path = process, process.flags, model
+        server._n_ubatch = (launch or ServerLaunch()).n_batch
         try:
-            server._wait_until_ready((launch or ServerLaunch()).startup_timeout_s)
+            process.wait_until_ready(server.http, (launch or ServerLaunch()).startup_timeout_s)
         except BaseException:
             server.close()
             raise
         return server
-
-    def _wait_until_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            code = self._process.exit_code() if self._process is not None else None
-            if code is not None:
-                assert self._process is not None
-                raise ServerError(f"llama-server exited with code {code}:\n{self._process.log_tail()}")
-            try:
-                status, _ = self.http.request("GET", "/health", timeout_s=2.0)
-                if status == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(0.1)
-        raise ServerError(f"llama-server did not answer at {self.url} within {timeout_s:.0f} s")
 
     @property
     def owns_process(self) -> bool:
@@ -204,8 +191,6 @@ class LlamaServer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- HTTP -------------------------------------------------------------------------------
-
     # -- what the server is -----------------------------------------------------------------
 
     @property
@@ -217,6 +202,35 @@ class LlamaServer:
                 path = Path(str(decoded.get("model_path", "")))
                 self.model_path = path if path.is_file() else None
         return self._props
+
+    @property
+    def total_slots(self) -> int:  # (-np; 4 when started with no flags)
+        return max(1, int(self.props.get("total_slots", 1) or 1))
+
+    @property
+    def leases(self) -> SlotLeases:
+        """Who uses which of the server's slots now (:class:`SlotLeases`): a run leases one,
+        a measurement or a passed-through request the whole server. A started server's every
+        slot; an attached one's first only, until :meth:`use_every_slot`."""
+        if self._leases is None:
+            self._leases = SlotLeases(self.total_slots if self.owns_process else 1)
+        return self._leases
+
+    def use_every_slot(self) -> None:
+        """Lease every slot from now on, before any run (``slot_probe`` measured them)."""
+        if self.leases.count != self.total_slots:
+            self._leases = SlotLeases(self.total_slots)
+
+    @property
+    def lock(self) -> AbstractContextManager[None]:
+        """The whole server (``leases.whole()``: the start-up measurements)."""
+        return self.leases.whole()
+
+    @property
+    def n_ubatch(self) -> int:
+        """The server's micro-batch (``-ub``): a started server's launch batch; 512 for an
+        attached one (llama-server's default: its ``/props`` does not say)."""
+        return self._n_ubatch
 
     @property
     def n_ctx(self) -> int:
@@ -234,7 +248,6 @@ class LlamaServer:
         return self.http.api_key
 
     def models(self) -> dict[str, Any]:
-        """The server's ``/v1/models`` list."""
         return self.http.get("/v1/models")
 
     @property
@@ -247,15 +260,13 @@ class LlamaServer:
         """Why this server cannot hold exact chunk states (None: it can, subject to the
         start-up check of :mod:`percache_core.engines.llama_server.runner`)."""
         props = self.props
-        if int(props.get("total_slots", 0)) != 1:
-            return f"it runs {props.get('total_slots')} slots; start it with -np 1"
         if self.slot_save_path is None or not self.slot_save_path.is_dir():
             return "no slot-save folder readable here: start it with --slot-save-path DIR and give that DIR"
         if not (self.owns_process or os.access(self.slot_save_path, os.W_OK)):
             return f"the slot-save folder {self.slot_save_path} is not writable here"
         if self.model_path is None:
             return f"its model file {props.get('model_path')!r} is not readable here (its layout decides which states restore exactly)"
-        return None
+        return self.slots_problem
 
     @property
     def sliding_window(self) -> int:
@@ -343,7 +354,7 @@ class LlamaServer:
             raise ServerError("a server formats chats with its own template only")
         return self.stock_chat(messages).text
 
-    def chat_prompt(self, user_message: str) -> str:
+    def chat_prompt(self, user_message: str) -> str:  # (the engine protocol's)
         return self.format_chat([("user", user_message)])
 
     def tokenize_chat(self, prompt: str) -> list[int]:
@@ -359,11 +370,13 @@ class LlamaServer:
         cache_prompt: bool,
         n_probs: int = 0,
         expected_cached: int | None = None,
+        slot: InSlot | None = None,
     ) -> Iterator[str]:
-        """Stream the completion of *tokens* in slot 0 with *decoding* (its
-        ``max_new_tokens`` set, 0 to prefill only; greedy and no stop strings unless it
-        says): yields text pieces; the request's :class:`Completion` is :attr:`last` (read
-        it once the iterator is done).
+        """Stream the completion of *tokens* in *slot* (default: slot 0) with *decoding*
+        (its ``max_new_tokens`` set, 0 to prefill only; greedy and no stop strings unless it
+        says): yields text pieces; the request's :class:`Completion` is the slot's
+        ``completion``, and :attr:`last` (read either once the iterator is done; with
+        requests in several slots at once, read the slot's).
 
         With *cache_prompt* the server reuses the longest common prefix of its slot's tokens
         (at least one token is always prefilled again); without, it prefills everything.
@@ -376,7 +389,7 @@ class LlamaServer:
             "prompt": list(tokens),
             "n_predict": decoding.required_tokens(),
             "cache_prompt": cache_prompt,
-            "id_slot": SLOT,
+            "id_slot": (slot or InSlot()).index,
             "stream": True,
             "return_progress": True,
             "return_tokens": True,
@@ -386,7 +399,7 @@ class LlamaServer:
             "stop": list(decoding.stop or ()),
             "n_probs": n_probs,
         }
-        completion = self.last = Completion()
+        completion = self.last = (slot or InSlot()).completion
         yield from completion_events(self.http, body, completion, expected_cached)
 
     last: Completion = Completion()
@@ -397,40 +410,40 @@ class LlamaServer:
         body: dict[str, Any],
         *,
         cache_prompt: bool,
-        expected_cached: int,
-        expected_total: int,
+        expected: tuple[int, int],
         chunks: list[dict[str, Any]],
+        slot: InSlot | None = None,
     ) -> Iterator[str]:
         """Run a client's OpenAI request *body* on the server's own endpoint *path*
-        (``/v1/chat/completions`` or ``/v1/completions``) in slot 0, streamed: the server
+        (``/v1/chat/completions`` or ``/v1/completions``) in *slot* (default: slot 0), streamed: the server
         lays out the prompt, samples, stops and parses the reply as it does for the client
         alone. Appends each chunk the client would get to *chunks* as it arrives (the
         server's progress events left out) and yields the text each adds; the request's
-        :class:`Completion` is :attr:`last`.
+        :class:`Completion` is the slot's ``completion`` and :attr:`last`.
 
-        Before any text, the server's progress event must show *expected_cached* tokens
-        reused of a prompt of *expected_total* tokens (the prompt PerCache laid out):
+        Before any text, the server's progress event must show *expected* = (tokens reused,
+        prompt tokens) (the prompt PerCache laid out):
         otherwise the request is cancelled and :class:`UnexpectedReuse` raised."""
         request = dict(body)
         request.update(
             stream=True,
             stream_options={"include_usage": True},
             cache_prompt=cache_prompt,
-            id_slot=SLOT,
+            id_slot=(slot or InSlot()).index,
             return_progress=True,
         )
-        completion = self.last = Completion()
-        yield from relay_events(self.http, path, request, completion, (expected_cached, expected_total), chunks)
+        completion = self.last = (slot or InSlot()).completion
+        yield from relay_events(self.http, path, request, completion, expected, chunks)
 
-    def save_slot(self, filename: str) -> int:
-        """Save slot 0's tokens and KV cells as *filename* in the slot-save folder; the
+    def save_slot(self, filename: str, slot: int = 0) -> int:
+        """Save slot *slot*'s tokens and KV cells as *filename* in the slot-save folder; the
         tokens saved."""
-        return int(self.http.call("POST", f"/slots/{SLOT}?action=save", {"filename": filename})["n_saved"])
+        return int(self.http.call("POST", f"/slots/{slot}?action=save", {"filename": filename})["n_saved"])
 
-    def restore_slot(self, filename: str) -> int:
-        """Load *filename* from the slot-save folder into slot 0; the tokens restored
+    def restore_slot(self, filename: str, slot: int = 0) -> int:
+        """Load *filename* from the slot-save folder into slot *slot*; the tokens restored
         (:class:`ServerError` when the server refuses the file)."""
-        return int(self.http.call("POST", f"/slots/{SLOT}?action=restore", {"filename": filename})["n_restored"])
+        return int(self.http.call("POST", f"/slots/{slot}?action=restore", {"filename": filename})["n_restored"])
 
-    def erase_slot(self) -> None:
-        self.http.call("POST", f"/slots/{SLOT}?action=erase", {})
+    def erase_slot(self, slot: int = 0) -> None:
+        self.http.call("POST", f"/slots/{slot}?action=erase", {})

@@ -6,6 +6,7 @@ process that started it.
 
 from __future__ import annotations
 
+import http.client as http_client
 import os
 import shutil
 import signal
@@ -13,15 +14,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .server_http import ServerError
+from .server_http import ServerError, ServerHTTP
 
 BINARY_ENV = "PERCACHE_LLAMA_SERVER"
+DEFAULT_SLOTS = 4  # llama-server's slots when started with no -np (it says "n_parallel is set to auto")
 
 
 def find_server_binary() -> Path:
@@ -77,6 +80,12 @@ class ServerLaunch:
         n_ctx: the context length (``-c``).
         n_batch: the logical and physical batch (``-b``, ``-ub``).
         n_threads: threads (``-t``, ``-tb``; None: all cores).
+        n_slots: slots (``-np``; None: as many as llama-server runs by default, 4). Each
+            slot has a KV cache of its own of ``n_ctx`` cells (``-c n_ctx * n_slots
+            --no-kv-unified``): in the one cache llama-server's default slots share, a
+            request's arithmetic depends on the cells other slots hold (measured: another
+            slot's 480 tokens changed a fresh prefill's log-probabilities), so that no
+            request there is exactly what a fresh server computes.
         host: the address it listens on.
         port: its port (None: a free one).
         slot_save_path: where it saves slot files (None: a temporary folder).
@@ -88,6 +97,7 @@ class ServerLaunch:
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: int | None = None
+    n_slots: int | None = None
     host: str = "127.0.0.1"
     port: int | None = None
     slot_save_path: str | os.PathLike[str] | None = None
@@ -95,14 +105,38 @@ class ServerLaunch:
     binary: str | os.PathLike[str] | None = None
     startup_timeout_s: float = 180.0
 
+    @property
+    def slot_count(self) -> int:
+        """The slots the server runs (``n_slots``, or llama-server's default 4)."""
+        return DEFAULT_SLOTS if self.n_slots is None else self.n_slots
+
     def flags(self) -> tuple[str, ...]:
         """The arithmetic and slot flags the server runs with (where it listens aside)."""
         threads = self.n_threads or max(1, os.cpu_count() or 1)
+        slots = self.slot_count
         return (
-            "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", "1",
+            "-c", str(self.n_ctx * slots), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", str(slots), "-no-kvu",
             "-t", str(threads), "-tb", str(threads),
             "--swa-full", "--cache-ram", "0", "--no-webui", *self.extra_args,
         )  # fmt: skip
+
+
+def wait_until_ready(http: ServerHTTP, timeout_s: float, process: ServerProcess | None = None) -> None:
+    """Wait until the server behind *http* answers ``/health`` with 200
+    (:class:`ServerError` when *process* exits or nothing answers within *timeout_s*)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = process.exit_code() if process is not None else None
+        if process is not None and code is not None:
+            raise ServerError(f"llama-server exited with code {code}:\n{process.log_tail()}")
+        try:
+            status, _ = http.request("GET", "/health", timeout_s=2.0)
+            if status == 200:
+                return
+        except (OSError, http_client.HTTPException):
+            pass
+        time.sleep(0.1)
+    raise ServerError(f"llama-server did not answer at {http.url} within {timeout_s:.0f} s")
 
 
 class ServerProcess:
@@ -121,6 +155,8 @@ class ServerProcess:
     def __init__(self, model: Path, launch: ServerLaunch) -> None:
         if launch.n_ctx < 64 or launch.n_batch < 32:
             raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
+        if launch.n_slots is not None and launch.n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, or None for llama-server's default (got {launch.n_slots})")
         executable = Path(launch.binary) if launch.binary is not None else find_server_binary()
         self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
         slot_save_path = launch.slot_save_path
@@ -138,6 +174,10 @@ class ServerProcess:
             [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent
         )
         self._finalizer = weakref.finalize(self, _stop, self.popen, self._log)
+
+    def wait_until_ready(self, http: ServerHTTP, timeout_s: float) -> None:
+        """:func:`wait_until_ready` for this process (an error with its log if it exits)."""
+        wait_until_ready(http, timeout_s, self)
 
     def exit_code(self) -> int | None:
         """The process's exit code, or None while it runs."""

@@ -7,6 +7,7 @@ planned (:class:`UnexpectedReuse`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...kv.engine import Completion
@@ -21,6 +22,18 @@ class UnexpectedReuse(ServerError):
         other_prompt = f" of a {total}-token prompt, not {expected_total}" if total != expected_total else ""
         super().__init__(f"the server reused {cached} prompt tokens{other_prompt}, not {expected}")
         self.expected, self.cached = expected, cached
+
+
+@dataclass(frozen=True)
+class InSlot:
+    """Where a request runs: slot *index*, and the :class:`Completion` it fills in.
+
+    >>> InSlot(2).index, InSlot().completion.text
+    (2, '')
+    """
+
+    index: int = 0
+    completion: Completion = field(default_factory=Completion)
 
 
 def completion_events(

@@ -1,4 +1,4 @@
-"""Slot 0 of a llama-server as :class:`~percache_core.engines.llama_server.runner.ServerRunner`
+"""A slot of a llama-server as :class:`~percache_core.engines.llama_server.runner.ServerRunner`
 sees it: where a prefill may start and a state be taken (:class:`ServerCuts`), what the
 slot holds (:class:`SlotContent`), and the slot's verbs (:class:`ServerSlot`): prefill,
 save, load, cut back, measure and complete with nothing reused.
@@ -22,13 +22,13 @@ from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, split_at
 from ...serving.state_runner import IDLE_PIECE_TOKENS, Preempted, StopCheck
 from ...serving.text_stream import shown_text
-from .server import LlamaServer, ServerError
+from .server import Completion, InSlot, LlamaServer, ServerError
 from .slot_files import slot_file_cells, slot_file_join, slot_file_prefix, slot_file_slice
 
 logger = logging.getLogger(__name__)
 
 NO_WINDOW = 1 << 30  # a model without a sliding window: states of any length
-_slices_verdicts: EngineVerdicts[bool] = EngineVerdicts("server_slot_slices", decode=bool)
+_slices_verdicts: EngineVerdicts[bool] = EngineVerdicts("server_slot_slices_streams", decode=bool)  # (slot files of every stream count)
 
 
 @dataclass
@@ -127,7 +127,7 @@ class ServerCuts:
 
 @dataclass(frozen=True)
 class SlotContent:
-    """What slot 0 holds as far as this runner knows: *prompt* tokens, of which the first
+    """What a slot holds as far as this runner knows: *prompt* tokens, of which the first
     *valid* were prefilled in batches the cut rule allows (their cells are what a fresh
     prefill computes), then *generated* ones."""
 
@@ -137,15 +137,23 @@ class SlotContent:
 
 
 class ServerSlot:
-    """Slot 0 of *server*, and what it holds (:attr:`content`; None: unknown, so the next
-    request reuses nothing): :meth:`live_reuse`, :meth:`prefill`, :meth:`save`,
-    :meth:`load`, :meth:`cut_back`, :meth:`bytes_per_token`, :meth:`complete_plain`."""
+    """Slot *index* of *server*, and what it holds (:attr:`content`; None: unknown, so the
+    next request reuses nothing): :meth:`live_reuse`, :meth:`prefill`, :meth:`save`,
+    :meth:`load`, :meth:`cut_back`, :meth:`bytes_per_token`, :meth:`complete_plain`. Its
+    user holds its lease (:class:`~percache_core.engines.llama_server.slot_leases.SlotLeases`)."""
 
-    def __init__(self, server: LlamaServer, cuts: ServerCuts) -> None:
+    def __init__(self, server: LlamaServer, cuts: ServerCuts, index: int = 0) -> None:
         self.server = server
         self.cuts = cuts
+        self.index = index
         self.content: SlotContent | None = None
+        self.last_used = 0  # when a run last leased it (the runner's count of leases)
         self._bytes_per_token: float | None = None
+
+    def held_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of *tokens* the slot holds, as far as known (0: none)."""
+        slot = self.content
+        return 0 if slot is None else common_prefix(slot.prompt, tokens)
 
     def live_reuse(self, tokens: Sequence[int]) -> int:
         """The tokens the server would reuse of what the slot holds: that many where the
@@ -173,7 +181,7 @@ class ServerSlot:
         if should_stop is not None and should_stop():
             raise Preempted("prefill pre-empted by a user question")
         self.content = None
-        for _ in self.server.complete(tokens, Decoding(0), cache_prompt=point > 0, expected_cached=point):
+        for _ in self.server.complete(tokens, Decoding(0), cache_prompt=point > 0, expected_cached=point, slot=InSlot(self.index)):
             pass
         valid = self.cuts.valid_end(point, len(tokens)) if self.cuts.rule else 0
         self.content = SlotContent(tuple(tokens), valid)
@@ -193,14 +201,14 @@ class ServerSlot:
     def save(self) -> bytes:
         """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
         with self._file() as (name, path):
-            self.server.save_slot(name)
+            self.server.save_slot(name, self.index)
             return path.read_bytes()
 
     def load(self, data: bytes) -> int:
         """Load the slot file *data* into the slot; the tokens the server restored."""
         with self._file() as (name, path):
             path.write_bytes(data)
-            return self.server.restore_slot(name)
+            return self.server.restore_slot(name, self.index)
 
     def restore(self, node: StateNode, tokens: Sequence[int], states: TieredStateStore) -> bool:
         """Load *node*'s slot file (its key names *tokens*' first ``node.n_tokens``) from
@@ -297,21 +305,21 @@ class ServerSlot:
         :data:`IDLE_PIECE_TOKENS` at a time, a request each that goes on from the slot's
         cache, so that a client's request waits for one piece at most (their text only
         proposes questions: their batches need not be an answer's). Raises
-        :class:`Preempted` when *should_stop* turns true."""
+        :class:`Preempted` when *should_stop* turns true. The caller holds the slot's lease."""
         max_new_tokens = decoding.required_tokens()
-        server = self.server
-        with server.lock:
-            tokens = server.tokenize_chat(prompt) if chat else server.tokenize(prompt, True)
-            tokens = tokens[-(server.n_ctx - max_new_tokens) :]
-            self.content = None
-            for end in [*range(IDLE_PIECE_TOKENS, len(tokens), IDLE_PIECE_TOKENS), None]:
-                if should_stop is not None and should_stop():
-                    raise Preempted("completion pre-empted by a user question")
-                if end is not None:  # a piece, nothing generated
-                    for _ in server.complete(tokens[:end], Decoding(0), cache_prompt=end > IDLE_PIECE_TOKENS):
-                        pass
-            filter_ = StopStringFilter(list(decoding.stop or ()), strip=False)
-            pieces = server.complete(tokens, decoding, cache_prompt=len(tokens) > IDLE_PIECE_TOKENS)
-            for _ in shown_text(pieces, filter_, should_stop, what="completion"):
-                pass
-            return filter_.text, len(tokens), len(server.last.tokens)
+        server, slot = self.server, self.index
+        tokens = server.tokenize_chat(prompt) if chat else server.tokenize(prompt, True)
+        tokens = tokens[-(server.n_ctx - max_new_tokens) :]
+        self.content = None
+        for end in [*range(IDLE_PIECE_TOKENS, len(tokens), IDLE_PIECE_TOKENS), None]:
+            if should_stop is not None and should_stop():
+                raise Preempted("completion pre-empted by a user question")
+            if end is not None:  # a piece, nothing generated
+                for _ in server.complete(tokens[:end], Decoding(0), cache_prompt=end > IDLE_PIECE_TOKENS, slot=InSlot(slot)):
+                    pass
+        filter_ = StopStringFilter(list(decoding.stop or ()), strip=False)
+        completion = Completion()
+        pieces = server.complete(tokens, decoding, cache_prompt=len(tokens) > IDLE_PIECE_TOKENS, slot=InSlot(slot, completion))
+        for _ in shown_text(pieces, filter_, should_stop, what="completion"):
+            pass
+        return filter_.text, len(tokens), len(completion.tokens)

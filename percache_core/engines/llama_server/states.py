@@ -144,17 +144,19 @@ class SlotStates:
             return
         self._save_and_store(layout, keys, early, span, idle)
 
+    @property
+    def pending(self) -> bool:
+        """Whether a slot save waits for :meth:`settle`."""
+        return self._pending is not None
+
     def settle(self) -> None:
-        """Run the slot save that :meth:`store_later` left for after a reply, holding the
-        server, before anything else changes the slot (the runner's ``flush`` calls this
-        first; a slot that holds other tokens by then gives no state: the slices check the
-        tokens they are cut from)."""
-        if self._pending is None:
-            return
-        with self.slot.server.lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                pending()
+        """Run the slot save that :meth:`store_later` left for after a reply, before
+        anything else changes the slot (the caller holds the slot's lease: the pool's
+        lease and settle call this; a slot that holds other tokens by then gives no
+        state: the slices check the tokens they are cut from)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending()
 
     def _save_and_store(
         self, layout: PromptLayout, keys: list[str], early: EarlySave, span: tuple[int, int], idle: bool

@@ -1,0 +1,143 @@
+"""Who uses which of a llama-server's slots, and which runs shared the server's batches.
+
+A llama-server runs the requests of its slots together: a step of one request's prefill or
+decode is batched with the others', and a batch's arithmetic differs from a lone request's
+(measured: the same prompt's next-token log-probabilities change in the third decimal when
+another slot decodes beside it, and Gemma 3's greedy text changes). A request that runs
+alone is computed as a fresh server computes it, whichever slot it is in and whatever the
+other slots hold (measured on both bundled models: identical log-probabilities in slot 0
+of an empty server and in slot 3 beside two slots holding 4,000 tokens).
+
+:class:`SlotLeases` hands the slots out: a run leases one (:meth:`SlotLeases.one`, the
+slot its chooser picks among the free ones; it waits while every slot is leased), a
+measurement or a passed-through request the whole server (:meth:`SlotLeases.whole`). Each
+lease carries a :class:`RunMark` that says whether another lease was computing at any time
+while it was (:attr:`RunMark.batched`): what such a run computed is the server's arithmetic
+under that batching, so it is neither stored nor reused. Idle work's leases and users'
+do not overlap: a user's lease waits for idle work to yield (idle work stops at its next
+check once a user waits), and idle work waits for users.
+
+Requests that other clients send the server directly are not seen here.
+
+>>> leases = SlotLeases(2)
+>>> with leases.one(lambda free: free[0]) as (first, mark):
+...     with leases.one(lambda free: free[0]) as (second, other):
+...         pass
+>>> first, second, mark.batched, other.batched
+(0, 1, True, True)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class RunMark:
+    """One lease's run: whether it shared the server's batches with another
+    (:attr:`batched`), as far as this process sees its traffic."""
+
+    batched: bool = False
+    computing: bool = True
+
+
+class SlotLeases:
+    """The slots of a server with *count* of them (see the module)."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a server has at least one slot (got {count})")
+        self.count = count
+        self._cond = threading.Condition()
+        self._leased: dict[int, tuple[RunMark, bool]] = {}  # slot -> (its run, idle work's)
+        self._whole_owner: int | None = None  # the thread that holds the whole server
+        self._whole_depth = 0
+        self._whole_waiting = 0
+
+    @property
+    def leased(self) -> list[int]:
+        """The slots leased now."""
+        with self._cond:
+            return sorted(self._leased)
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Hold every slot (re-entrant in one thread): waits until none is leased, and new
+        leases wait until it is given back."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._whole_owner != me:
+                self._whole_waiting += 1
+                try:
+                    self._cond.wait_for(lambda: self._whole_owner is None and not self._leased)
+                finally:
+                    self._whole_waiting -= 1
+                self._whole_owner = me
+            self._whole_depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._whole_depth -= 1
+                if not self._whole_depth:
+                    self._whole_owner = None
+                    self._cond.notify_all()
+
+    @contextmanager
+    def one(self, choose: Callable[[list[int]], int], *, idle: bool = False) -> Iterator[tuple[int, RunMark]]:
+        """Lease one slot: *choose* picks it among the free ones (called under the lease
+        lock: keep it quick). Yields (slot, the run's :class:`RunMark`). Where this thread
+        holds the whole server, any slot is its (and no other run computes)."""
+        mark = RunMark()
+        with self._cond:
+            if self._whole_owner == threading.get_ident():
+                slot = choose(list(range(self.count)))
+                mark.computing = False
+            else:
+                self._cond.wait_for(lambda: self._may_lease(idle))
+                slot = choose([s for s in range(self.count) if s not in self._leased])
+                if any(other.computing for other, _ in self._leased.values()):
+                    mark.batched = True
+                    for other, _ in self._leased.values():
+                        other.batched = other.batched or other.computing
+                self._leased[slot] = (mark, idle)
+        try:
+            yield slot, mark
+        finally:
+            with self._cond:
+                if self._leased.get(slot, (None,))[0] is mark:
+                    del self._leased[slot]
+                mark.computing = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def if_free(self, slot: int) -> Iterator[bool]:
+        """Lease *slot* if it is free now, without waiting (for a slot save, which computes
+        nothing); yields whether it was."""
+        with self._cond:
+            mine = self._whole_owner == threading.get_ident()
+            free = mine or (self._whole_owner is None and slot not in self._leased)
+            if free and not mine:
+                self._leased[slot] = (RunMark(computing=False), False)
+        try:
+            yield free
+        finally:
+            if free and not mine:
+                with self._cond:
+                    del self._leased[slot]
+                    self._cond.notify_all()
+
+    def done_computing(self, mark: RunMark) -> None:
+        """Say that *mark*'s run sends the server nothing more that computes (a slot save
+        may follow): leases taken from now on do not share its batches."""
+        with self._cond:
+            mark.computing = False
+
+    def _may_lease(self, idle: bool) -> bool:
+        if self._whole_owner is not None or self._whole_waiting or len(self._leased) >= self.count:
+            return False
+        kinds = {kind for mark, kind in self._leased.values() if mark.computing}
+        return not kinds or kinds == {idle}

@@ -1,0 +1,82 @@
+"""The slots of a llama-server as a :class:`~percache_core.engines.llama_server.runner.ServerRunner`
+uses them: one :class:`~percache_core.engines.llama_server.slot.ServerSlot` (what it holds)
+and one :class:`~percache_core.engines.llama_server.states.SlotStates` (the states a
+request leaves in it) per slot, leased run by run (:meth:`SlotPool.lease`).
+
+A run gets the free slot that holds the longest prefix of its prompt (its prefill may go on
+from there), else the least recently used one (a stored state restores into any slot, and
+the others keep what they hold for their own next requests), as llama-server picks a slot
+for a request that names none. The slot save a relayed reply left for after it is made
+before anything else uses that slot (:meth:`SlotPool.lease`) or when the runner settles
+(:meth:`SlotPool.settle`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .slot import ServerCuts, ServerSlot
+from .slot_leases import RunMark, SlotLeases
+from .states import SlotStates
+
+if TYPE_CHECKING:
+    from ...serving.state_runner import StateRunner
+    from .server import LlamaServer
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """One run's slot, the states it takes from it, and its :class:`RunMark`."""
+
+    slot: ServerSlot
+    taking: SlotStates
+    mark: RunMark
+
+
+class SlotPool:
+    """Every slot of *server* for *runner* (see the module)."""
+
+    def __init__(self, runner: StateRunner, server: LlamaServer, cuts: ServerCuts) -> None:
+        self.leases: SlotLeases = server.leases
+        self.slots = [ServerSlot(server, cuts, index) for index in range(self.leases.count)]
+        self.takings = [SlotStates(runner, slot) for slot in self.slots]
+        self._uses = 0
+
+    def chooser(self, tokens: Sequence[int]) -> Callable[[list[int]], int]:
+        """Picks, among free slots, the one holding the longest prefix of *tokens*, the
+        least recently used among equals."""
+
+        def choose(free: list[int]) -> int:
+            return max(free, key=lambda index: (self.slots[index].held_prefix(tokens), -self.slots[index].last_used))
+
+        return choose
+
+    @contextmanager
+    def lease(self, tokens: Sequence[int], *, idle: bool = False) -> Iterator[SlotRun]:
+        """Lease a slot for a run of *tokens* (waits while every slot is leased, and while
+        the other kind of work, idle or a user's, computes); the slot save its last reply
+        left is made first."""
+        with self.leases.one(self.chooser(tokens), idle=idle) as (index, mark):
+            self._uses += 1
+            self.slots[index].last_used = self._uses
+            run = SlotRun(self.slots[index], self.takings[index], mark)
+            run.taking.settle()
+            yield run
+
+    def settle(self) -> None:
+        """Make the slot saves that relayed replies left, in the slots free now (a leased
+        slot's is made by its lease)."""
+        for index, taking in enumerate(self.takings):
+            if taking.pending:
+                with self.leases.if_free(index) as free:
+                    if free:
+                        taking.settle()
+
+    def forget_contents(self) -> None:
+        """Mark every slot's content unknown (a request PerCache did not run may have
+        changed any of them)."""
+        for slot in self.slots:
+            slot.content = None

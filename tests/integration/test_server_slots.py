@@ -1,0 +1,123 @@
+"""Every slot of a llama-server: runs in different slots at once, states restored into any
+slot, and nothing kept of a run that shared the server's batches with another."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from percache_core import Decoding, LlamaServer, ServerLaunch, TextPrompt
+from percache_core.engines.llama_server.runner import ServerRunner
+from percache_core.engines.llama_server.slot_probe import slots_independent
+from percache_core.inspection import internals
+
+from .test_llama_server import fresh_text, open_on
+
+pytestmark = pytest.mark.model
+
+NOTES = [
+    "Planning call. The launch talk rehearsal is on Thursday at 4 pm in room B12; bring the clicker.",
+    "Budget review. Finance approved 18,000 euros for the Harbor design work, 4,000 of it for user testing.",
+    "Facilities. Noor brings the projector to the rehearsal and Ilse books the catering for Friday.",
+]
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Iterator[LlamaServer]:
+    with LlamaServer.start(model_path, ServerLaunch(n_ctx=2048, n_slots=2)) as started:
+        yield started
+
+
+def prompt(question: str) -> str:
+    return "Notes:\n" + "\n".join(NOTES) + f"\nQuestion: {question}\nAnswer:"
+
+
+def test_a_started_server_runs_its_slots_as_separate_caches_and_uses_every_one(server: LlamaServer) -> None:
+    assert server.total_slots == 2 and server.leases.count == 2
+    assert slots_independent(server)  # measured: fresh and restored, beside another slot's tokens
+
+
+def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        assert isinstance(runner, ServerRunner) and len(runner.pool.slots) == 2
+        decoding = Decoding(max_new_tokens=16)
+        with server.leases.one(lambda free: free[0]) as (held, mark):  # another request computes in a slot
+            beside = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
+            assert mark.batched
+        assert runner.batched_runs == 1 and beside.text
+        assert runner.pool.slots[1 - held].content is None  # its cells are not kept for the next request
+        assert pc.stats()["chunk_states"]["nodes"] == 0  # and no state of it is stored
+        alone = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
+        assert alone.source != "prompt_answer"  # the batched run's answer was not stored
+        tokens = runner.lay_out("", [], spec=_spec(prompt("When is the rehearsal?")), max_new_tokens=16).tokens
+        assert alone.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+        again = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
+        assert again.source == "prompt_answer" and again.text == alone.text  # a lone run's answer is kept
+        assert pc.stats()["chunk_states"]["nodes"] > 0
+    finally:
+        pc.close()
+
+
+def test_a_state_restores_into_whichever_slot_is_free(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    notes = [document["text"] for document in corpus["documents"][:3]]  # long enough for a cut
+
+    def ask(question: str) -> Any:
+        text = "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
+        answer = pc.caller.complete(text, documents=notes, decoding=Decoding(max_new_tokens=16))
+        tokens = runner.lay_out("", [], spec=TextPrompt(text, tuple(notes), add_bos=True), max_new_tokens=16).tokens
+        assert answer.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+        return answer
+
+    try:
+        runner = internals(pc).runtime.runner
+        ask("When is the rehearsal?")
+        slot_of_first = max(runner.pool.slots, key=lambda slot: slot.last_used).index
+        runner.pool.slots[slot_of_first].content = None  # what it held is gone: the next run takes the other slot
+        answer = ask("How much did finance approve?")
+        assert max(runner.pool.slots, key=lambda slot: slot.last_used).index != slot_of_first
+        assert answer.reused_tokens >= 64  # the notes' state, restored from its slot file into the other slot
+        assert runner.unexpected_reuse == 0 and runner.restore_failures == 0
+    finally:
+        pc.close()
+
+
+def test_clients_at_once_each_get_a_reply_and_nothing_batched_is_stored(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    questions = ["When is the rehearsal?", "Who books the catering?", "Which room is it in?"]
+    try:
+        runner = internals(pc).runtime.runner
+        start = threading.Barrier(len(questions))
+        answers: dict[str, Any] = {}
+
+        def ask(question: str) -> None:
+            start.wait()
+            answers[question] = pc.caller.complete(prompt(question), documents=NOTES, decoding=Decoding(max_new_tokens=24))
+
+        threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert sorted(answers) == sorted(questions) and all(a.text for a in answers.values())
+        assert runner.batched_runs >= 1  # two slots, three clients: some ran beside another
+        repeats = [pc.caller.complete(prompt(q), documents=NOTES, decoding=Decoding(max_new_tokens=24)) for q in questions]
+        assert sum(r.source == "prompt_answer" for r in repeats) == len(questions) - runner.batched_runs
+    finally:
+        pc.close()
+
+
+def _spec(text: str) -> TextPrompt:
+    return TextPrompt(text, tuple(NOTES), add_bos=True)

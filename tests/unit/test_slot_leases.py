@@ -1,0 +1,107 @@
+"""Slot leases: which slot a run gets, who waits for whom, and which runs shared batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from percache_core.engines.llama_server.slot_leases import SlotLeases
+
+
+def first(free: list[int]) -> int:
+    return free[0]
+
+
+def test_runs_get_different_slots_and_overlapping_runs_are_batched() -> None:
+    leases = SlotLeases(3)
+    with leases.one(first) as (a, mark_a):
+        assert not mark_a.batched
+        with leases.one(first) as (b, mark_b):
+            assert (a, b) == (0, 1) and leases.leased == [0, 1]
+            assert mark_a.batched and mark_b.batched
+    assert leases.leased == []
+
+
+def test_a_run_after_another_finished_computing_is_alone() -> None:
+    leases = SlotLeases(2)
+    with leases.one(first) as (_, mark_a):
+        leases.done_computing(mark_a)  # its reply is out; a slot save may follow
+        with leases.one(first) as (_, mark_b):
+            assert not mark_b.batched
+    assert not mark_a.batched
+
+
+def test_a_run_waits_while_every_slot_is_leased() -> None:
+    leases = SlotLeases(1)
+    got: list[float] = []
+
+    def second() -> None:
+        with leases.one(first):
+            got.append(time.monotonic())
+
+    with leases.one(first):
+        thread = threading.Thread(target=second)
+        thread.start()
+        time.sleep(0.2)
+        assert not got  # still waiting
+        released = time.monotonic()
+    thread.join(2)
+    assert got and got[0] >= released
+
+
+def test_the_whole_server_waits_for_leases_and_holds_new_ones_back() -> None:
+    leases = SlotLeases(2)
+    order: list[str] = []
+
+    def measure() -> None:
+        with leases.whole():
+            order.append("whole")
+            with leases.whole():  # re-entrant in its thread
+                with leases.one(first) as (slot, mark):  # the holder may use any slot
+                    assert slot == 0 and not mark.batched
+            time.sleep(0.1)
+        order.append("whole done")
+
+    with leases.one(first):
+        thread = threading.Thread(target=measure)
+        thread.start()
+        time.sleep(0.1)
+        order.append("run done")
+    thread.join(2)
+    with leases.one(first):
+        order.append("next run")
+    assert order == ["run done", "whole", "whole done", "next run"]
+
+
+def test_users_wait_for_idle_work_and_idle_work_for_users() -> None:
+    leases = SlotLeases(4)
+    events: list[str] = []
+
+    def user() -> None:
+        with leases.one(first):
+            events.append("user")
+
+    with leases.one(first, idle=True) as (_, idle_mark):
+        thread = threading.Thread(target=user)
+        thread.start()
+        time.sleep(0.15)
+        events.append("idle yields")
+    thread.join(2)
+    assert events == ["idle yields", "user"] and not idle_mark.batched
+
+
+def test_a_free_slot_is_leased_for_a_save_only_when_free() -> None:
+    leases = SlotLeases(2)
+    with leases.one(first) as (slot, _):
+        with leases.if_free(slot) as free:
+            assert not free
+        with leases.if_free(1) as free:
+            assert free and leases.leased == [0, 1]
+    assert leases.leased == []
+
+
+def test_a_server_has_at_least_one_slot() -> None:
+    with pytest.raises(ValueError, match="at least one slot"):
+        SlotLeases(0)
