@@ -121,3 +121,48 @@ def test_clients_at_once_each_get_a_reply_and_nothing_batched_is_stored(
 
 def _spec(text: str) -> TextPrompt:
     return TextPrompt(text, tuple(NOTES), add_bos=True)
+
+
+def test_a_server_started_with_its_default_slots_gets_states_on_every_slot(
+    tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    """llama-server with its defaults (4 slots in one KV cache, idle slots cleared by the
+    server) and the two flags states need: the probe finds restored states exact once the
+    other slots are erased, so every slot is used, runs alone erase the others first, and a
+    restored state gives the fresh text."""
+    import subprocess
+
+    from percache_core.engines.llama_server.server import find_server_binary, free_port
+    from percache_core.engines.llama_server.server_process import wait_until_ready
+
+    folder, port = tmp_path / "slots", free_port("127.0.0.1")
+    folder.mkdir()
+    process = subprocess.Popen(
+        [str(find_server_binary()), "-m", str(model_path), "--port", str(port), "-c", "4096",
+         "--slot-save-path", str(folder), "--swa-full"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    attached = LlamaServer(f"http://127.0.0.1:{port}", slot_save_path=folder)
+    try:
+        wait_until_ready(attached.http, 180)
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+        try:
+            runner = internals(pc).runtime.runner
+            assert attached.total_slots == 4 and attached.leases.count == 4 and runner.rule is not None
+            assert slots_independent(attached) >= 2 and pc.stats()["chunk_states"] is not None
+            notes = [document["text"] for document in corpus["documents"][:3]]
+            answers = []
+            for question in ("When is the rehearsal?", "How much did finance approve?"):
+                text = "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
+                answers.append(pc.caller.complete(text, documents=notes, decoding=Decoding(max_new_tokens=16)))
+                tokens = runner.lay_out("", [], spec=TextPrompt(text, tuple(notes), add_bos=True), max_new_tokens=16).tokens
+                with attached.lock:  # the reference: fresh, every other slot empty
+                    for slot in range(4):
+                        attached.erase_slot(slot)
+                    assert answers[-1].text == fresh_text(attached, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+                runner.pool.forget_contents()
+            assert answers[1].reused_tokens >= 64 and runner.restore_failures == 0
+        finally:
+            pc.close()
+    finally:
+        process.terminate()
+        process.wait()

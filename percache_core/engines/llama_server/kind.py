@@ -25,7 +25,7 @@ from .cuts import known_server_cut_rule, measure_server_cut_rule
 from .runner import ServerRunner
 from .server import LlamaServer
 from .slot import ServerCuts, ServerSlot
-from .slot_probe import FRESH, slots_independent
+from .slot_probe import FRESH, ISOLATED, slots_independent
 
 
 class ServerKind:
@@ -91,12 +91,14 @@ class ServerKind:
 
 def _lease_slots(engine: LlamaServer) -> None:
     """Every slot of an attached server whose slots compute fresh requests independently
-    (measured); where restored states do not, no chunk states on it."""
+    (measured); where restored states do so once the other slots are erased, runs erase them;
+    where not even then, no chunk states on it."""
     if engine.owns_process or engine.total_slots < 2 or engine.leases.count > 1:
         return
     verdict = slots_independent(engine)
     if verdict >= FRESH:
         engine.use_every_slot()
+    engine.slots_shared = verdict == ISOLATED  # runs alone erase the other free slots first
     if verdict == FRESH and engine.chunk_state_problem is None:
         engine.slots_problem = (
             "a state restored in one of its slots computes otherwise than a fresh prefill when another slot holds "

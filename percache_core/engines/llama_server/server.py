@@ -134,6 +134,7 @@ class LlamaServer:
         self.model_path: Path | None = None  # the GGUF (a started server's, or /props' when readable)
         self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
+        self.slots_shared = False  # one KV cache: a run alone erases the other free slots first (slot_probe)
 
     # -- starting and stopping --------------------------------------------------------------
 
@@ -282,9 +283,8 @@ class LlamaServer:
 
     @property
     def verdict_key(self) -> str | None:
-        """The key its self-check verdicts are kept on disk under: a started server's
-        fingerprint (its flags are known); None for an attached one (measured in each
-        process: its batch sizes and attention settings cannot be read from it)."""
+        """Its self-checks' key on disk: a started server's fingerprint; None for an attached
+        one (its flags cannot be read from it: measured in each process)."""
         return self.fingerprint("self-checks") if self.owns_process else None
 
     @property
@@ -294,8 +294,7 @@ class LlamaServer:
         except (KeyError, IndexError, TypeError, ValueError) as error:
             raise ServerError("llama-server /v1/models: no n_vocab") from error
 
-    def warm_up(self) -> None:
-        """Read the server's settings (it warms its model up itself when it starts)."""
+    def warm_up(self) -> None:  # (it warms its model up itself when it starts)
         _ = self.props
 
     def fingerprint(self, extra: str = "") -> str:

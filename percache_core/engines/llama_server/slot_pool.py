@@ -44,6 +44,7 @@ class SlotPool:
         self.slots = [ServerSlot(server, cuts, index) for index in range(self.leases.count)]
         self.takings = [SlotStates(runner, slot) for slot in self.slots]
         self._uses = 0
+        self._erased: set[int] = set()  # slots erased by clear_others and not leased since
 
     def chooser(self, tokens: Sequence[int]) -> Callable[[list[int]], int]:
         """Picks, among free slots, the one holding the longest prefix of *tokens*, the
@@ -62,6 +63,7 @@ class SlotPool:
         with self.leases.one(self.chooser(tokens), idle=idle) as (index, mark):
             self._uses += 1
             self.slots[index].last_used = self._uses
+            self._erased.discard(index)
             run = SlotRun(self.slots[index], self.takings[index], mark)
             run.taking.settle()
             yield run
@@ -75,8 +77,24 @@ class SlotPool:
                     if free:
                         taking.settle()
 
+    def clear_others(self, run: SlotRun) -> None:
+        """Erase every other free slot's cells (their pending saves made first), for a run
+        on a server whose slots share one KV cache: a run computes as on an empty server
+        only so (:mod:`~percache_core.engines.llama_server.slot_probe`). Slots erased
+        before and not leased since are left alone."""
+        for index, slot in enumerate(self.slots):
+            if slot is run.slot or index in self._erased:
+                continue
+            with self.leases.if_free(index) as free:
+                if free:
+                    self.takings[index].settle()
+                    slot.server.erase_slot(index)
+                    slot.content = None
+                    self._erased.add(index)
+
     def forget_contents(self) -> None:
         """Mark every slot's content unknown (a request PerCache did not run may have
         changed any of them)."""
+        self._erased.clear()
         for slot in self.slots:
             slot.content = None

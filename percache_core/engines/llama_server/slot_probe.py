@@ -11,9 +11,14 @@ log-probabilities), unless the server clears the idle slots first (its ``--cache
 on by default with ``--cache-ram``). So :func:`slots_independent` checks it on the server
 itself: a prompt's first-token log-probabilities, fresh with the other slots empty, then fresh
 and (where slot files work) restored from a state while another slot holds other tokens.
-Where fresh requests match but restored ones do not, PerCache uses every slot and keeps no
-chunk states there (stored answers only); where fresh ones differ too, it uses one slot of
-that server (as exact as before, one request at a time).
+Where restored ones match only once the other slots are emptied (measured on a default
+server, SmolLM2: restored beside another slot's tokens, other log-probabilities; restored
+into slot 0 or 2 with the others erased, identical), PerCache uses every slot and a run that
+computes alone first erases the other free slots (:attr:`LlamaServer.slots_shared`; such a
+server clears its idle slots itself when a request starts, so little is lost). Where fresh
+requests match but restored ones do not, PerCache uses every slot and keeps no chunk states
+there (stored answers only); where fresh ones differ too, it uses one slot of that server
+(as exact as before, one request at a time).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from .server import InSlot, LlamaServer
 from .server_streams import UnexpectedReuse
 
 _verdicts: EngineVerdicts[int] = EngineVerdicts("server_slots_independent", decode=int)
-FRESH, RESTORED = 1, 2  # what computes independently of the other slots: fresh requests, restored states too
+# what computes as on a fresh server: fresh requests, restored states once the other slots are
+# erased, restored states whatever the other slots hold
+FRESH, ISOLATED, RESTORED = 1, 2, 3
 _LOGPROBS = 20
 _PROMPT_TOKENS = 300
 _STATE_TOKENS = 128
@@ -34,8 +41,9 @@ _STATE_TOKENS = 128
 
 def slots_independent(server: LlamaServer) -> int:
     """What in *server*'s slots is computed as on a fresh server whatever its other slots
-    hold (see the module): 0 (nothing), :data:`FRESH` (fresh requests) or :data:`RESTORED`
-    (restored states too, where slot files work); :data:`RESTORED` for a one-slot server,
+    hold (see the module): 0 (nothing), :data:`FRESH` (fresh requests), :data:`ISOLATED`
+    (restored states too, once the other slots are erased) or :data:`RESTORED` (restored
+    states too, where slot files work); :data:`RESTORED` for a one-slot server,
     measured once per server otherwise (remembered on disk for one PerCache started). Holds
     the whole server."""
     if server.total_slots < 2:
@@ -51,8 +59,11 @@ def slots_independent(server: LlamaServer) -> int:
         reference = _first_logprobs(server, prompt)
         _prefill(server, other, 1)
         verdict = FRESH if _first_logprobs(server, prompt) == reference else 0
-        if verdict and server.chunk_state_problem is None and _restored_logprobs(server, prompt, other) == reference:
-            verdict = RESTORED
+        if verdict and server.chunk_state_problem is None:
+            if _restored_logprobs(server, prompt, other) == reference:
+                verdict = RESTORED
+            elif _restored_logprobs(server, prompt, other, isolated=True) == reference:
+                verdict = ISOLATED
         for slot in range(server.total_slots):
             server.erase_slot(slot)
     _verdicts.keep(server, verdict)
@@ -78,9 +89,9 @@ def _first_logprobs(server: LlamaServer, prompt: list[int], cached: int = 0) -> 
     return slot.completion.top_logprobs
 
 
-def _restored_logprobs(server: LlamaServer, prompt: list[int], other: list[int]) -> object:
+def _restored_logprobs(server: LlamaServer, prompt: list[int], other: list[int], *, isolated: bool = False) -> object:
     """:func:`_first_logprobs` of *prompt* from a state of its first tokens, restored into
-    slot 0 while slot 1 holds *other*."""
+    slot 0 while slot 1 holds *other* (*isolated*: slot 1 erased first)."""
     assert server.slot_save_path is not None
     name = f"percache-probe-{uuid.uuid4().hex}.bin"
     try:
@@ -88,6 +99,8 @@ def _restored_logprobs(server: LlamaServer, prompt: list[int], other: list[int])
         server.save_slot(name, 0)
         server.erase_slot(0)
         _prefill(server, other, 1)
+        if isolated:
+            server.erase_slot(1)
         server.restore_slot(name, 0)
         return _first_logprobs(server, prompt, _STATE_TOKENS)
     finally:
