@@ -191,8 +191,10 @@ def test_where_a_server_prefill_may_start() -> None:  # (the arithmetic of Serve
     assert cuts.cut_allowed(128, 800) and not cuts.cut_allowed(130, 800)  # a multiple of 4
     assert not cuts.cut_allowed(40, 800) and not cuts.cut_allowed(760, 800)  # 64 tokens or more after
     assert not cuts.cut_allowed(128, 700)  # the prefill after it would end with a 60-token batch
-    # a fresh prefill of 520 ends with an 8-token batch: only a cut at 512 keeps it as it is
-    assert not cuts.cut_allowed(256, 520) and cuts.cut_allowed(512, 520)
+    # a fresh prefill of 520 ends with an 8-token batch: a cut at 512 keeps it as it is, and a
+    # cut from which the prefill may go to 512 in a request of its own (then the 8 alone)
+    assert cuts.cut_allowed(256, 520) and cuts.cut_allowed(512, 520) and not cuts.cut_allowed(480, 520)
+    assert cuts.last_batch_start(256, 520) == 512 and cuts.last_batch_start(512, 520) is None
     # a prefill from 0 to 520: its last 8 cells were computed in a short batch
     assert cuts.valid_end(0, 520) == 512 and cuts.valid_end(0, 600) == 600
     assert cuts.state_allowed(0, 548, 600) and not cuts.state_allowed(0, 516, 520)
@@ -423,3 +425,46 @@ def test_idle_works_plain_prompt_yields_the_server_after_one_piece(server: Llama
     assert [m for _, m, _ in sent] == [0] * (len(sent) - 1) + [4]  # the pieces generate nothing
     assert [c for _, _, c in sent] == [False] + [True] * (len(sent) - 1)  # each goes on from the slot's cache
     assert server.last.prompt_tokens <= IDLE_PIECE_TOKENS and generated <= 4  # the rest came from the cache
+
+
+def test_a_prompt_whose_last_batch_is_short_restores_a_state_and_prefills_that_batch_alone(
+    tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh prefill of 512 + k tokens (k under the rule's least piece) ends with a batch of
+    k: a stored state before 512 is restored, the prefill goes to 512 in a request of its own,
+    and the last request prefills the k tokens alone, as the fresh prefill does."""
+    pc = open_on(tmp_path / "cache", server, embedder, corpus)
+    try:
+        runner = internals(pc).runtime.runner
+        assert isinstance(runner, ServerRunner) and runner.rule is not None
+        notes = [document["text"] for document in corpus["documents"][:4]]
+        head = "Notes:\n" + "\n".join(notes) + "\nQuestion: "
+
+        def text_of(question: str) -> tuple[str, list[int]]:  # padded to 512 + a short last batch
+            for extra in range(400):
+                text = head + question + " (" + "please " * extra + ")\nAnswer:"
+                tokens = runner.lay_out("", [], spec=TextPrompt(text, tuple(notes), add_bos=True), max_new_tokens=16).tokens
+                if 0 < len(tokens) - 512 < runner.rule.min_tokens:
+                    return text, tokens
+            raise AssertionError("no length with a short last batch")
+
+        first, _ = text_of("When is the rehearsal?")
+        pc.caller.complete(first, documents=notes, decoding=Decoding(max_new_tokens=16))
+        text, tokens = text_of("How much did finance approve?")
+        for slot in runner.pool.slots:
+            slot.content = None  # only a stored state can be reused
+        requests: list[tuple[int, int]] = []
+        complete = server.complete
+
+        def counted(prompt: Sequence[int], decoding: Decoding, **kwargs: Any) -> Iterator[str]:
+            requests.append((len(prompt), decoding.required_tokens()))
+            return complete(prompt, decoding, **kwargs)
+
+        monkeypatch.setattr(server, "complete", counted)
+        answer = pc.caller.complete(text, documents=notes, decoding=Decoding(max_new_tokens=16))
+        monkeypatch.undo()
+        assert 0 < answer.reused_tokens < 512 and requests[0] == (512, 0) and requests[-1][0] == len(tokens)
+        assert answer.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+        assert runner.unexpected_reuse == 0
+    finally:
+        pc.close()

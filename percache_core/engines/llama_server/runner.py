@@ -192,16 +192,23 @@ class ServerRunner(StateRunner):
         clock = time.perf_counter()
         complete = False
         early = EarlySave()
-        if self.states is not None and self.rule is not None and self._window_may_pass(end, options):
+        if self.states is not None and self.rule is not None and _window_may_pass(self.window, end, options):
             point = self._save_early(run, result, (layout, keys), (point, end), early, should_stop)
         start = point  # where the last request's prefill started (0 where it was run again)
+        span = (start, end)  # the prefill whose cells states are taken from
         try:
             if options.decode:
+                split = self.cuts.last_batch_start(point, end) if self.rule is not None else None
+                if split is not None:  # to the fresh prefill's short last batch, in a request of its own
+                    span = (self._prefill_to(run, result, tokens[:split], point, should_stop), split)
+                    point = split
                 start = yield from self._complete(run, result, point, options, (should_stop, started))
+                span = span if split is not None and start == split else (start, end)
                 complete = run.slot.content is not None  # the request ran to its end
             else:
                 if end > point:  # (a prefix with no state point to reach has nothing to prefill)
                     start = self._prefill_to(run, result, tokens[:end], point, should_stop)
+                span = (start, end)
                 complete = True
             result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
@@ -214,21 +221,8 @@ class ServerRunner(StateRunner):
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
                 after_reply = options.relay is not None and not options.idle  # the client's reply first
-                run.taking.store_later(layout, keys, early, (start, end), options.idle, after_reply=after_reply)
+                run.taking.store_later(layout, keys, early, span, options.idle, after_reply=after_reply)
             result.timings["store_states"] = time.perf_counter() - clock
-
-    def _window_may_pass(self, end: int, options: RunOptions) -> bool:
-        """Whether a sliding window may pass the first cells of a prompt of *end* tokens
-        before the request ends (the prompt and the most tokens it may generate are longer
-        than the window), so that a slot saved after it would lack them: only then are its
-        states saved on the way, at the cost of a request and a slot save on its time.
-        A state taken later is still checked to hold every cell it needs."""
-        if self.window >= NO_WINDOW:
-            return False
-        if not options.decode:
-            return end > self.window
-        most = options.relay.most_new_tokens if options.relay is not None else options.max_new_tokens
-        return most is None or end + most > self.window
 
     def _save_early(
         self, run: SlotRun, result: RunResult, prompt: tuple[PromptLayout, list[str]], span: tuple[int, int],
@@ -407,6 +401,20 @@ class ServerRunner(StateRunner):
         :meth:`ServerSlot.complete_plain`)."""
         with self.pool.lease((), idle=True) as run:
             return run.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
+
+
+def _window_may_pass(window: int, end: int, options: RunOptions) -> bool:
+    """Whether a sliding *window* may pass the first cells of a prompt of *end* tokens
+    before the request ends (the prompt and the most tokens it may generate are longer
+    than the window), so that a slot saved after it would lack them: only then are its
+    states saved on the way, at the cost of a request and a slot save on its time.
+    A state taken later is still checked to hold every cell it needs."""
+    if window >= NO_WINDOW:
+        return False
+    if not options.decode:
+        return end > window
+    most = options.relay.most_new_tokens if options.relay is not None else options.max_new_tokens
+    return most is None or end + most > window
 
 
 def _depth(layout: PromptLayout, point: int) -> int:

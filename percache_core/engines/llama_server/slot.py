@@ -81,9 +81,10 @@ class ServerCuts:
         """Whether a prompt of *end* tokens may be prefilled from *cut* on (its cells before
         *cut* valid: a stored state, or what the slot holds) and give a fresh prefill's
         output: the batches after the cut are allowed ones; where a fresh prefill's own last
-        batch is short, the cut must keep that batch as it is (a multiple of ``n_ubatch``).
-        On a sliding-window model, within the window unless *past_window* (a restored slot
-        file, laid out as a fresh prefill's)."""
+        batch is short, the cut must keep that batch as it is: a multiple of ``n_ubatch``, or
+        a cut from which the prefill may go to that batch's start, in a request of its own
+        (:meth:`last_batch_start`). On a sliding-window model, within the window unless
+        *past_window* (a restored slot file, laid out as a fresh prefill's)."""
         rule = self.rule
         if cut == 0:
             return True
@@ -93,8 +94,25 @@ class ServerCuts:
             return False
         last = end % self.n_ubatch
         if 0 < last < rule.min_tokens:
-            return cut % self.n_ubatch == 0
+            boundary = end - last
+            return cut % self.n_ubatch == 0 or (cut < boundary and self.valid_end(cut, boundary) == boundary)
         return self.valid_end(cut, end) == end
+
+    def last_batch_start(self, cut: int, end: int) -> int | None:
+        """Where a prefill from *cut* (an allowed cut) of a prompt of *end* tokens stops one
+        request before the end: the start of a fresh prefill's short last batch (shorter
+        than ``rule.min_tokens``), so that the last request prefills that batch as a fresh
+        prefill does; None where one request gives a fresh prefill's batches.
+
+        >>> cuts = ServerCuts(CutRule(64, 4), 512)
+        >>> cuts.last_batch_start(128, 530), cuts.last_batch_start(512, 530), cuts.last_batch_start(128, 600)
+        (512, None, None)
+        """
+        rule, last = self.rule, end % self.n_ubatch
+        if rule is None or cut == 0 or not 0 < last < rule.min_tokens:
+            return None
+        boundary = end - last
+        return boundary if cut < boundary and cut % self.n_ubatch else None
 
     def with_tail_cut(self, layout: PromptLayout, start: int) -> PromptLayout:
         """A caller's prompt with states kept near its end, so that the next prompt that
