@@ -42,7 +42,7 @@ from ..engines.llama_server.server import LlamaServer, ServerError, ServerUnreac
 from ..errors import ContextOverflowError, PerCacheError
 from ..pipeline import PerCache
 from ..serving.state_runner import RelayedRequest
-from ..serving.streaming import BackgroundStream
+from ..serving.streaming import AnswerStream, BackgroundStream
 from ..types import Answer
 from .protocol import (
     DONE,
@@ -212,21 +212,18 @@ class Endpoint:
             yield sse(_server_fault(error).body())
             return
         sent = 0
+        assert isinstance(stream, AnswerStream)
         try:
-            pieces = iter(stream)
-            while True:
-                try:
-                    piece = await run_in_threadpool(next, pieces, _END)
-                except Exception as error:  # the reply has begun: the fault goes as an event
-                    yield sse(_server_fault(error).body())
-                    return
-                if piece is _END:
-                    break
-                for chunk in relay.chunks[sent:]:  # the server's, as they come, up to the last ones
-                    if _is_last(chunk):
-                        break
-                    yield sse(chunk)
-                    sent += 1
+            try:
+                async for _ in stream.pieces():  # (woken by the run's thread as each piece arrives)
+                    for chunk in relay.chunks[sent:]:  # the server's, as they come, up to the last ones
+                        if _is_last(chunk):
+                            break
+                        yield sse(chunk)
+                        sent += 1
+            except Exception as error:  # the reply has begun: the fault goes as an event
+                yield sse(_server_fault(error).body())
+                return
             answer = stream.answer  # type: ignore[union-attr]
             tail = relay.chunks[sent:] if relay.chunks else stored_chunks(
                 kind, answer.text, relay.reply.finish_reason, model, relay.reply.usage if wants_usage else None

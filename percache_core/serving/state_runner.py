@@ -176,6 +176,7 @@ class StateRunner:
         self._budget = budget or (lambda: self.config.budgets.chunk_state_budget_bytes or BUDGET_FLOOR_BYTES)
         self.restore_failures = 0
         self.storage_failures = 0
+        self.batched_runs = 0  # runs that shared a server's batches with another (nothing of them kept)
         self.writer = StateWriter("percache-states")  # new states stored off the answer's time
 
     @property

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -65,6 +65,7 @@ class BackgroundStream(Generic[T, R]):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._finished: _Finished[R] | None = None
+        self._on_item: Callable[[], None] | None = None  # told after each item (watch)
         context = contextvars.copy_context()  # the caller's context variables hold in the thread
         _producers().submit(context.run, self._produce, events)
 
@@ -73,13 +74,47 @@ class BackgroundStream(Generic[T, R]):
             while True:
                 if self._cancelled.is_set():
                     events.close()
-                    self._queue.put(_Finished())
+                    self._put(_Finished())
                     return
-                self._queue.put(next(events))
+                self._put(next(events))
         except StopIteration as done:
-            self._queue.put(_Finished(value=done.value))
+            self._put(_Finished(value=done.value))
         except BaseException as error:  # handed to the reader
-            self._queue.put(_Finished(error=error))
+            self._put(_Finished(error=error))
+
+    def _put(self, item: Any) -> None:
+        self._queue.put(item)
+        told = self._on_item
+        if told is not None:
+            try:
+                told()
+            except RuntimeError:  # the reader's event loop has closed: nobody reads on
+                self._on_item = None
+
+    async def items(self) -> AsyncIterator[T]:
+        """The items, for an event loop: it is woken by the producer as each arrives (no
+        thread waits for it), then takes every item there is."""
+        import asyncio
+
+        loop, arrived = asyncio.get_running_loop(), asyncio.Event()
+        self._on_item = lambda: loop.call_soon_threadsafe(arrived.set)
+        if not self._queue.empty():
+            arrived.set()
+        while self._finished is None:
+            await arrived.wait()
+            arrived.clear()
+            while self._finished is None:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Finished):
+                    self._finished = item
+                else:
+                    yield item
+        if self._finished.error is not None:
+            error, self._finished.error = self._finished.error, None
+            raise error
 
     def __iter__(self) -> Iterator[T]:
         while self._finished is None:
@@ -124,6 +159,10 @@ class AnswerStream:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._stream)
+
+    def pieces(self) -> AsyncIterator[str]:
+        """The text pieces, for an event loop (``async for``; see :meth:`BackgroundStream.items`)."""
+        return self._stream.items()
 
     def result(self) -> Answer:
         """Consume what is left and return the finished answer."""

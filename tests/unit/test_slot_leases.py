@@ -105,3 +105,22 @@ def test_a_free_slot_is_leased_for_a_save_only_when_free() -> None:
 def test_a_server_has_at_least_one_slot() -> None:
     with pytest.raises(ValueError, match="at least one slot"):
         SlotLeases(0)
+
+
+def test_a_new_run_waits_for_a_slot_save_to_be_made() -> None:
+    leases = SlotLeases(4)
+    started: list[float] = []
+
+    def run() -> None:
+        with leases.one(first):
+            started.append(time.monotonic())
+
+    with leases.if_free(0) as free:  # the save a reply left, being made
+        assert free
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(0.15)
+        assert not started  # (its states are to be found by the next run)
+        saved = time.monotonic()
+    thread.join(2)
+    assert started and started[0] >= saved

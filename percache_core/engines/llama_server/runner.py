@@ -84,7 +84,6 @@ class ServerRunner(StateRunner):
         self.pool = SlotPool(self, server, self.cuts)  # every slot, and the states taken from each
         self.store_lock = threading.RLock()  # the stored states, shared by runs in several slots and the writer
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
-        self.batched_runs = 0  # runs that shared the server's batches with another (nothing kept)
 
     @property
     def rule(self) -> CutRule | None:

@@ -52,7 +52,7 @@ class SlotLeases:
             raise ValueError(f"a server has at least one slot (got {count})")
         self.count = count
         self._cond = threading.Condition()
-        self._leased: dict[int, tuple[RunMark, bool]] = {}  # slot -> (its run, idle work's)
+        self._leased: dict[int, tuple[RunMark, str]] = {}  # slot -> (its run, "user", "idle" or "save")
         self._whole_owner: int | None = None  # the thread that holds the whole server
         self._whole_depth = 0
         self._whole_waiting = 0
@@ -103,7 +103,7 @@ class SlotLeases:
                     mark.batched = True
                     for other, _ in self._leased.values():
                         other.batched = other.batched or other.computing
-                self._leased[slot] = (mark, idle)
+                self._leased[slot] = (mark, "idle" if idle else "user")
         try:
             yield slot, mark
         finally:
@@ -116,12 +116,13 @@ class SlotLeases:
     @contextmanager
     def if_free(self, slot: int) -> Iterator[bool]:
         """Lease *slot* if it is free now, without waiting (for a slot save, which computes
-        nothing); yields whether it was."""
+        nothing: new runs wait until it is made, so that they find its states); yields
+        whether it was."""
         with self._cond:
             mine = self._whole_owner == threading.get_ident()
             free = mine or (self._whole_owner is None and slot not in self._leased)
             if free and not mine:
-                self._leased[slot] = (RunMark(computing=False), False)
+                self._leased[slot] = (RunMark(computing=False), "save")
         try:
             yield free
         finally:
@@ -139,5 +140,7 @@ class SlotLeases:
     def _may_lease(self, idle: bool) -> bool:
         if self._whole_owner is not None or self._whole_waiting or len(self._leased) >= self.count:
             return False
+        if any(kind == "save" for _, kind in self._leased.values()):
+            return False
         kinds = {kind for mark, kind in self._leased.values() if mark.computing}
-        return not kinds or kinds == {idle}
+        return not kinds or kinds == {"idle" if idle else "user"}
