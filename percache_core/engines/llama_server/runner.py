@@ -81,8 +81,8 @@ class ServerRunner(StateRunner):
         super().__init__(server, states, config, budget=budget)
         window = server.sliding_window if rule is not None else 0
         self.cuts = ServerCuts(rule, n_ubatch, window or NO_WINDOW)
-        self.pool = SlotPool(self, server, self.cuts)  # every slot, and the states taken from each
         self.store_lock = threading.RLock()  # the stored states, shared by runs in several slots and the writer
+        self.pool = SlotPool(self, server, self.cuts, self.store_lock)  # every slot, and the states taken from each
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
 
     @property

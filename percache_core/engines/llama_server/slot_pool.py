@@ -13,6 +13,7 @@ before anything else uses that slot (:meth:`SlotPool.lease`) or when the runner 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,12 +38,13 @@ class SlotRun:
 
 
 class SlotPool:
-    """Every slot of *server* for *runner* (see the module)."""
+    """Every slot of *server* for *runner* (see the module); the states each slot leaves are
+    stored under *store_lock*."""
 
-    def __init__(self, runner: StateRunner, server: LlamaServer, cuts: ServerCuts) -> None:
+    def __init__(self, runner: StateRunner, server: LlamaServer, cuts: ServerCuts, store_lock: threading.RLock) -> None:
         self.leases: SlotLeases = server.leases
         self.slots = [ServerSlot(server, cuts, index) for index in range(self.leases.count)]
-        self.takings = [SlotStates(runner, slot) for slot in self.slots]
+        self.takings = [SlotStates(runner, slot, store_lock) for slot in self.slots]
         self._uses = 0
         self._erased: set[int] = set()  # slots erased by clear_others and not leased since
 

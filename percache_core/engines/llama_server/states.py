@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ...serving.prompting import PromptLayout
 from ...serving.state_runner import NewState, StateRunner, StopCheck
@@ -34,9 +36,10 @@ class SlotStates:
     """Takes the states a request leaves in *slot* for *runner* (its stored states, its
     storage-failure count and ``_keep_states``, which stores them as tree nodes)."""
 
-    def __init__(self, runner: StateRunner, slot: ServerSlot) -> None:
+    def __init__(self, runner: StateRunner, slot: ServerSlot, store_lock: AbstractContextManager[Any] | None = None) -> None:
         self.runner = runner
         self.slot = slot
+        self.store_lock = store_lock or nullcontext()  # the stored states' lock (runs in other slots read them)
         self._pending: Callable[[], None] | None = None  # a slot save left for after a reply (settle)
 
     def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int, *, past_window: bool = False) -> list[int]:
@@ -180,8 +183,9 @@ class SlotStates:
             return
 
         def store() -> None:  # save by save, so that each finds the one before as its parent
-            for first, file, indices in [*early.saves, (start, saved, wanted)]:
-                if indices:
-                    self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
+            with self.store_lock:
+                for first, file, indices in [*early.saves, (start, saved, wanted)]:
+                    if indices:
+                        self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
 
         self.runner.writer.submit(store)
