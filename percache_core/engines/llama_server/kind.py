@@ -101,8 +101,8 @@ def _lease_slots(engine: LlamaServer) -> None:
     engine.slots_shared = verdict == ISOLATED  # runs alone erase the other free slots first
     if verdict == FRESH and engine.chunk_state_problem is None:
         engine.slots_problem = (
-            "a state restored in one of its slots computes otherwise than a fresh prefill when another slot holds "
-            "cells (one KV cache for all slots): start it with --no-kv-unified (-c as n_ctx times -np)"
+            "a state restored in one of its slots does not give a fresh prefill's output (measured at start): start it "
+            "with --no-kv-unified (-c as n_ctx times -np), and on a sliding-window model with --swa-full"
         )
 
 
