@@ -292,27 +292,6 @@ def concurrent(url: str, model: str, first_turn: Messages, questions: list[str],
     return row
 
 
-class DefaultServer:
-    """``llama-server -m MODEL -t N`` and nothing else (4 slots, one KV cache), with
-    ``--slot-save-path`` when given a folder (what ``percache serve`` needs for states)."""
-
-    def __init__(self, model_path: Path, threads: int, slot_folder: Path | None = None) -> None:
-        from percache_core.engines.llama_server.server import find_server_binary
-        from percache_core.engines.llama_server.server_process import wait_until_ready
-
-        self.port = free_port("127.0.0.1")
-        slots = ("--slot-save-path", str(slot_folder)) if slot_folder is not None else ()
-        self.process = subprocess.Popen(
-            [str(find_server_binary()), "-m", str(model_path), "--port", str(self.port), "-t", str(threads),
-             "-tb", str(threads), *slots], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_until_ready(LlamaServer(url=self.url).http, 300)
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait()
-
-
 def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[int, int], threads: int,
          fresh: ChatOpenAI) -> dict[str, Any]:
     """*shape* = (clients, requests each) at once (client i asks session i // 2's passages
@@ -326,12 +305,14 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
     for side in ("alone", "percache"):
         slot_folder = folder / f"slots-{side}-{clients}"
         slot_folder.mkdir()
-        server = DefaultServer(model_path, threads, slot_folder if side == "percache" else None)
+        slots = ("--slot-save-path", str(slot_folder)) if side == "percache" else ()
+        server = ServerAlone(model_path, threads, slots, server_defaults=True)
+        url = f"http://127.0.0.1:{server.port}"
         try:
             if side == "alone":
-                row.update(_load_side("server_alone", server.url + "/v1", asks))
+                row.update(_load_side("server_alone", url + "/v1", asks))
             else:
-                attached = LlamaServer(url=server.url, slot_save_path=slot_folder)
+                attached = LlamaServer(url=url, slot_save_path=slot_folder)
                 with PerCache.open(folder / f"cache-{clients}", config=PerCacheConfig(prediction=False),
                                    engine=attached) as pc, serving_in_thread(pc, attached) as url:
                     pc.preload()

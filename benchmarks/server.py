@@ -57,15 +57,20 @@ MAX_TOKENS = 40
 
 
 class ServerAlone:
-    """``llama-server -m MODEL -c 4096 -np 1 -t N`` with its defaults, over plain HTTP."""
+    """``llama-server -m MODEL -c 4096 -np 1 -t N`` with its defaults, over plain HTTP (with
+    *server_defaults*, not even ``-c`` and ``-np``: its own context and 4 slots sharing one
+    KV cache, as a user starts it)."""
 
-    def __init__(self, model_path: Path, threads: int, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model_path: Path, threads: int, extra_args: tuple[str, ...] = (), *, server_defaults: bool = False
+    ) -> None:
         from percache_core.engines.llama_server.server import free_port
 
         self.port = free_port("127.0.0.1")
+        context = () if server_defaults else ("-c", str(N_CTX), "-np", "1")
         args = [
             str(find_server_binary()), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
-            "-c", str(N_CTX), "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args,
+            *context, "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until_ready(LlamaServer(url=f"http://127.0.0.1:{self.port}").http, 180)  # (stopped by close below)

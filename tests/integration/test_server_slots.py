@@ -13,7 +13,7 @@ import pytest
 
 from percache_core import Decoding, LlamaServer, ServerLaunch, TextPrompt
 from percache_core.engines.llama_server.runner import ServerRunner
-from percache_core.engines.llama_server.slot_probe import FRESH, ISOLATED, slots_independent
+from percache_core.engines.llama_server.slot_probe import FRESH, ISOLATED, RESTORED, slots_independent
 from percache_core.inspection import internals
 
 from .test_llama_server import fresh_text, open_on
@@ -33,13 +33,21 @@ def server(model_path: Path) -> Iterator[LlamaServer]:
         yield started
 
 
-def prompt(question: str) -> str:
-    return "Notes:\n" + "\n".join(NOTES) + f"\nQuestion: {question}\nAnswer:"
+def prompt(question: str, notes: list[str] = NOTES) -> str:
+    return "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
+
+
+def fresh_of(pc: Any, server: LlamaServer, text: str, notes: list[str] = NOTES) -> str:
+    """The server's text for *text* as the cache lays it out (its *notes* the documents),
+    16 tokens, with nothing reused."""
+    spec = TextPrompt(text, tuple(notes), add_bos=True)
+    tokens = internals(pc).runtime.runner.lay_out("", [], spec=spec, max_new_tokens=16).tokens
+    return fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
 
 
 def test_a_started_server_runs_its_slots_as_separate_caches_and_uses_every_one(server: LlamaServer) -> None:
     assert server.total_slots == 2 and server.leases.count == 2
-    assert slots_independent(server)  # measured: fresh and restored, beside another slot's tokens
+    assert slots_independent(server) == RESTORED  # measured: fresh and restored, beside another slot's tokens
 
 
 def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
@@ -58,8 +66,7 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
         assert pc.stats()["chunk_states"]["nodes"] == 0  # and no state of it is stored
         alone = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
         assert alone.source != "prompt_answer"  # the batched run's answer was not stored
-        tokens = runner.lay_out("", [], spec=_spec(prompt("When is the rehearsal?")), max_new_tokens=16).tokens
-        assert alone.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+        assert alone.text == fresh_of(pc, server, prompt("When is the rehearsal?"))
         again = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
         assert again.source == "prompt_answer" and again.text == alone.text  # a lone run's answer is kept
         assert pc.stats()["chunk_states"]["nodes"] > 0
@@ -74,10 +81,8 @@ def test_a_state_restores_into_whichever_slot_is_free(
     notes = [document["text"] for document in corpus["documents"][:3]]  # long enough for a cut
 
     def ask(question: str) -> Any:
-        text = "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
-        answer = pc.caller.complete(text, documents=notes, decoding=Decoding(max_new_tokens=16))
-        tokens = runner.lay_out("", [], spec=TextPrompt(text, tuple(notes), add_bos=True), max_new_tokens=16).tokens
-        assert answer.text == fresh_text(server, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+        answer = pc.caller.complete(prompt(question, notes), documents=notes, decoding=Decoding(max_new_tokens=16))
+        assert answer.text == fresh_of(pc, server, prompt(question, notes), notes)
         return answer
 
     try:
@@ -120,10 +125,6 @@ def test_clients_at_once_each_get_a_reply_and_nothing_batched_is_stored(
         pc.close()
 
 
-def _spec(text: str) -> TextPrompt:
-    return TextPrompt(text, tuple(NOTES), add_bos=True)
-
-
 @contextmanager
 def default_server(model_path: Path, folder: Path, *flags: str) -> Iterator[LlamaServer]:
     """llama-server with its defaults (4 slots in one KV cache, idle slots cleared by the
@@ -162,13 +163,12 @@ def test_a_server_started_with_its_default_slots_gets_states_on_every_slot(
             notes = [document["text"] for document in corpus["documents"][:3]]
             answers = []
             for question in ("When is the rehearsal?", "How much did finance approve?"):
-                text = "Notes:\n" + "\n".join(notes) + f"\nQuestion: {question}\nAnswer:"
+                text = prompt(question, notes)
                 answers.append(pc.caller.complete(text, documents=notes, decoding=Decoding(max_new_tokens=16)))
-                tokens = runner.lay_out("", [], spec=TextPrompt(text, tuple(notes), add_bos=True), max_new_tokens=16).tokens
                 with attached.lock:  # the reference: fresh, every other slot empty
                     for slot in range(4):
                         attached.erase_slot(slot)
-                    assert answers[-1].text == fresh_text(attached, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+                    assert answers[-1].text == fresh_of(pc, attached, text, notes)
                 runner.pool.forget_contents()
             assert answers[1].reused_tokens >= 64 and runner.restore_failures == 0
         finally:
@@ -188,7 +188,6 @@ def test_a_default_server_whose_restored_slots_differ_keeps_answers_on_every_slo
             assert slots_independent(attached) == FRESH and attached.leases.count == 4
             assert not internals(pc).runtime.features.chunk_states
             answer = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=Decoding(max_new_tokens=16))
-            tokens = internals(pc).runtime.runner.lay_out("", [], spec=_spec(prompt("When is the rehearsal?")), max_new_tokens=16).tokens
-            assert answer.text == fresh_text(attached, tokens, max_new_tokens=16, stop=pc.config.engine.stop)
+            assert answer.text == fresh_of(pc, attached, prompt("When is the rehearsal?"))
         finally:
             pc.close()

@@ -21,7 +21,7 @@ import logging
 from ...kv.cuts import PROBE_PROMPT, CutRule, cut_schedules
 from ...kv.engine import Decoding, EngineVerdicts
 from ...kv.probe_text import probe_tokens
-from .server import LlamaServer
+from .server import InSlot, LlamaServer
 from .server_streams import UnexpectedReuse
 
 logger = logging.getLogger(__name__)
@@ -126,10 +126,21 @@ def _server_logprobs(server: LlamaServer, prompt: list[int], piece_lengths: list
             end += length
             for _ in server.complete(prompt[:end], Decoding(0), cache_prompt=end > length, expected_cached=end - length):
                 pass
+    except UnexpectedReuse as error:
+        return ("reused", error.expected, error.cached)
+    return first_logprobs(server, prompt, end)
+
+
+def first_logprobs(server: LlamaServer, prompt: list[int], cached: int = 0) -> object:
+    """The first token's top log-probabilities of *prompt* in slot 0, going on from its
+    first *cached* tokens (0: nothing reused), or a marker when the server reused other
+    than that. The caller holds the whole server."""
+    slot = InSlot(0)
+    try:
         for _ in server.complete(
-            prompt, Decoding(1), cache_prompt=bool(end), n_probs=_PROBE_LOGPROBS, expected_cached=end
+            prompt, Decoding(1), cache_prompt=bool(cached), n_probs=_PROBE_LOGPROBS, expected_cached=cached, slot=slot
         ):
             pass
     except UnexpectedReuse as error:
         return ("reused", error.expected, error.cached)
-    return server.last.top_logprobs  # (the caller holds the whole server)
+    return slot.completion.top_logprobs

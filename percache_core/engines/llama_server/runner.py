@@ -47,7 +47,7 @@ from ...kv.stopping import StopStringFilter, stop_strings
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode, prefix_keys
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
-from ...serving.state_runner import NewState, RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
+from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
 from ...serving.text_stream import close_source, shown_text
 from ...types import Chunk
 from .server import Completion, InSlot, LlamaServer, UnexpectedReuse
@@ -366,10 +366,6 @@ class ServerRunner(StateRunner):
     def settle(self) -> None:
         """The slot saves relayed replies left (:meth:`SlotPool.settle`)."""
         self.pool.settle()
-
-    def _keep_states(self, layout: PromptLayout, keys: list[str], new_states: list[NewState], *, idle: bool = False) -> None:
-        with self.store_lock:
-            super()._keep_states(layout, keys, new_states, idle=idle)
 
     def evict_to_budget(self) -> None:
         self.flush()

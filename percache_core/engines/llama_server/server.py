@@ -141,8 +141,8 @@ class LlamaServer:
     @classmethod
     def start(cls, model_path: str | os.PathLike[str] | None = None, launch: ServerLaunch | None = None) -> LlamaServer:
         """Start a llama-server on *model_path* and wait until it answers. It runs with the
-        launch's slots (default: llama-server's own, 4 sharing one KV cache), ``-b``/``-ub``
-        ``n_batch``, ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states) and
+        launch's slots (default: as many as llama-server's own, 4, each with a KV cache of its
+        own: see :class:`ServerLaunch`), ``-b``/``-ub`` ``n_batch``, ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states) and
         ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`).
 
         Args:
@@ -383,12 +383,12 @@ class LlamaServer:
         text, the request is cancelled and :class:`UnexpectedReuse` raised (no text was
         yielded). Closing the iterator early cancels the request (the connection is closed).
         """
-        sampling = decoding.sampling or Sampling()
+        sampling, slot = decoding.sampling or Sampling(), slot or InSlot()
         body: dict[str, Any] = {
             "prompt": list(tokens),
             "n_predict": decoding.required_tokens(),
             "cache_prompt": cache_prompt,
-            "id_slot": (slot or InSlot()).index,
+            "id_slot": slot.index,
             "stream": True,
             "return_progress": True,
             "return_tokens": True,
@@ -398,7 +398,7 @@ class LlamaServer:
             "stop": list(decoding.stop or ()),
             "n_probs": n_probs,
         }
-        completion = self.last = (slot or InSlot()).completion
+        completion = self.last = slot.completion
         yield from completion_events(self.http, body, completion, expected_cached)
 
     last: Completion = Completion()
@@ -423,15 +423,15 @@ class LlamaServer:
         Before any text, the server's progress event must show *expected* = (tokens reused,
         prompt tokens) (the prompt PerCache laid out):
         otherwise the request is cancelled and :class:`UnexpectedReuse` raised."""
-        request = dict(body)
+        request, slot = dict(body), slot or InSlot()
         request.update(
             stream=True,
             stream_options={"include_usage": True},
             cache_prompt=cache_prompt,
-            id_slot=(slot or InSlot()).index,
+            id_slot=slot.index,
             return_progress=True,
         )
-        completion = self.last = (slot or InSlot()).completion
+        completion = self.last = slot.completion
         yield from relay_events(self.http, path, request, completion, expected, chunks)
 
     def save_slot(self, filename: str, slot: int = 0) -> int:

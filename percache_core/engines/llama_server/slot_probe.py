@@ -27,14 +27,13 @@ import uuid
 
 from ...kv.engine import Decoding, EngineVerdicts
 from ...kv.probe_text import probe_tokens
+from .cuts import first_logprobs
 from .server import InSlot, LlamaServer
-from .server_streams import UnexpectedReuse
 
 _verdicts: EngineVerdicts[int] = EngineVerdicts("server_slots_independent", decode=int)
 # what computes as on a fresh server: fresh requests, restored states once the other slots are
 # erased, restored states whatever the other slots hold
 FRESH, ISOLATED, RESTORED = 1, 2, 3
-_LOGPROBS = 20
 _PROMPT_TOKENS = 300
 _STATE_TOKENS = 128
 
@@ -56,9 +55,9 @@ def slots_independent(server: LlamaServer) -> int:
         prompt, other = tokens[:_PROMPT_TOKENS], tokens[:1] + tokens[_PROMPT_TOKENS:]
         for slot in range(server.total_slots):
             server.erase_slot(slot)
-        reference = _first_logprobs(server, prompt)
+        reference = first_logprobs(server, prompt)
         _prefill(server, other, 1)
-        verdict = FRESH if _first_logprobs(server, prompt) == reference else 0
+        verdict = FRESH if first_logprobs(server, prompt) == reference else 0
         if verdict and server.chunk_state_problem is None:
             if _restored_logprobs(server, prompt, other) == reference:
                 verdict = RESTORED
@@ -75,22 +74,8 @@ def _prefill(server: LlamaServer, tokens: list[int], slot: int) -> None:
         pass
 
 
-def _first_logprobs(server: LlamaServer, prompt: list[int], cached: int = 0) -> object:
-    """The first token's top log-probabilities of *prompt* in slot 0 (reusing its first
-    *cached* tokens, or nothing)."""
-    slot = InSlot(0)
-    try:
-        for _ in server.complete(
-            prompt, Decoding(1), cache_prompt=bool(cached), n_probs=_LOGPROBS, expected_cached=cached, slot=slot
-        ):
-            pass
-    except UnexpectedReuse as error:
-        return ("reused", error.expected, error.cached)
-    return slot.completion.top_logprobs
-
-
 def _restored_logprobs(server: LlamaServer, prompt: list[int], other: list[int], *, isolated: bool = False) -> object:
-    """:func:`_first_logprobs` of *prompt* from a state of its first tokens, restored into
+    """:func:`~percache_core.engines.llama_server.cuts.first_logprobs` of *prompt* from a state of its first tokens, restored into
     slot 0 while slot 1 holds *other* (*isolated*: slot 1 erased first)."""
     assert server.slot_save_path is not None
     name = f"percache-probe-{uuid.uuid4().hex}.bin"
@@ -102,6 +87,6 @@ def _restored_logprobs(server: LlamaServer, prompt: list[int], other: list[int],
         if isolated:
             server.erase_slot(1)
         server.restore_slot(name, 0)
-        return _first_logprobs(server, prompt, _STATE_TOKENS)
+        return first_logprobs(server, prompt, _STATE_TOKENS)
     finally:
         (server.slot_save_path / name).unlink(missing_ok=True)
