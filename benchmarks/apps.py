@@ -32,6 +32,12 @@ each app's latency per user, before and after, is written beside the JSON.
     python -m benchmarks.apps --data ../shared/data --qmsum-users 1 --squad-users 1 \\
         --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex,openai --models bundled,smollm2
 
+By default the run starts from an empty ``PERCACHE_HOME`` (``--home new``): the first user's
+questions are a new user's first session (the engine's self-checks not yet run: answers
+keep no state until an idle round ran them), reported apart from later sessions
+(``summary.sessions``: ratio and slowest question of each; each row's ``session`` and each
+question's ``checks_ready``).
+
 ``--evaluation-idle`` gives the apps the idle time the end-to-end evaluation gives PerCache's
 own pipeline (``benchmarks.e2e``: two unbounded rounds before the first question, one after
 each answer) instead of rounds of ``--idle-seconds``.
@@ -40,6 +46,7 @@ each answer) instead of rounds of ``--idle-seconds``.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -378,6 +385,7 @@ def _ask(question: str, index: int, pc: PerCache, sides: tuple[Callable[[str], s
     timings: dict[str, float] = {}
     texts: dict[str, str] = {}
     counters = pc.stats()
+    checks_ready = internals(pc).runtime.checks_ready()  # false: a new user's first session, before its checks
     for side in (("before", "after") if index % 2 == 0 else ("after", "before")):
         started = time.perf_counter()
         texts[side] = (before if side == "before" else after)(question)
@@ -392,6 +400,7 @@ def _ask(question: str, index: int, pc: PerCache, sides: tuple[Callable[[str], s
         "after_s": timings["after"],
         "identical": texts["after"] == fresh,
         "stock_identical": texts["before"] == fresh,
+        "checks_ready": checks_ready,
         "texts": {**texts, "fresh": fresh},
         **{name: now[name] - counters[name] for name in ("prompt_answers", "reused_tokens", "prefilled_tokens", "generated_tokens")},
     }
@@ -426,6 +435,8 @@ def _questions(
         "app": app,
         "user": user.name,
         "dataset": user.dataset,
+        # a new user's first session: the engine's self-checks not yet known at its first question
+        "session": "later" if rows[0]["checks_ready"] else "first",
         "before_mean_s": before_mean,
         "after_mean_s": after_mean,
         "ratio": after_mean / before_mean,
@@ -456,6 +467,21 @@ def _repeat_summary(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     after = sum(r["after_s"] for r in repeats) / len(repeats)
     return {"repeat_before_mean_s": before, "repeat_after_mean_s": after, "repeat_ratio": after / before,
             "repeat_identical": sum(r["identical"] for r in repeats), "repeat_rows": repeats}
+
+
+def _by_session(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ratio of first sessions (a new user's, the engine's self-checks still to run) and
+    of later ones apart, and the first sessions' slowest question against stock."""
+    found: dict[str, Any] = {}
+    for session in ("first", "later"):
+        rows = [q for r in results if r["session"] == session for q in r["rows"]]
+        if rows:
+            found[session] = {
+                "questions": len(rows),
+                "ratio": sum(q["after_s"] for q in rows) / sum(q["before_s"] for q in rows),
+                "worst_question_ratio": max(q["after_s"] / q["before_s"] for q in rows),
+            }
+    return found
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -520,7 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default="bundled", help="bundled, smollm2 or GGUF paths, comma-separated")
     parser.add_argument("--out", default="benchmarks/results/apps.json")
+    parser.add_argument("--home", choices=("new", "current"), default="new",
+                        help="new: an empty PERCACHE_HOME (the first user's run is a new user's first session); "
+                             "current: the machine's (its self-check verdicts)")
     args = parser.parse_args(argv)
+    if args.home == "new":  # a new user's machine: no self-check verdict, no assembled model copy
+        os.environ["PERCACHE_HOME"] = tempfile.mkdtemp(prefix="percache-home-")
     users = users_from_arguments(args)
     apps = args.apps.split(",")
     if set(apps) - set(APPS):
@@ -531,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = sum(r["before_mean_s"] * r["questions"] for r in results)
     after = sum(r["after_mean_s"] * r["questions"] for r in results)
     summary = {"ratio": after / before if before else None, "identical": sum(r["identical"] for r in results),
-               "questions": sum(r["questions"] for r in results)}
+               "questions": sum(r["questions"] for r in results), "sessions": _by_session(results)}
     print(f"all: {summary}")
     out = write_json({"summary": summary, "per_user": results, "settings": vars(args)}, args.out)
     try:

@@ -60,3 +60,8 @@ def missing_dependency(package: str, install: str) -> MissingDependencyError:
     'llama_cpp is not installed: pip install "percache-core[llama-cpp]"'
     """
     return MissingDependencyError(f'{package} is not installed: pip install "{install}"')
+
+
+class Preempted(PerCacheError):
+    """Idle work (an idle round, an engine self-check) stopped because a user's question is
+    waiting."""

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
 from percache_core.demo import demo_corpus  # noqa: E402
 from percache_core.engines.llama_cpp.engine import LlamaEngine  # noqa: E402
+from percache_core.engines.llama_cpp.kind import KIND  # noqa: E402
 from percache_core.knowledge.bert import BertEmbedder  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
@@ -40,7 +41,11 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path: Path) -> Iterator[LlamaEngine]:
+    """The suite's engine, its self-checks measured once (as an idle round or ``preload()``
+    does; read from disk on a machine that ran them): tests of a fresh engine's first
+    session open one of their own (``tests/integration/test_self_checks_in_flow.py``)."""
     engine = LlamaEngine(model_path, n_ctx=2048, n_batch=512)
+    KIND.self_check(engine, PerCacheConfig())
     yield engine
     engine.close()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class ModelRuntime:
         self._lock = threading.Lock()
         self._states: TieredStateStore | None = None
         self._runner: StateRunner | None = None
+        self._waiting: StateRunner | None = None  # answers until the self-checks are known
         self._sized_budget = BUDGET_FLOOR_BYTES  # chunk_state_budget_bytes=None: see size_state_budget
         self._knowledge_bytes = 0  # what the knowledge prefill's states take (size_state_budget)
         self._bytes_per_token: float | None = None  # of the loaded engine's state slices, once measured
@@ -195,7 +196,8 @@ class ModelRuntime:
         for this). Called by ``preload()`` and at the start of each idle round (where the
         knowledge prefill fills the budget), never on a user's path. Returns the budget
         in force."""
-        if self.config.budgets.chunk_state_budget_bytes is None and self.engine_loaded and self.config.tiers.chunk_states:
+        configured = self.config.budgets.chunk_state_budget_bytes is not None or not self.config.tiers.chunk_states
+        if not configured and self.engine_loaded and self.checks_ready():
             self._knowledge_bytes = self.knowledge_prefill_bytes(chunks)
             self._sized_budget = sized_state_budget(needed_bytes=self._knowledge_bytes, free_disk_bytes=self._free_disk())
         return self.state_budget_bytes
@@ -247,7 +249,15 @@ class ModelRuntime:
 
     @property
     def runner(self) -> StateRunner:
-        """Runs prompts on the engine through the stored chunk states."""
+        """Runs prompts on the engine through the stored chunk states; until the engine's
+        self-checks that the states depend on are known (:meth:`self_check`, idle work),
+        a runner without stored states whose prompts run as stock runs them."""
+        engine = self.engine
+        if self._runner is None and not self.kind.checks_ready(engine):
+            with self._lock:
+                if self._waiting is None or self._waiting.engine is not engine:
+                    self._waiting = self.kind.waiting_runner(engine, self._live)
+                return self._waiting
         self._open_states()
         assert self._runner is not None
         return self._runner
@@ -281,18 +291,29 @@ class ModelRuntime:
         return dropped
 
     def preload(self) -> None:
-        """Load the engine and the states now, and run the engine's self-checks."""
+        """Load the engine, run the engine's self-checks and open the states now."""
         self.engine.warm_up()
-        self._open_states()
         self.self_check()
+        self._open_states()
 
-    def self_check(self) -> None:
-        """Measure, once per engine, what decides how prompts run (a few seconds, in
-        ``preload()`` or an idle round, never inside an answer): the cuts that leave a
-        prefill's logits unchanged (:func:`~percache_core.kv.cuts.measure_cut_rule`),
-        the batched-logit bound of draft verification and whether drafts pay on this machine
-        (:mod:`percache_core.engines.llama_cpp.drafting`); on a server its cut rule."""
-        self.kind.self_check(self.engine, self.config)
+    def self_check(
+        self, should_stop: Callable[[], bool] | None = None, may_start: Callable[[], bool] | None = None
+    ) -> None:
+        """Measure, once per engine, what decides how prompts run (seconds to a minute on a
+        new machine, in ``preload()`` or an idle round, never inside an answer; each check's
+        cost is in :meth:`self_check_report`): the cuts that leave a prefill's logits
+        unchanged (:func:`~percache_core.kv.cuts.measure_cut_rule`), which states restore
+        exactly up to ``n_ctx``, the batched-logit bound of draft verification and whether
+        drafts pay on this machine (:mod:`percache_core.engines.llama_cpp.drafting`); on a
+        server its cut rule. Idle work: ``Preempted`` when *should_stop()* turns true (the
+        checks done by then are kept); a check after the first starts only while
+        *may_start()*."""
+        self.kind.self_check(self.engine, self.config, should_stop, may_start)
+
+    def checks_ready(self) -> bool:
+        """Whether the engine's verdicts that the stored states depend on are known (false
+        before the engine loads): until then answers keep and restore no state."""
+        return self.engine_loaded and self.kind.checks_ready(self.engine)
 
     def self_check_report(self) -> dict[str, Any]:
         """What the engine's self-check found (see :meth:`self_check`), as far as it ran:

@@ -396,11 +396,13 @@ def _before_question(prompt: str, documents: Sequence[str], question: str | None
     """Of *documents*, those that begin before *question* stands in *prompt* ends (all
     where it is unknown or not there): a state after a document that follows the question
     holds it, so it serves only a prompt with the same question there, whose answer is
-    stored anyway (LangChain's RAG tutorial puts the question first). A chat's last message
-    (the question itself) stays: the next turn repeats it in its history.
+    stored anyway. A chat's last message (the question itself) stays: the next turn repeats
+    it in its history. Where the question comes before every document (LangChain's RAG
+    tutorial), the text before it: the instructions every such prompt starts with, whose
+    state the next prompt restores where stock's call reuses its previous prompt's.
 
     >>> _before_question("Q: why? Notes: a. b.", ["a.", "b."], "why?")
-    ()
+    ('Q: ',)
     >>> _before_question("Notes: a. b. Q: why?", ["a.", "b.", "Q: why?"], "why?")
     ('a.', 'b.', 'Q: why?')
     """
@@ -408,7 +410,10 @@ def _before_question(prompt: str, documents: Sequence[str], question: str | None
     at = prompt.find(needle) if needle else -1
     if at < 0:
         return tuple(documents)
-    return tuple(d for d in documents if d.strip() and prompt.find(d.strip()) <= at)
+    kept = tuple(d for d in documents if d.strip() and prompt.find(d.strip()) <= at)
+    if not kept and documents and prompt[:at].strip():
+        return (prompt[:at],)
+    return kept
 
 
 def _refreshed(

@@ -23,10 +23,13 @@ layout that does not depend on the cache).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import Preempted
 from .engine import Engine, EngineVerdicts
 from .probe_text import probe_tokens
 
@@ -52,6 +55,9 @@ class CutRule:
 
 
 CANDIDATES = (CutRule(8), CutRule(8, 4), CutRule(16, 4), CutRule(16, 16))
+# Before the engine's rule is measured: prompts in stock's calls, cut nowhere (no state kept);
+# the output of a prompt in stock's calls is the same under any rule that holds
+NO_CUTS = CutRule(min_tokens=1 << 30)
 _LENGTHS = (97, 102)  # prompt lengths checked (not multiples of 4: the one call's last rows)
 PROBE_PROMPT = (
     "Minutes of the planning call, Tuesday. Present: Lena Okafor, Priya Natarajan, Tom Weiss.\n"
@@ -93,11 +99,13 @@ _verdicts: EngineVerdicts[CutRule | None] = EngineVerdicts(
 )
 
 
-def measure_cut_rule(engine: Engine) -> CutRule | None:
+def measure_cut_rule(engine: Engine, should_stop: Callable[[], bool] | None = None) -> CutRule | None:
     """The first rule of :data:`CANDIDATES` under which *engine*'s prefill does not
-    depend on where a prompt is cut (None: none holds), measured once per engine (one to
-    three seconds with the bundled model) and remembered. Takes ``engine.lock``; the
-    sequence is left empty.
+    depend on where a prompt is cut (None: none holds), measured once per engine (about
+    12 s with the bundled model on 2 cores, shown in ``stats()``) and remembered. Takes
+    ``engine.lock``; the sequence is left empty. Idle work, never an answer's: when
+    *should_stop()* turns true (a user's question waits) it raises
+    :class:`~percache_core.errors.Preempted` between two engine calls, keeping nothing.
 
     >>> rule = measure_cut_rule(LlamaEngine(model_path))   # doctest: +SKIP
     >>> rule.min_tokens, rule.multiple                     # doctest: +SKIP
@@ -110,11 +118,12 @@ def measure_cut_rule(engine: Engine) -> CutRule | None:
         known, rule = known_cut_rule(engine)  # measured while this thread waited for the lock
         if known:
             return rule
+        started = time.perf_counter()
         try:
-            rule = _first_exact_rule(engine)
+            rule = _first_exact_rule(engine, should_stop)
         finally:
             engine.reset()
-        _verdicts.keep(engine, rule)
+        _verdicts.keep(engine, rule, since=started)
     if rule is None:
         logger.warning("prefill depends on where a prompt is cut on this build: text prompts stay uncut")
     return rule
@@ -125,19 +134,19 @@ def known_cut_rule(engine: Engine) -> tuple[bool, CutRule | None]:
     return _verdicts.known(engine)
 
 
-def _first_exact_rule(engine: Engine) -> CutRule | None:
+def _first_exact_rule(engine: Engine, should_stop: Callable[[], bool] | None) -> CutRule | None:
     tokens = engine.tokenize(PROBE_PROMPT, True)
     prompts = [tokens[:n] for n in _LENGTHS if n <= len(tokens)]
-    references = [_last_logits(engine, [prompt]) for prompt in prompts]
+    references = [_last_logits(engine, [prompt], should_stop) for prompt in prompts]
     long: list[int] | None = None
     for rule in CANDIDATES:
         if all(
-            np.array_equal(_last_logits(engine, pieces), reference)
+            np.array_equal(_last_logits(engine, pieces, should_stop), reference)
             for prompt, reference in zip(prompts, references)
             for pieces in cut_schedules(prompt, rule)
         ):
             long = long if long is not None else probe_tokens(engine, _long_length(engine))
-            if _long_cuts_hold(engine, long, rule):
+            if _long_cuts_hold(engine, long, rule, should_stop):
                 return rule
     return None
 
@@ -149,16 +158,16 @@ def _long_length(engine: Engine) -> int:
     return min(int(getattr(engine, "n_ctx", 2048)) - 1, max(2 * window + 109, 1101)) // 4 * 4 + 1
 
 
-def _long_cuts_hold(engine: Engine, tokens: list[int], rule: CutRule) -> bool:
+def _long_cuts_hold(engine: Engine, tokens: list[int], rule: CutRule, should_stop: Callable[[], bool] | None) -> bool:
     """Whether *tokens* cut near a third and two thirds (under *rule*) give the one call's
     last logits: the cuts a framework's long passages make, past the model's window."""
     n = len(tokens)
     cuts = [position // rule.multiple * rule.multiple for position in (n // 3, 2 * n // 3)]
     if not (rule.allows(0, cuts[0], n) and rule.allows(cuts[0], cuts[1], n)):
         return True  # too short a context to cut: the short prompts decide
-    reference = _last_logits(engine, [tokens])
+    reference = _last_logits(engine, [tokens], should_stop)
     pieces = [tokens[: cuts[0]], tokens[cuts[0] : cuts[1]], tokens[cuts[1] :]]
-    return bool(np.array_equal(_last_logits(engine, pieces), reference))
+    return bool(np.array_equal(_last_logits(engine, pieces, should_stop), reference))
 
 
 def cut_schedules(tokens: list[int], rule: CutRule) -> list[list[list[int]]]:
@@ -185,9 +194,21 @@ def cut_schedules(tokens: list[int], rule: CutRule) -> list[list[list[int]]]:
     return schedules
 
 
-def _last_logits(engine: Engine, pieces: list[list[int]]) -> np.ndarray:
+def _last_logits(engine: Engine, pieces: list[list[int]], should_stop: Callable[[], bool] | None = None) -> np.ndarray:
     engine.reset()
     for piece in pieces:
-        engine.eval(piece)
+        eval_or_stop(engine, piece, should_stop)
     return np.array(engine.last_logits(), copy=True)
+
+
+def eval_or_stop(engine: Engine, tokens: list[int], should_stop: Callable[[], bool] | None) -> None:
+    """``engine.eval(tokens)``, polled between its calls: a self-check's step, which raises
+    :class:`~percache_core.errors.Preempted` when *should_stop()* turns true (a user's
+    question waits for the engine)."""
+    expected = engine.n_past + len(tokens)
+    if should_stop is not None and should_stop():
+        raise Preempted("self-check pre-empted by a user question")
+    engine.eval(tokens, should_stop)
+    if engine.n_past != expected:
+        raise Preempted("self-check pre-empted by a user question")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,30 @@ from ..memo import Memo
 T = TypeVar("T")
 SELF_CHECK_MEMO = "self_checks"  # engine fingerprint -> {self-check name: verdict}
 _memo_lock = threading.Lock()
+_ALL_VERDICTS: dict[str, EngineVerdicts[Any]] = {}  # every self-check by name (for check_costs)
+
+
+COSTS_KEY = "costs"  # in a self_checks record: self-check name -> [seconds, unix time measured]
+
+
+@dataclass(frozen=True)
+class CheckCost:
+    """What one self-check of an engine cost: *seconds* of the engine's time, measured at
+    *at* (Unix time), in this process (*here*) or by an earlier one."""
+
+    seconds: float
+    at: float
+    here: bool
+
+    def report(self) -> dict[str, Any]:
+        """As ``stats()`` shows it.
+
+        >>> CheckCost(2.5, 0.0, True).report()
+        {'seconds': 2.5, 'measured_at': '1970-01-01T00:00:00Z', 'measured_by': 'this process'}
+        """
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))
+        return {"seconds": round(self.seconds, 3), "measured_at": stamp,
+                "measured_by": "this process" if self.here else "an earlier process"}
 
 
 class EngineVerdicts(Generic[T]):
@@ -57,6 +82,8 @@ class EngineVerdicts(Generic[T]):
         self._encode, self._decode = encode, decode
         self._lock = threading.Lock()
         self._values: weakref.WeakKeyDictionary[object, T] = weakref.WeakKeyDictionary()
+        self._costs: weakref.WeakKeyDictionary[object, CheckCost] = weakref.WeakKeyDictionary()
+        _ALL_VERDICTS[name] = self
 
     def known(self, engine: object) -> tuple[bool, T | None]:
         """Whether *engine* was measured (in this process, or by an earlier one with the
@@ -77,10 +104,19 @@ class EngineVerdicts(Generic[T]):
         self._remember(engine, value)
         return True, value
 
-    def keep(self, engine: object, value: T) -> None:
+    def keep(self, engine: object, value: T, *, since: float | None = None) -> None:
         """Remember *value* for *engine*, on disk too where it names a ``verdict_key`` (an
-        engine without weak references is measured each time instead)."""
+        engine without weak references is measured each time instead); *since*: the
+        ``time.perf_counter()`` at which measuring it began (what it cost is kept beside it,
+        :meth:`cost`)."""
         self._remember(engine, value)
+        cost = None if since is None else CheckCost(time.perf_counter() - since, time.time(), True)
+        if cost is not None:
+            with self._lock:
+                try:
+                    self._costs[engine] = cost
+                except TypeError:
+                    pass
         key = getattr(engine, "verdict_key", None)
         if isinstance(key, str):
             memo = Memo(SELF_CHECK_MEMO)
@@ -88,7 +124,29 @@ class EngineVerdicts(Generic[T]):
                 record = memo.get(key)
                 record = dict(record) if isinstance(record, dict) else {}
                 record[self.name] = self._encode(value)
+                if cost is not None:
+                    costs = record.get(COSTS_KEY)
+                    record[COSTS_KEY] = {**(costs if isinstance(costs, dict) else {}), self.name: [cost.seconds, cost.at]}
                 memo.put(key, record)
+
+    def cost(self, engine: object) -> CheckCost | None:
+        """What measuring *engine*'s verdict cost and when (in this process, or as an
+        earlier process recorded it on disk); None where it is not known."""
+        with self._lock:
+            try:
+                found = self._costs.get(engine)
+            except TypeError:
+                found = None
+        if found is not None:
+            return found
+        key = getattr(engine, "verdict_key", None)
+        record = Memo(SELF_CHECK_MEMO).get(key) if isinstance(key, str) else None
+        costs = record.get(COSTS_KEY) if isinstance(record, dict) else None
+        value = costs.get(self.name) if isinstance(costs, dict) else None
+        try:
+            return CheckCost(float(value[0]), float(value[1]), False) if value is not None else None
+        except (TypeError, ValueError, IndexError):
+            return None
 
     def _remember(self, engine: object, value: T) -> None:
         with self._lock:
@@ -96,6 +154,17 @@ class EngineVerdicts(Generic[T]):
                 self._values[engine] = value
             except TypeError:
                 pass
+
+
+def check_costs(engine: object) -> dict[str, dict[str, Any]]:
+    """Every self-check *engine* has a verdict of, with what it cost and when
+    (:meth:`CheckCost.report`; ``{}`` where the cost was not recorded), by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, verdicts in list(_ALL_VERDICTS.items()):
+        if verdicts.known(engine)[0]:
+            cost = verdicts.cost(engine)
+            found[name] = cost.report() if cost is not None else {}
+    return found
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,11 @@ from collections.abc import Iterator
 
 from ..answering.parts import CacheParts
 from ..answering.request_path import RequestPath
+from ..errors import Preempted
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..kv.engine import Decoding
 from ..serving.prompting import TextPrompt
 from ..serving.shapes import APP, DENSE, HYBRID, RequestShape, Retrieve, decoding_from
-from ..serving.state_runner import Preempted
 from ..serving.streaming import drain
 from ..types import Chunk
 from .idle_round import IdleRound, WarmReport

@@ -20,7 +20,8 @@ from ..answering.parts import CacheParts
 from ..answering.request import IdleQuestion
 from ..answering.request_path import RequestPath
 from ..config import PerCacheConfig
-from ..serving.state_runner import Preempted, RunResult
+from ..errors import Preempted
+from ..serving.state_runner import RunResult
 from ..types import QAEntry
 from .predictor import PredictionTally
 

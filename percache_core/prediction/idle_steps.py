@@ -22,9 +22,10 @@ from typing import Any
 
 from ..answering.parts import CacheParts
 from ..answering.request import IdleQuestion
+from ..errors import Preempted
 from ..kv.budget import PREFILL_BUDGET_SHARE
 from ..qa.calibration import Label, retrieval_context
-from ..serving.state_runner import Preempted, RunOptions
+from ..serving.state_runner import RunOptions
 from ..serving.streaming import drain
 from .abstract import KnowledgeAbstract
 from .calibrating import CalibrationSpend, CalibrationWork

@@ -47,8 +47,8 @@ from typing import Any
 from ..answering.parts import CacheParts
 from ..answering.request_path import RequestPath
 from ..config import PerCacheConfig
+from ..errors import Preempted
 from ..kv.engine import Decoding
-from ..serving.state_runner import Preempted
 from .abstract import KnowledgeAbstract
 from .app_requests import AppLeadingStates, AppPassages, AppPredictedRequests
 from .calibrating import CalibrationWork
@@ -188,8 +188,12 @@ class Scheduler:
             self._round = round
             try:
                 if (own_pipeline or parts.runtime.engine_loaded or parts.shapes.app_attached) and not stop():
-                    parts.runtime.self_check()  # once per engine (seconds), here rather than in an answer
+                    # once per engine, here rather than in an answer: a user pre-empts a check,
+                    # the round's deadline only keeps the next one from starting
+                    parts.runtime.self_check(waiting, lambda: not stop())
                     parts.runtime.size_state_budget(parts.knowledge.chunks)
+                if parts.runtime.engine_loaded and not parts.runtime.checks_ready():
+                    raise OutOfTime("the engine's self-checks took the round")  # its steps would keep no state
                 run_steps(round, self.steps, report)
             except Preempted:
                 if deadline is not None and time.perf_counter() > deadline and not waiting():

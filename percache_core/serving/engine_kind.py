@@ -67,8 +67,26 @@ class EngineKind(Protocol):
         """A runner with no chunk states and no stored answers (stock's behaviour)."""
         ...
 
-    def self_check(self, engine: Any, config: PerCacheConfig) -> None:
-        """Measure, once per engine, what decides how prompts run on it."""
+    def waiting_runner(self, engine: Any, live: LiveConfig) -> StateRunner:
+        """The runner that answers until :meth:`checks_ready`: no stored states, prompts run
+        as stock runs them (so that no answer waits for a self-check)."""
+        ...
+
+    def checks_ready(self, engine: Any) -> bool:
+        """Whether what the stored states depend on is measured (the runner over them may
+        open without measuring anything)."""
+        ...
+
+    def self_check(
+        self,
+        engine: Any,
+        config: PerCacheConfig,
+        should_stop: Callable[[], bool] | None = None,
+        may_start: Callable[[], bool] | None = None,
+    ) -> None:
+        """Measure, once per engine, what decides how prompts run on it (idle work: raises
+        ``Preempted`` when *should_stop()* turns true; a check after the first starts only
+        while *may_start()*)."""
         ...
 
     def self_check_report(self, engine: Any, config: PerCacheConfig) -> dict[str, Any]:

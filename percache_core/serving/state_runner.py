@@ -38,10 +38,6 @@ StopCheck = Callable[[], bool]
 
 IDLE_PIECE_TOKENS = 128  # idle work's plain prompts are fed this many tokens between pre-emption checks
 
-class Preempted(PerCacheError):
-    """Idle work stopped because a user's question is waiting."""
-
-
 @dataclass
 class DraftStats:
     """What draft decoding did for one answer."""
@@ -283,7 +279,10 @@ class StateRunner:
 
     def stored_order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
         """*chunks* reordered to follow the deepest stored path of PerCache's prompt: at each
-        position, a chunk whose prefix state is stored comes first; the rest keep their order."""
+        position, a chunk whose prefix state is stored comes first; the rest keep their order
+        (as given where no states are held)."""
+        if self.states is None:
+            return list(chunks)
         self.flush()
         tokenize = self.engine.tokenize
         parent = path_keys(self.states.root_key, [tokenize(system_text(self.config.retrieval.system_prompt), True)])[0]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator
 
+from ..errors import Preempted
 from ..kv.stopping import StopStringFilter
-from .state_runner import Preempted, StopCheck
+from .state_runner import StopCheck
 
 
 def shown_text(

@@ -15,10 +15,11 @@ import pytest
 from percache_core import Decoding, LlamaServer, PerCache, PerCacheConfig, ServerLaunch, TextPrompt
 from percache_core.engines.llama_server.runner import ServerRunner
 from percache_core.engines.llama_server.slot import ServerCuts, ServerSlot, SlotContent
+from percache_core.errors import Preempted
 from percache_core.inspection import internals
 from percache_core.kv.cuts import CutRule
 from percache_core.serving.prompting import PromptLayout, Segment
-from percache_core.serving.state_runner import IDLE_PIECE_TOKENS, Preempted, RunOptions
+from percache_core.serving.state_runner import IDLE_PIECE_TOKENS, RunOptions
 from percache_core.serving.streaming import drain
 
 pytestmark = pytest.mark.model

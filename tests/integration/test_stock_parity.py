@@ -57,6 +57,7 @@ def chat_both_ways(model_path: Path, make_cache, max_tokens: int) -> tuple[list[
     engine = LlamaEngine(model_path, n_ctx=2048, n_batch=512, n_threads=2)
     try:
         pc = make_cache(f"parity-{model_path.stem}", documents=False, engine=engine)
+        pc.preload()  # its self-checks (once per machine, as an idle round runs them): states are kept after
         model = PerCacheChatModel(percache=pc, max_new_tokens=max_tokens, cache=False)
         kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
         history: list[tuple[str, str]] = []

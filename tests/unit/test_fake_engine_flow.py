@@ -41,9 +41,18 @@ def test_chunk_state_reuse_gives_the_cache_off_output(fake_cache):
     cached = fake_cache("on", qa_bank=False)
     questions = [QUESTION, "Who repairs the boiler?", "What is the booking reference?"]
     expected = [reference.answer(q).text for q in questions]
-    first = [cached.answer(q) for q in questions]
-    again = [cached.answer(q) for q in questions]
-    assert [a.text for a in first] == expected == [a.text for a in again]
+    # before the engine's self-checks ran (idle work), answers run as stock does and keep no state
+    unchecked = [cached.answer(q) for q in questions]
+    assert [a.text for a in unchecked] == expected and all(a.source == "full" for a in unchecked)
+    assert internals(cached).engine.calls.get("save_state", 0) == 0
+    assert set(cached.stats()["engine_self_check"]["pending"]) == {"cut_rule", "state_layout", "draft_bound", "drafts_pay"}
+    cached.warm(max_predictions=0)  # an idle round runs them first
+    checks = cached.stats()["engine_self_check"]
+    assert checks["pending"] == [] and checks["state_layout"]["reach_tokens"] == internals(cached).engine.n_ctx
+    assert all(c["seconds"] >= 0 and c["measured_by"] == "this process" for c in checks["checks"].values())
+    first = [cached.answer(q, top_k=2) for q in questions]
+    again = [cached.answer(q, top_k=2) for q in questions]
+    assert [a.text for a in first] == [reference.answer(q, top_k=2).text for q in questions] == [a.text for a in again]
     assert all(a.source == "chunk_states" and a.reused_chunks == len(a.chunk_ids) for a in again)
 
 
@@ -264,6 +273,7 @@ def test_approximate_reuse_composes_independent_states_and_never_stores_its_answ
     composed = fake_cache("composed", reuse="approximate", recompute_tokens=4, max_error_rate=1.0)
     chunks = [r.chunk for r in composed.retrieve(QUESTION)]
     for cache in (exact, composed):
+        cache.preload()  # the engine's self-checks: states are kept only once they ran
         for chunk in chunks:  # what the knowledge prefill does: [system, chunk] of each chunk
             internals(cache).runner.prefill_prefix([chunk])
     reference = exact.answer(QUESTION)
@@ -278,6 +288,7 @@ def test_approximate_reuse_composes_independent_states_and_never_stores_its_answ
     assert not composed.answer(QUESTION).answered_before
 
     whole_chunks = fake_cache("recompute-all", reuse="approximate", recompute_tokens=10_000, max_error_rate=1.0)
+    whole_chunks.preload()
     for chunk in chunks:
         internals(whole_chunks).runner.prefill_prefix([chunk])
     same = whole_chunks.answer(QUESTION)  # every token recomputed: nothing moved, exact
@@ -498,7 +509,8 @@ def test_idle_works_plain_prompt_yields_the_engine_after_one_piece():
     so a user's request that arrives during one waits for that piece, not the whole prompt
     (a 500-token prompt in one call held a request for 1.0 s, benchmarks.idle_preemption)."""
     from percache_core.engines.llama_cpp.answer_decoder import complete_plain
-    from percache_core.serving.state_runner import IDLE_PIECE_TOKENS, Preempted
+    from percache_core.errors import Preempted
+    from percache_core.serving.state_runner import IDLE_PIECE_TOKENS
 
     engine = FakeEngine()
     arrived = lambda: engine.n_past > 0  # noqa: E731 (a request arrives once the first piece is in)

@@ -14,9 +14,10 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 
 from ...config import PerCacheConfig
+from ...errors import Preempted
 from ...kv.engine import Decoding, Engine, Sampling
 from ...kv.stopping import StopStringFilter
-from ...serving.state_runner import IDLE_PIECE_TOKENS, Preempted, RunOptions, RunResult, StopCheck
+from ...serving.state_runner import IDLE_PIECE_TOKENS, RunOptions, RunResult, StopCheck
 from ...serving.text_stream import close_source, shown_text
 from .drafting import (
     AnswerDraft,

@@ -144,6 +144,7 @@ def deviation_bound(engine: Engine) -> float:
     known, bound = _bounds.known(engine)
     if known and bound is not None:
         return bound
+    measuring = time.perf_counter()
     engine.reset()
     prompt = engine.tokenize(_SELF_CHECK_PROMPT, True)
     engine.eval(prompt)
@@ -164,7 +165,7 @@ def deviation_bound(engine: Engine) -> float:
         deviation = max(deviation, top_deviation(engine.last_logits(), reference[i + 1]))
     engine.reset()
     bound = max(MIN_BOUND, 2.0 * SAFETY_FACTOR * deviation)
-    _bounds.keep(engine, bound)
+    _bounds.keep(engine, bound, since=measuring)
     return bound
 
 
@@ -187,6 +188,7 @@ def drafts_pay(engine: Engine) -> bool:
     if known and pays is not None:
         return pays
     bound = deviation_bound(engine)
+    measuring = time.perf_counter()
     prompt = engine.tokenize(_SELF_CHECK_PROMPT, True)
     timings = []
     answer: list[int] = []
@@ -201,7 +203,7 @@ def drafts_pay(engine: Engine) -> bool:
     plain, drafted = timings
     pays = drafted <= PAYING_SHARE * plain
     logger.info("draft decoding: %.3f s with a perfect draft, %.3f s without: %s", drafted, plain, pays)
-    _gains.keep(engine, pays)
+    _gains.keep(engine, pays, since=measuring)
     return pays
 
 

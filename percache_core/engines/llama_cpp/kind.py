@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ...config import LiveConfig, PerCacheConfig
+from ...errors import Preempted
 from ...kv.cuts import known_cut_rule, measure_cut_rule
-from ...kv.engine import TOKEN_LEVEL, Engine, EngineFeatures
+from ...kv.engine import TOKEN_LEVEL, Engine, EngineFeatures, check_costs
 from ...models import resolve_model_path
 from ...serving.engine_kind import StatesPlace
 from ...serving.prompting import TEMPLATE_VERSION
@@ -24,6 +25,10 @@ from .drafting import deviation_bound, drafts_pay, known_bound, known_drafts_pay
 from .engine import LlamaEngine, load_identity
 from .runner import PromptRunner
 from .slicing import known_state_layout, state_layout
+
+# the self-checks of an in-process engine, in the order they run (the first two decide which
+# states are kept: until both are known, answers keep none; the last two, drafts)
+CHECKS = ("cut_rule", "state_layout", "draft_bound", "drafts_pay")
 
 
 def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> LlamaEngine:
@@ -61,9 +66,11 @@ class InProcessKind:
         self, engine: Engine, place: StatesPlace, live: LiveConfig, budget: Callable[[], int]
     ) -> PromptRunner:
         # PerCache's own prompt takes its states at the cut rule's state points (in stock's
-        # calls), or at segment ends without a rule: the two are never mixed
+        # calls), or at segment ends without a rule: the two are never mixed. The runtime
+        # opens this runner once the checks are known (checks_ready); measured here otherwise
         rule = measure_cut_rule(engine)
-        slices = state_layout(engine).slices and live.current.tiers.chunk_state_slices
+        layout = known_state_layout(engine) or state_layout(engine)
+        slices = layout.slices and live.current.tiers.chunk_state_slices
         calls = "segment-calls" if rule is None else f"stock-calls-{rule.min_tokens}-{rule.multiple}"
         fingerprint = engine.fingerprint(f"{TEMPLATE_VERSION}|{'slices' if slices else 'whole'}|{calls}")
         return PromptRunner(engine, place.open(fingerprint, slices=slices), live, budget=budget)
@@ -71,16 +78,58 @@ class InProcessKind:
     def plain_runner(self, engine: Engine) -> PromptRunner:
         return PromptRunner(engine, None, PerCacheConfig(chunk_states=False))
 
-    def self_check(self, engine: Engine, config: PerCacheConfig) -> None:
-        """The cuts that leave a prefill's logits unchanged, which states restore exactly up
-        to ``n_ctx`` (the round trip at opening proved a shorter reach where ``n_ctx`` is
-        longer), the batched-logit bound of draft verification and whether drafts pay on
-        this machine."""
-        measure_cut_rule(engine)
-        state_layout(engine, engine.n_ctx)
-        with engine.lock:
-            deviation_bound(engine)
-            drafts_pay(engine)
+    def waiting_runner(self, engine: Engine, live: LiveConfig) -> PromptRunner:
+        """Answers before :meth:`checks_ready`: *live*'s settings, no stored states, every
+        prompt in one call (stock's), so that no answer waits for a self-check."""
+        return PromptRunner(engine, None, live)
+
+    def checks_ready(self, engine: Engine) -> bool:
+        """Whether the verdicts the stored states depend on are known (the cut rule and the
+        state layout, measured in this process or read from disk)."""
+        return known_cut_rule(engine)[0] and known_state_layout(engine) is not None
+
+    def self_check(
+        self,
+        engine: Engine,
+        config: PerCacheConfig,
+        should_stop: Callable[[], bool] | None = None,
+        may_start: Callable[[], bool] | None = None,
+    ) -> None:
+        """The checks of :data:`CHECKS` not yet known, in that order: the cuts that leave a
+        prefill's logits unchanged, which states restore exactly up to ``n_ctx`` (one
+        round trip: a verdict for a shorter context is extended), the batched-logit bound
+        of draft verification and whether drafts pay on this machine. Idle work: when
+        *should_stop()* turns true (a user's question waits) it raises
+        :class:`~percache_core.errors.Preempted` between two engine calls; the checks done
+        by then are kept. A check after the first starts only while *may_start()* (an idle
+        round's time left): a check begun is finished, as a half-done one is worth nothing."""
+        for index, name in enumerate(self.pending_checks(engine)):
+            if should_stop is not None and should_stop():
+                raise Preempted("self-checks pre-empted by a user question")
+            if index and may_start is not None and not may_start():
+                return
+            if name == "cut_rule":
+                measure_cut_rule(engine, should_stop)
+            elif name == "state_layout":
+                state_layout(engine, engine.n_ctx, should_stop)
+            elif name == "draft_bound":
+                with engine.lock:
+                    deviation_bound(engine)
+            else:
+                with engine.lock:
+                    drafts_pay(engine)
+
+    def pending_checks(self, engine: Engine) -> list[str]:
+        """The names of :data:`CHECKS` whose verdict for *engine* is not known yet (a state
+        layout proved for a shorter context than ``n_ctx`` counts as not known)."""
+        layout = known_state_layout(engine)
+        known = {
+            "cut_rule": known_cut_rule(engine)[0],
+            "state_layout": layout is not None and layout.tried >= engine.n_ctx,
+            "draft_bound": known_bound(engine) is not None,
+            "drafts_pay": known_drafts_pay(engine) is not None,
+        }
+        return [name for name in CHECKS if not known[name]]
 
     def self_check_report(self, engine: Engine, config: PerCacheConfig) -> dict[str, Any]:
         ran, rule = known_cut_rule(engine)
@@ -89,9 +138,12 @@ class InProcessKind:
             "ran": ran,
             "cut_rule": None if rule is None else {"min_tokens": rule.min_tokens, "multiple": rule.multiple},
             "state_layout": None if layout is None else {"slices": layout.slices, "reach_tokens": layout.reach},
+            "n_ctx": engine.n_ctx,
             "draft_bound_logits": known_bound(engine),
             "drafts_pay": known_drafts_pay(engine),
             "repack_weights": config.engine.repack_weights,
+            "checks": check_costs(engine),
+            "pending": self.pending_checks(engine),
         }
 
     def load(self, model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> LlamaEngine:

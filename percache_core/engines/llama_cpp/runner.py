@@ -19,8 +19,8 @@ from dataclasses import replace
 import numpy as np
 
 from ...config import LiveConfig, PerCacheConfig
-from ...errors import PerCacheError
-from ...kv.cuts import batch_bounds, measure_cut_rule
+from ...errors import PerCacheError, Preempted
+from ...kv.cuts import NO_CUTS, batch_bounds, known_cut_rule
 from ...kv.engine import Decoding, Engine
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode
@@ -33,7 +33,7 @@ from ...serving.prompting import (
     lay_out_text,
     rag_prompt,
 )
-from ...serving.state_runner import NewState, Preempted, RunOptions, RunResult, StateRunner, StopCheck
+from ...serving.state_runner import NewState, RunOptions, RunResult, StateRunner, StopCheck
 from ...types import Chunk
 from . import slicing
 from .answer_decoder import AnswerDecoder, complete_plain
@@ -147,24 +147,24 @@ class PromptRunner(StateRunner):
     ) -> PromptLayout:
         """The pieces *run* feeds for this prompt: PerCache's own [system, *chunks,
         question] or *spec*. A finished prompt string is cut only where a state is worth
-        keeping, within the cuts that leave the engine's prefill unchanged (measured once,
-        see :func:`~percache_core.kv.cuts.measure_cut_rule`)."""
+        keeping, within the cuts that leave the engine's prefill unchanged (measured once, as
+        idle work: :func:`~percache_core.kv.cuts.measure_cut_rule`). Until that rule is
+        known every prompt runs in one call, stock's, cut nowhere: an answer never waits for
+        a self-check."""
         engine = self.engine
         spec = spec or rag_prompt(self.config.retrieval.system_prompt, chunks, question)
         max_prompt_tokens = engine.n_ctx - max_new_tokens
+        measured, rule = known_cut_rule(engine)
         if isinstance(spec, TextPrompt):
-            # a cut is a call: only where a state is kept. The self-check (seconds, once per
-            # engine) runs here only for such a prompt; otherwise preload() or an idle round
-            # runs it, and until then the context is kept only where the calls were the same
-            cut = bool(spec.documents) and self.config.tiers.chunk_states
-            rule = measure_cut_rule(engine) if cut else None
+            # a cut is a call: only where a state is kept, under the measured rule
+            cut = bool(spec.documents) and self.config.tiers.chunk_states and measured
+            rule = rule if cut else None
             layout = lay_out_text(spec, engine, max_prompt_tokens=max_prompt_tokens, rule=rule)
             # prefilled in stock's calls (the cuts are the rule's), its states taken afterwards
             return replace(layout, rule=rule) if len(layout.segments) > 1 else layout
         # PerCache's own prompt runs in stock's calls where the engine has a cut rule (the
         # self-check runs once per build and model; its verdict is kept on disk)
-        rule = measure_cut_rule(engine)
-        return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
+        return lay_out(spec, tokenize=engine.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule if measured else NO_CUTS)
 
     def _run_segments(
         self,

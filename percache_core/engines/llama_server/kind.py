@@ -73,7 +73,21 @@ class ServerKind:
         _lease_slots(engine)
         return ServerRunner(engine, None, PerCacheConfig(chunk_states=False), rule=None, n_ubatch=engine.n_ubatch)  # fresh each time
 
-    def self_check(self, engine: LlamaServer, config: PerCacheConfig) -> None:
+    def waiting_runner(self, engine: LlamaServer, live: LiveConfig) -> ServerRunner:
+        return self.plain_runner(engine)  # (never used: checks_ready)
+
+    def checks_ready(self, engine: LlamaServer) -> bool:
+        """Always: the runner's opening measures the server's cut rule (``percache serve``
+        and ``preload()`` open it before the first request)."""
+        return True
+
+    def self_check(
+        self,
+        engine: LlamaServer,
+        config: PerCacheConfig,
+        should_stop: Callable[[], bool] | None = None,
+        may_start: Callable[[], bool] | None = None,
+    ) -> None:
         """The cuts that leave the server's output unchanged (where it holds states)."""
         if engine.features.chunk_states and config.tiers.chunk_states:
             measure_server_cut_rule(engine)

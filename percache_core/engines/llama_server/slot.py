@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...errors import Preempted
 from ...kv.cuts import CutRule
 from ...kv.engine import Decoding, EngineVerdicts
 from ...kv.stopping import StopStringFilter
@@ -20,7 +21,7 @@ from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode
 from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, split_at
-from ...serving.state_runner import IDLE_PIECE_TOKENS, Preempted, StopCheck
+from ...serving.state_runner import IDLE_PIECE_TOKENS, StopCheck
 from ...serving.text_stream import shown_text
 from .server import Completion, InSlot, LlamaServer, ServerError
 from .slot_files import slot_file_cells, slot_file_join, slot_file_prefix, slot_file_slice
