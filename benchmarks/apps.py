@@ -33,10 +33,10 @@ each app's latency per user, before and after, is written beside the JSON.
         --queries-per-user 8 --idle-seconds 20 --apps langchain,llamaindex,openai --models bundled,smollm2
 
 By default the run starts from an empty ``PERCACHE_HOME`` (``--home new``): the first user's
-questions are a new user's first session (the engine's self-checks not yet run: answers
-keep no state until an idle round ran them), reported apart from later sessions
-(``summary.sessions``: ratio and slowest question of each; each row's ``session`` and each
-question's ``checks_ready``).
+run of each engine setting is a new user's first session (the engine's self-checks not yet
+run when the cache opens: answers keep no state until an idle round ran them), reported
+apart from later sessions (``summary.sessions``: ratio and slowest question of each; each
+row's ``session``, ``self_checks`` and each question's ``checks_ready``).
 
 ``--evaluation-idle`` gives the apps the idle time the end-to-end evaluation gives PerCache's
 own pipeline (``benchmarks.e2e``: two unbounded rounds before the first question, one after
@@ -385,7 +385,7 @@ def _ask(question: str, index: int, pc: PerCache, sides: tuple[Callable[[str], s
     timings: dict[str, float] = {}
     texts: dict[str, str] = {}
     counters = pc.stats()
-    checks_ready = internals(pc).runtime.checks_ready()  # false: a new user's first session, before its checks
+    checks_ready = internals(pc).runtime.checks_ready()  # false: before the first idle round ran the self-checks
     for side in (("before", "after") if index % 2 == 0 else ("after", "before")):
         started = time.perf_counter()
         texts[side] = (before if side == "before" else after)(question)
@@ -420,6 +420,8 @@ def _questions(
         internals(pc).runner.flush()
         return report
 
+    # a new user's first session: the engine's self-checks still to run (by the first idle round)
+    first_session = not internals(pc).runtime.checks_ready()
     idle = [idle_round() for _ in range(rounds_first)]
     for index, query in enumerate(user.queries):
         rows.append(_ask(query["question"], index, pc, sides))
@@ -435,8 +437,7 @@ def _questions(
         "app": app,
         "user": user.name,
         "dataset": user.dataset,
-        # a new user's first session: the engine's self-checks not yet known at its first question
-        "session": "later" if rows[0]["checks_ready"] else "first",
+        "session": "first" if first_session else "later",
         "before_mean_s": before_mean,
         "after_mean_s": after_mean,
         "ratio": after_mean / before_mean,
@@ -454,6 +455,7 @@ def _questions(
         "reused_tokens": sum(r["reused_tokens"] for r in rows),
         "prompt_tokens": sum(r["reused_tokens"] + r["prefilled_tokens"] for r in rows),
         "chunk_states": stats["chunk_states"],
+        "self_checks": stats["engine_self_check"].get("checks"),  # what each cost, when, by whom
         "rows": rows,
         **_repeat_summary(repeats),
     }
