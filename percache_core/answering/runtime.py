@@ -252,8 +252,10 @@ class ModelRuntime:
         """Runs prompts on the engine through the stored chunk states; until the engine's
         self-checks that the states depend on are known (:meth:`self_check`, idle work),
         a runner without stored states whose prompts run as stock runs them."""
+        if self._runner is not None:
+            return self._runner
         engine = self.engine
-        if self._runner is None and not self.kind.checks_ready(engine):
+        if not self.kind.checks_ready(engine):
             with self._lock:
                 if self._waiting is None or self._waiting.engine is not engine:
                     self._waiting = self.kind.waiting_runner(engine, self._live)

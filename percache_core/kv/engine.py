@@ -112,11 +112,7 @@ class EngineVerdicts(Generic[T]):
         self._remember(engine, value)
         cost = None if since is None else CheckCost(time.perf_counter() - since, time.time(), True)
         if cost is not None:
-            with self._lock:
-                try:
-                    self._costs[engine] = cost
-                except TypeError:
-                    pass
+            self._remember_cost(engine, cost)
         key = getattr(engine, "verdict_key", None)
         if isinstance(key, str):
             memo = Memo(SELF_CHECK_MEMO)
@@ -144,9 +140,19 @@ class EngineVerdicts(Generic[T]):
         costs = record.get(COSTS_KEY) if isinstance(record, dict) else None
         value = costs.get(self.name) if isinstance(costs, dict) else None
         try:
-            return CheckCost(float(value[0]), float(value[1]), False) if value is not None else None
+            found = CheckCost(float(value[0]), float(value[1]), False) if value is not None else None
         except (TypeError, ValueError, IndexError):
             return None
+        if found is not None:  # read once, as known() remembers the verdict
+            self._remember_cost(engine, found)
+        return found
+
+    def _remember_cost(self, engine: object, cost: CheckCost) -> None:
+        with self._lock:
+            try:
+                self._costs[engine] = cost
+            except TypeError:
+                pass
 
     def _remember(self, engine: object, value: T) -> None:
         with self._lock:

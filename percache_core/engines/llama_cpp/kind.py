@@ -26,10 +26,6 @@ from .engine import LlamaEngine, load_identity
 from .runner import PromptRunner
 from .slicing import known_state_layout, state_layout
 
-# the self-checks of an in-process engine, in the order they run (the first two decide which
-# states are kept: until both are known, answers keep none; the last two, drafts)
-CHECKS = ("cut_rule", "state_layout", "draft_bound", "drafts_pay")
-
 
 def open_engine(model_path: str | Path | None, config: PerCacheConfig, *, verbose: bool = False) -> LlamaEngine:
     """Load a llama.cpp engine for *model_path* (None: the bundled model) with *config*'s
@@ -95,41 +91,26 @@ class InProcessKind:
         should_stop: Callable[[], bool] | None = None,
         may_start: Callable[[], bool] | None = None,
     ) -> None:
-        """The checks of :data:`CHECKS` not yet known, in that order: the cuts that leave a
-        prefill's logits unchanged, which states restore exactly up to ``n_ctx`` (one
-        round trip: a verdict for a shorter context is extended), the batched-logit bound
-        of draft verification and whether drafts pay on this machine. Idle work: when
+        """The checks of :func:`self_checks` not yet known, in that order: the cuts that
+        leave a prefill's logits unchanged, which states restore exactly up to ``n_ctx``
+        (one round trip: a verdict for a shorter context is extended), the batched-logit
+        bound of draft verification and whether drafts pay on this machine. Idle work: when
         *should_stop()* turns true (a user's question waits) it raises
         :class:`~percache_core.errors.Preempted` between two engine calls; the checks done
         by then are kept. A check after the first starts only while *may_start()* (an idle
         round's time left): a check begun is finished, as a half-done one is worth nothing."""
+        checks = self_checks(engine, should_stop)
         for index, name in enumerate(self.pending_checks(engine)):
             if should_stop is not None and should_stop():
                 raise Preempted("self-checks pre-empted by a user question")
             if index and may_start is not None and not may_start():
                 return
-            if name == "cut_rule":
-                measure_cut_rule(engine, should_stop)
-            elif name == "state_layout":
-                state_layout(engine, engine.n_ctx, should_stop)
-            elif name == "draft_bound":
-                with engine.lock:
-                    deviation_bound(engine)
-            else:
-                with engine.lock:
-                    drafts_pay(engine)
+            checks[name][1]()
 
     def pending_checks(self, engine: Engine) -> list[str]:
-        """The names of :data:`CHECKS` whose verdict for *engine* is not known yet (a state
-        layout proved for a shorter context than ``n_ctx`` counts as not known)."""
-        layout = known_state_layout(engine)
-        known = {
-            "cut_rule": known_cut_rule(engine)[0],
-            "state_layout": layout is not None and layout.tried >= engine.n_ctx,
-            "draft_bound": known_bound(engine) is not None,
-            "drafts_pay": known_drafts_pay(engine) is not None,
-        }
-        return [name for name in CHECKS if not known[name]]
+        """The names of :func:`self_checks` whose verdict for *engine* is not known yet (a
+        state layout proved for a shorter context than ``n_ctx`` counts as not known)."""
+        return [name for name, (known, _) in self_checks(engine).items() if not known()]
 
     def self_check_report(self, engine: Engine, config: PerCacheConfig) -> dict[str, Any]:
         ran, rule = known_cut_rule(engine)
@@ -158,6 +139,33 @@ class InProcessKind:
             repack_weights=config.engine.repack_weights,
             extra=extra,
         )
+
+
+def self_checks(
+    engine: Engine, should_stop: Callable[[], bool] | None = None
+) -> dict[str, tuple[Callable[[], bool], Callable[[], object]]]:
+    """The self-checks of an in-process engine in the order they run, by name: whether its
+    verdict for *engine* is known, and measuring it (*should_stop*: see
+    :meth:`InProcessKind.self_check`). The first two decide which states are kept (until
+    both are known, answers keep none); the last two, drafts."""
+
+    def layout_proved() -> bool:
+        layout = known_state_layout(engine)
+        return layout is not None and layout.tried >= engine.n_ctx
+
+    def locked(measure: Callable[[Engine], object]) -> Callable[[], object]:
+        def run() -> object:
+            with engine.lock:
+                return measure(engine)
+
+        return run
+
+    return {
+        "cut_rule": (lambda: known_cut_rule(engine)[0], lambda: measure_cut_rule(engine, should_stop)),
+        "state_layout": (layout_proved, lambda: state_layout(engine, engine.n_ctx, should_stop)),
+        "draft_bound": (lambda: known_bound(engine) is not None, locked(deviation_bound)),
+        "drafts_pay": (lambda: known_drafts_pay(engine) is not None, locked(drafts_pay)),
+    }
 
 
 KIND = InProcessKind()

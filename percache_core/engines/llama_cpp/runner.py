@@ -20,7 +20,7 @@ import numpy as np
 
 from ...config import LiveConfig, PerCacheConfig
 from ...errors import PerCacheError, Preempted
-from ...kv.cuts import NO_CUTS, batch_bounds, known_cut_rule
+from ...kv.cuts import NO_CUTS, batch_bounds, eval_or_stop, known_cut_rule
 from ...kv.engine import Decoding, Engine
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode
@@ -349,12 +349,8 @@ class PromptRunner(StateRunner):
         """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`);
         where its calls started."""
         engine = self.engine
-        if should_stop is not None and should_stop():
-            raise Preempted("prefill pre-empted by a user question")
         start = engine.n_past
-        engine.eval(prompt[start:end], should_stop)
-        if engine.n_past != end:
-            raise Preempted("prefill pre-empted by a user question")
+        eval_or_stop(engine, prompt[start:end], should_stop)
         return [start + offset for offset, _ in batch_bounds(end - start, engine.n_batch)]
 
     def _save_now(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +33,9 @@ from ...errors import Preempted
 from ...kv.cuts import eval_or_stop
 from ...kv.engine import Engine, EngineVerdicts
 from ...kv.probe_text import probe_tokens
+from ...serving.state_runner import StopCheck
 
 logger = logging.getLogger(__name__)
-StopCheck = Callable[[], bool]
 
 _SEGMENTS = ("Answer from the notes below.\n\n", "Note one: the rehearsal moved to Friday.\n\n", "Note two: bring the keys.\n\n")
 _QUESTION = "Question: when is the rehearsal?\nAnswer:"
