@@ -148,16 +148,16 @@ class EngineVerdicts(Generic[T]):
         return found
 
     def _remember_cost(self, engine: object, cost: CheckCost) -> None:
-        with self._lock:
-            try:
-                self._costs[engine] = cost
-            except TypeError:
-                pass
+        self._put(self._costs, engine, cost)
 
     def _remember(self, engine: object, value: T) -> None:
+        self._put(self._values, engine, value)
+
+    def _put(self, memory: weakref.WeakKeyDictionary[object, Any], engine: object, value: Any) -> None:
+        """Keep *value* for *engine* in *memory* (nothing for an engine without weak references)."""
         with self._lock:
             try:
-                self._values[engine] = value
+                memory[engine] = value
             except TypeError:
                 pass
 
