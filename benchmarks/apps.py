@@ -58,7 +58,7 @@ import numpy as np
 
 from benchmarks.data_sets import User, add_user_arguments, users_from_arguments
 from benchmarks.output import write_json
-from benchmarks.stock import model_paths
+from benchmarks.stock import model_paths, stock_llama
 from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.engines.llama_cpp.engine import LlamaEngine
@@ -78,9 +78,7 @@ class Stock:
     """Stock ``llama_cpp.Llama`` (its prefix reuse on), greedy, as a framework's wrapper calls it."""
 
     def __init__(self, model_path: Path, threads: int, max_tokens: int, n_ctx: int = 2048) -> None:
-        from llama_cpp import Llama
-
-        self.model = Llama(str(model_path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.model = stock_llama(model_path, n_ctx, threads)
         self.max_tokens = max_tokens
         self.n_ctx = n_ctx
 

@@ -438,16 +438,9 @@ def evaluate(
 
         stock = ServerAlone(model_path, os.cpu_count() or 2)
     elif any(system.name == STOCK.name for system in systems):
-        from llama_cpp import Llama  # stock llama.cpp, as users run it (prefix reuse on)
+        from .stock import stock_llama  # stock llama.cpp, as users run it (prefix reuse on)
 
-        stock = Llama(
-            str(model_path),
-            n_ctx=engine.n_ctx,
-            n_batch=engine.n_batch,
-            n_threads=os.cpu_count(),
-            n_threads_batch=os.cpu_count(),
-            verbose=False,
-        )
+        stock = stock_llama(model_path, engine.n_ctx, os.cpu_count() or 2, engine.n_batch)
     # naive against stock: each keeps its own context between questions (stock's Llama
     # does), so naive gets an engine of its own rather than one that other systems' runs
     # and idle rounds change in between

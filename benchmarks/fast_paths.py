@@ -47,6 +47,7 @@ from percache_core.types import ANSWERED_BEFORE
 
 from .data_sets import read_jsonl
 from .output import write_json
+from .stock import stock_llama
 
 SQUAD_USER = "Construction"
 QMSUM_USER = "ami-ES2011"
@@ -140,12 +141,11 @@ def stock_llm(model_path: Path, max_tokens: int, threads: int) -> tuple[Any, Any
     """``llama_cpp.Llama`` as two LlamaIndex LLMs on one model, greedy, with the same stop
     and token limit: one prefills each prompt in one call (reset first), the other as
     ``Llama`` does by default (it keeps the previous prompt's longest common prefix)."""
-    from llama_cpp import Llama
     from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
     from llama_index.core.llms.callbacks import llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
 
-    model = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    model = stock_llama(model_path, 2048, threads)
 
     class StockLlamaCPP(CustomLLM):
         reset: bool = True

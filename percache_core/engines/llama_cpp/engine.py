@@ -35,7 +35,7 @@ from ...kv.cuts import batch_bounds
 from ...kv.engine import Sampling
 from ...kv.state_cells import laid_out_as_prefill
 from ...models import file_identity, file_sha256
-from .compute_thread import ComputeThread, on_compute_thread
+from .compute_thread import on_compute_thread, process_compute_thread
 from .text_model import LlamaTextModel
 
 logger = logging.getLogger(__name__)
@@ -180,8 +180,8 @@ class LlamaEngine(LlamaTextModel):
     The engine is not thread-safe by itself: callers hold ``engine.lock`` (a plain lock,
     so a streaming generator may release it from another thread) around any sequence of
     calls that must not interleave (restore, prefill, generate). Whatever thread calls,
-    the work runs on the engine's own :class:`~percache_core.engines.llama_cpp.compute_thread.ComputeThread`
-    (``engine.compute``), as stock ``llama_cpp.Llama`` runs on its caller's one thread.
+    the work runs on the process's one :class:`~percache_core.engines.llama_cpp.compute_thread.ComputeThread`
+    (``engine.compute``, shared by every engine), as stock ``llama_cpp.Llama`` runs on its caller's one thread.
 
     >>> engine = LlamaEngine("gemma-3-270m-q4_k_m.gguf")   # doctest: +SKIP
     >>> engine.reset(); engine.eval(engine.tokenize("The capital of France is", True))  # doctest: +SKIP
@@ -205,9 +205,9 @@ class LlamaEngine(LlamaTextModel):
             raise ModelNotFoundError(f"model file not found: {self.model_path}")
         _init_backend(lc, verbose)
         self.lock = threading.Lock()
-        # every call that computes or touches the context runs on this one thread: one
-        # OpenMP team per engine, whatever thread asks (see kv/compute_thread.py)
-        self.compute = ComputeThread(f"percache-engine-{self.model_path.stem}")
+        # every call that computes or touches the context runs on the process's one compute
+        # thread: one OpenMP team in the process, whatever thread asks (see compute_thread.py)
+        self.compute = process_compute_thread()
 
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -510,7 +510,6 @@ class LlamaEngine(LlamaTextModel):
         if self._closed:
             return
         self._closed = True
-        self.compute.close()
         self._lc.llama_batch_free(self._batch)
         self._lc.llama_free(self._ctx)
         self._lc.llama_model_free(self._model)
