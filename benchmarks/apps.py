@@ -388,8 +388,9 @@ def _ask(question: str, index: int, pc: PerCache, sides: tuple[Callable[[str], s
         started = time.perf_counter()
         texts[side] = (before if side == "before" else after)(question)
         timings[side] = time.perf_counter() - started
-        if side == "after":  # its states written (untimed) before the other side shares the cores
+        if side == "after":  # untimed, before the other side shares the cores: its states written
             internals(pc).runner.flush()
+            internals(pc).scheduler.background_checks.wait()  # and any self-checks it started done
     now = pc.stats()
     fresh = fresh_text(question)
     return {

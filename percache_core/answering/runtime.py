@@ -87,6 +87,9 @@ class ModelRuntime:
         self._model_id: tuple[ModelEngine, str] | None = None  # (engine, its fingerprint)
         self._recorded_id: str | None = None  # the fingerprint recorded for the engine it would load
         self._kind: tuple[ModelEngine, EngineKind] | None = None  # (engine, its kind)
+        # told whenever an answer runs before the self-checks (the idle layer starts them in
+        # the background: prediction.background_checks)
+        self.when_checks_pending: Callable[[], None] | None = None
 
     @property
     def config(self) -> PerCacheConfig:
@@ -251,11 +254,14 @@ class ModelRuntime:
     def runner(self) -> StateRunner:
         """Runs prompts on the engine through the stored chunk states; until the engine's
         self-checks that the states depend on are known (:meth:`self_check`, idle work),
-        a runner without stored states whose prompts run as stock runs them."""
+        a runner without stored states whose prompts run as stock runs them (and
+        ``when_checks_pending`` is told: the checks start in the background)."""
         if self._runner is not None:
             return self._runner
         engine = self.engine
         if not self.kind.checks_ready(engine):
+            if self.when_checks_pending is not None:
+                self.when_checks_pending()
             with self._lock:
                 if self._waiting is None or self._waiting.engine is not engine:
                     self._waiting = self.kind.waiting_runner(engine, self._live)
@@ -263,6 +269,12 @@ class ModelRuntime:
         self._open_states()
         assert self._runner is not None
         return self._runner
+
+    def reinstate_asked(self) -> int:
+        """After an idle round: the last user prompt's stored prefix back in the engine (see
+        :meth:`~percache_core.serving.state_runner.StateRunner.reinstate_asked`); 0 before
+        the runner over the stored states is open."""
+        return self._runner.reinstate_asked() if self._runner is not None else 0
 
     def _open_states(self) -> None:
         if self._states is not None:

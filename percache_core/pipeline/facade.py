@@ -147,6 +147,7 @@ class PerCache(DocumentVerbs, IdleVerbs):
         if self._closed:
             return
         self.stop_worker()
+        self._scheduler.background_checks.stop()
         self._parts.runtime.flush()  # the states still being written reach every tier
         if self._shared is not None:
             self._shared.close()

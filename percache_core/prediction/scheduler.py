@@ -51,6 +51,7 @@ from ..errors import Preempted
 from ..kv.engine import Decoding
 from .abstract import KnowledgeAbstract
 from .app_requests import AppLeadingStates, AppPassages, AppPredictedRequests
+from .background_checks import BackgroundChecks
 from .calibrating import CalibrationWork
 from .idle_round import (
     PREFILL_DECODE,
@@ -101,6 +102,10 @@ class Scheduler:
         self._round: IdleRound | None = None
         self._report: WarmReport | None = None
         self.invalidation = Invalidation(parts, self.abstract, self._lock)
+        # the self-checks of flows that run no idle round: started by the first answer
+        # that finds them pending (ModelRuntime.runner)
+        self.background_checks = BackgroundChecks(parts.runtime, parts.activity)
+        parts.runtime.when_checks_pending = self.background_checks.start
         self._served_before: dict[str, Any] = {}
         self.predicted_paths = PredictedPaths(parts)
         self.prediction = PredictAndPopulate(parts, self.abstract, lambda: self.predictor())
@@ -204,6 +209,8 @@ class Scheduler:
             except OutOfTime:
                 report.out_of_time = True
             finally:
+                if not report.preempted and not waiting():  # stock keeps the last prompt in its context
+                    parts.runtime.reinstate_asked()
                 bar.close()
                 report.seconds = time.perf_counter() - started
                 self.accounts[strategy].add_round(report)

@@ -219,6 +219,13 @@ class StateRunner:
         """The bytes one prompt token's state takes on this engine, measured once."""
         raise NotImplementedError
 
+    def reinstate_asked(self) -> int:
+        """After idle work, bring the last user prompt's stored prefix back into the engine
+        as the context a next question keeps (an in-process engine:
+        :meth:`~percache_core.engines.llama_cpp.runner.PromptRunner.reinstate_asked`);
+        the tokens reinstated (none here)."""
+        return 0
+
     def settle(self) -> None:
         """Take from the engine what a run left for after its reply (a llama-server's slot
         save: ``ServerRunner.settle``); an in-process run leaves nothing."""

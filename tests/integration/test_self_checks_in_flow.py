@@ -99,3 +99,100 @@ def test_a_question_first_prompt_restores_its_instructions_with_stocks_text(make
     finally:
         stock.close()
     assert llm.max_new_tokens == 16
+
+
+# -- flows that run no idle round: the checks run in the background after the first answer
+
+CHECKS_WAIT_S = 240.0  # the checks take about 20 s alone at n_ctx=2048 on 2 cores
+
+
+def _proved_after_background_checks(pc: PerCache, engine: LlamaEngine) -> dict:
+    """Wait for the background self-checks the first answer started; the report (every
+    check known, measured in this process, the reach proved to ``n_ctx``)."""
+    background = internals(pc).scheduler.background_checks
+    assert background.running  # started by the answer that found the checks pending
+    assert background.wait(timeout=CHECKS_WAIT_S)
+    report = pc.stats()["engine_self_check"]
+    assert report["pending"] == [] and set(report["checks"]) == CHECKS
+    assert all(c["measured_by"] == "this process" and c["measured_at"] for c in report["checks"].values())
+    assert report["state_layout"]["reach_tokens"] == engine.n_ctx == report["n_ctx"]
+    return report
+
+
+def test_pc_answer_alone_proves_n_ctx_in_the_background(tmp_path, new_engine, embedder, corpus):
+    config = PerCacheConfig(max_new_tokens=16, qa_bank=False)
+    reference = PerCache.open(tmp_path / "off", config=config.replace(chunk_states=False),
+                              engine=new_engine, embedder=embedder)
+    with PerCache.open(tmp_path / "on", config=config, engine=new_engine, embedder=embedder) as pc, reference:
+        for cache in (reference, pc):
+            cache.add_documents(corpus["documents"])
+        first = pc.answer("When is the presentation rehearsal for the launch talk?")
+        assert first.source == "full" and not internals(pc).runtime.checks_ready()
+        _proved_after_background_checks(pc, new_engine)
+        question = "Who repairs the boiler?"
+        assert pc.answer(question).text == reference.answer(question).text  # keeps the states of its prompt
+        again = pc.answer("Who repairs the boiler, and when?")
+        assert again.reused_tokens > 0 and again.text == reference.answer("Who repairs the boiler, and when?").text
+
+
+def _llamaindex_engine(tmp_path: Path, engine: LlamaEngine, corpus: dict):
+    from llama_index.core import Document, VectorStoreIndex
+
+    from percache_llamaindex import PerCacheEmbedding, PerCacheLlamaCPP, PerCacheQueryEngine
+
+    documents = [Document(text=d["text"], id_=d["id"]) for d in corpus["documents"]]
+    index = VectorStoreIndex.from_documents(documents, embed_model=PerCacheEmbedding())
+    llm = PerCacheLlamaCPP(engine=engine, max_new_tokens=16)
+    return PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / "li", llm=llm, similarity_top_k=2)
+
+
+def test_the_llamaindex_swap_without_warm_proves_n_ctx_in_the_background(tmp_path, new_engine, corpus):
+    query_engine = _llamaindex_engine(tmp_path, new_engine, corpus)
+    try:
+        first = query_engine.query("When is the presentation rehearsal for the launch talk?")
+        assert first.metadata["percache"]["source"] == "full"
+        _proved_after_background_checks(query_engine.percache, new_engine)
+    finally:
+        query_engine.close()
+
+
+def test_the_llamaindex_swap_with_warm_proves_n_ctx_in_its_first_round(tmp_path, new_engine, corpus):
+    query_engine = _llamaindex_engine(tmp_path, new_engine, corpus)
+    try:
+        query_engine.query("When is the presentation rehearsal for the launch talk?")
+        query_engine.warm(max_seconds=25, progress=False)  # the checks take about 20 s of it
+        report = query_engine.percache.stats()["engine_self_check"]
+        assert report["pending"] == [] and report["state_layout"]["reach_tokens"] == new_engine.n_ctx
+        assert all(c["measured_by"] == "this process" for c in report["checks"].values())
+    finally:
+        query_engine.close()
+
+
+def test_a_langchain_chain_without_warm_proves_n_ctx_in_the_background(tmp_path, new_engine, embedder, corpus):
+    from langchain_core.documents import Document
+    from langchain_core.embeddings import Embeddings
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from percache_langchain import PerCacheLLMCache, PerCacheRetriever
+
+    class MiniLM(Embeddings):  # the README's
+        def embed_documents(self, texts):
+            return embedder.embed(texts).tolist()
+
+        def embed_query(self, text):
+            return self.embed_documents([text])[0]
+
+    with PerCache.open(tmp_path / "lc", engine=new_engine, embedder=embedder) as pc:
+        notes = [Document(d["text"], id=d["id"]) for d in corpus["documents"]]
+        store = InMemoryVectorStore.from_documents(notes, MiniLM())
+        retriever = PerCacheRetriever(inner=store.as_retriever(search_kwargs={"k": 2}), percache=pc)
+        prompt = PromptTemplate.from_template("Use the notes to answer briefly.\n\n{context}\n\nQuestion: {question}\nAnswer:")
+        join = lambda docs: "\n\n".join(d.page_content for d in docs)  # noqa: E731
+        llm = PerCacheLLM(percache=pc, cache=PerCacheLLMCache(pc), max_new_tokens=16)
+        chain = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
+        chain.invoke("When is the presentation rehearsal for the launch talk?")
+        _proved_after_background_checks(pc, new_engine)
+        chain.invoke("Who repairs the boiler?")
+        assert pc.stats()["chunk_states"]["nodes"] > 0  # answers keep states once the checks are known

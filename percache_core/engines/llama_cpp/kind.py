@@ -10,6 +10,8 @@ and only as deep as that round trip proved exact.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -100,12 +102,13 @@ class InProcessKind:
         by then are kept. A check after the first starts only while *may_start()* (an idle
         round's time left): a check begun is finished, as a half-done one is worth nothing."""
         checks = self_checks(engine, should_stop)
-        for index, name in enumerate(self.pending_checks(engine)):
-            if should_stop is not None and should_stop():
-                raise Preempted("self-checks pre-empted by a user question")
-            if index and may_start is not None and not may_start():
-                return
-            checks[name][1]()
+        with _checking(engine):  # one caller at a time (an idle round, the background checks)
+            for index, name in enumerate(self.pending_checks(engine)):
+                if should_stop is not None and should_stop():
+                    raise Preempted("self-checks pre-empted by a user question")
+                if index and may_start is not None and not may_start():
+                    return
+                checks[name][1]()
 
     def pending_checks(self, engine: Engine) -> list[str]:
         """The names of :func:`self_checks` whose verdict for *engine* is not known yet (a
@@ -139,6 +142,19 @@ class InProcessKind:
             repack_weights=config.engine.repack_weights,
             extra=extra,
         )
+
+
+_check_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_check_locks_guard = threading.Lock()
+
+
+def _checking(engine: Engine) -> threading.Lock:
+    """The lock that one caller of an engine's self-checks holds at a time."""
+    with _check_locks_guard:
+        lock = _check_locks.get(engine)
+        if lock is None:
+            lock = _check_locks[engine] = threading.Lock()
+        return lock
 
 
 def self_checks(

@@ -58,6 +58,7 @@ class PromptRunner(StateRunner):
     ) -> None:
         super().__init__(engine, states, config, budget=budget)
         self._live: LiveContext | None = None  # the prompt this runner left in the engine
+        self._asked: tuple[tuple[int, ...], list[str]] | None = None  # the last user prompt: tokens, state keys
         self.restorer = StateRestorer(self)
         self.decoder = AnswerDecoder(engine, lambda: self.config)
 
@@ -102,6 +103,8 @@ class PromptRunner(StateRunner):
             keys = self._keys(layout, states)
             if options.restore_depth is not None:  # as if the path were new past that depth
                 keys = keys[: options.restore_depth]
+            elif not options.idle:
+                self._asked = (tuple(t for segment in segments for t in segment), keys)
             if options.prefix_only:
                 segments = segments[:-1]
             result = RunResult(layout)
@@ -111,6 +114,19 @@ class PromptRunner(StateRunner):
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
         return result
+
+    def reinstate_asked(self) -> int:
+        """The last user prompt's deepest stored prefix back in the engine as its live
+        context, where idle work replaced it (stock keeps its last prompt: a next question
+        that shares it keeps it instead of restoring it); the tokens reinstated."""
+        if self._asked is None or self.states is None:
+            return 0
+        with self.engine.lock:
+            self.flush()  # its states are stored
+            if self._live is None or self._live.changes != self.engine.changes:
+                self._live = self.restorer.reinstate(*self._asked)
+                return len(self._live.tokens) if self._live is not None else 0
+            return 0
 
     @property
     def reach(self) -> int:
@@ -300,7 +316,7 @@ class PromptRunner(StateRunner):
             if new_states is None or result.approximate or not keep:
                 continue
             if keys[index] not in self.states:
-                parent = self._save_now(index, keys[index], parent, new_states)
+                parent = saved_now(self, index, keys[index], parent, new_states)
             parent = (keys[index], engine.n_past)
 
     def _prefill_in_stock_calls(
@@ -341,7 +357,7 @@ class PromptRunner(StateRunner):
         starts: list[int] = []
         for index in early:  # a cut at each (allowed by the rule), its state saved now
             starts += self._eval_to(prompt, layout.state_point(index), should_stop)
-            parent = self._save_now(index, keys[index], parent, new_states)
+            parent = saved_now(self, index, keys[index], parent, new_states)
         starts += self._eval_to(prompt, len(prompt), should_stop)
         return [i for i in wanted if i not in early], starts
 
@@ -352,20 +368,6 @@ class PromptRunner(StateRunner):
         start = engine.n_past
         eval_or_stop(engine, prompt[start:end], should_stop)
         return [start + offset for offset, _ in batch_bounds(end - start, engine.n_batch)]
-
-    def _save_now(
-        self, index: int, key: str, parent: tuple[str, int], new_states: list[NewState]
-    ) -> tuple[str, int]:
-        """Save the state the sequence ends with now as segment *index*'s (*key*): a slice
-        after *parent* (key, tokens) where slices are kept and there is one, else whole.
-        Returns it as the parent of the next."""
-        engine, states = self.engine, self.states
-        parent_key, start = parent
-        if engine.n_past > self.reach:  # not proved to restore exactly (nor any deeper one)
-            return parent
-        data = engine.save_slice(start) if states.slices and start else engine.save_state()
-        new_states.append(NewState(index, parent_key or states.root_key, data, engine.n_past))
-        return key, engine.n_past
 
     def _rebuilder(
         self, result: RunResult, segments: list[list[int]], keys: list[str], options: RunOptions
@@ -388,6 +390,22 @@ class PromptRunner(StateRunner):
             self._prefill(again, segments, keys, depth, replace(options, keep_logits=False), None, None)
 
         return rebuild
+
+
+def saved_now(
+    runner: PromptRunner, index: int, key: str, parent: tuple[str, int], new_states: list[NewState]
+) -> tuple[str, int]:
+    """Save the state *runner*'s sequence ends with now as segment *index*'s (*key*) into
+    *new_states*: a slice after *parent* (key, tokens) where slices are kept and there is
+    one, else whole. Returns it as the parent of the next."""
+    engine, states = runner.engine, runner.states
+    assert states is not None
+    parent_key, start = parent
+    if engine.n_past > runner.reach:  # not proved to restore exactly (nor any deeper one)
+        return parent
+    data = engine.save_slice(start) if states.slices and start else engine.save_state()
+    new_states.append(NewState(index, parent_key or states.root_key, data, engine.n_past))
+    return key, engine.n_past
 
 
 def taken_states(

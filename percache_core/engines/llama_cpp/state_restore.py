@@ -35,8 +35,9 @@ class StateRestorer:
     ) -> tuple[int, int, bool]:
         """Bring the sequence to the deepest prefix of *layout* (prefilled up to *end*) that
         a stored state restores or the context holds (its first *kept* tokens, cut back to;
-        used where no stored state is as deep), else empty it: (segments, tokens) in place,
-        and whether they are the context's."""
+        used where no stored state is deeper: keeping costs nothing, a restore reads the
+        state), else empty it: (segments, tokens) in place, and whether they are the
+        context's."""
         ends = layout.ends
         candidates = self.runner.stored_prefixes(keys)
         live_ok = live is not None and live.changes == self.runner.engine.changes
@@ -45,13 +46,13 @@ class StateRestorer:
             candidates = self.usable(layout, keys, candidates, end)
             depth = sum(1 for index in range(len(layout.segments) - 1) if 0 < layout.state_point(index) <= kept)
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            keep = kept and end - kept >= layout.rule.min_tokens and (stored < depth or not candidates)
+            keep = kept and end - kept >= layout.rule.min_tokens and (stored <= depth or not candidates)
             if keep and live_ok and self.runner.engine.truncate(kept):
                 return depth, kept, True
         elif kept and kept in ends and live_ok:
             depth = ends.index(kept) + 1
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            if stored < depth and self.runner.engine.truncate(kept):
+            if stored <= depth and self.runner.engine.truncate(kept):
                 return depth, kept, True
         return (*self.restore_or_reset(keys, candidates), False)
 
@@ -93,6 +94,14 @@ class StateRestorer:
                 return keys.index(restored.key) + 1, restored.n_tokens
             # a link failed and what was restored ends inside a segment here: look further
         return 0, 0
+
+    def reinstate(self, tokens: tuple[int, ...], keys: list[str]) -> LiveContext | None:
+        """The deepest stored prefix of a prompt (*tokens*, its state *keys*) restored, as
+        the context a next prompt may keep (None: none stored). A stored state holds what a
+        fresh prefill computes (its calls cut only where the cut rule allows), as the same
+        restore inside the next answer would."""
+        depth, reused = self.restore(keys, self.runner.stored_prefixes(keys))
+        return LiveContext(tokens[:reused], (), self.runner.engine.changes) if depth else None
 
     def _restore_chain(self, chain: list[StateNode]) -> StateNode | None:
         """Load the first state of *chain* and append the others' slices; the deepest node
