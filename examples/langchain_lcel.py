@@ -3,11 +3,8 @@
 Run: .venv/bin/python examples/langchain_lcel.py [cache folder]
 
 The second question is the first asked again: the LLM cache (PerCacheLLMCache) answers it
-from the generation stored the first time, without the model. The third is about other
-notes. The fourth shares the first one's retrieved notes: the context now holds the third
-one's prompt, so its prompt restores the chunk states the first one stored. (Had it come
-right after the first, it would keep what the context still held, as stock llama.cpp does:
-``full``, with the same reused tokens.)
+from the generation stored the first time, without the model. The third shares the first
+one's retrieved notes, so its prompt restores the chunk states the first one stored.
 """
 
 from __future__ import annotations
@@ -63,7 +60,6 @@ def main(folder: str) -> list[dict]:
         for question in (
             "When is the presentation rehearsal for the launch talk?",
             "When is the presentation rehearsal for the launch talk?",  # asked again: the cache answers
-            "When is the dentist appointment?",
             "Which room is the launch talk rehearsal in?",
         ):
             before = pc.stats()

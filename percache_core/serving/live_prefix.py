@@ -33,11 +33,14 @@ from ..kv.cuts import CutRule, batch_bounds
 class LiveContext:
     """The prompt a runner left in the engine's sequence: its prefilled *tokens* (tokens
     decoded after them are not reusable), where each prefill call started (*starts*), and
-    ``engine.changes`` when it was recorded (any later change makes it unknown)."""
+    ``engine.changes`` when it was recorded (any later change makes it unknown);
+    *reinstated*: a stored state an idle round restored at its end (kept where it is as
+    deep as any stored state, and counted as the restore it is)."""
 
     tokens: tuple[int, ...]
     starts: tuple[int, ...]
     changes: int
+    reinstated: bool = False
 
 
 def call_starts(lengths: Sequence[int], n_batch: int) -> list[int]:

@@ -183,7 +183,7 @@ def test_the_lcel_example_runs_and_shows_each_source(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     results = module.main(str(tmp_path / "example"))
-    assert [r["source"] for r in results] == ["full", "qa_bank", "full", "chunk_states"]
+    assert [r["source"] for r in results] == ["full", "qa_bank", "chunk_states"]
 
 
 def test_bad_input_gets_clear_errors(monkeypatch):

@@ -35,25 +35,27 @@ class StateRestorer:
     ) -> tuple[int, int, bool]:
         """Bring the sequence to the deepest prefix of *layout* (prefilled up to *end*) that
         a stored state restores or the context holds (its first *kept* tokens, cut back to;
-        used where no stored state is deeper: keeping costs nothing, a restore reads the
-        state), else empty it: (segments, tokens) in place, and whether they are the
-        context's."""
+        used where no stored state is as deep, or none deeper when an idle round reinstated
+        it), else empty it: (segments, tokens) in place, and whether they are the context's
+        (stock's reuse: a reinstated state counts as restored)."""
         ends = layout.ends
         candidates = self.runner.stored_prefixes(keys)
         live_ok = live is not None and live.changes == self.runner.engine.changes
+        reinstated = live is not None and live.reinstated
+        tie = int(reinstated)  # a state an idle round reinstated is kept where as deep as a stored one
         if layout.stock_calls:  # the context is kept where it holds more state points
             assert layout.rule is not None
             candidates = self.usable(layout, keys, candidates, end)
             depth = sum(1 for index in range(len(layout.segments) - 1) if 0 < layout.state_point(index) <= kept)
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            keep = kept and end - kept >= layout.rule.min_tokens and (stored <= depth or not candidates)
+            keep = kept and end - kept >= layout.rule.min_tokens and (stored < depth + tie or not candidates)
             if keep and live_ok and self.runner.engine.truncate(kept):
-                return depth, kept, True
+                return depth, kept, not reinstated
         elif kept and kept in ends and live_ok:
             depth = ends.index(kept) + 1
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            if stored <= depth and self.runner.engine.truncate(kept):
-                return depth, kept, True
+            if stored < depth + tie and self.runner.engine.truncate(kept):
+                return depth, kept, not reinstated
         return (*self.restore_or_reset(keys, candidates), False)
 
     @staticmethod
@@ -101,7 +103,7 @@ class StateRestorer:
         fresh prefill computes (its calls cut only where the cut rule allows), as the same
         restore inside the next answer would."""
         depth, reused = self.restore(keys, self.runner.stored_prefixes(keys))
-        return LiveContext(tokens[:reused], (), self.runner.engine.changes) if depth else None
+        return LiveContext(tokens[:reused], (), self.runner.engine.changes, reinstated=True) if depth else None
 
     def _restore_chain(self, chain: list[StateNode]) -> StateNode | None:
         """Load the first state of *chain* and append the others' slices; the deepest node
