@@ -50,8 +50,8 @@ class BackgroundChecks:
         self.errors = 0
 
     def start(self) -> None:
-        """Start the thread unless it runs or the checks are known (idempotent, cheap: the
-        request path calls it whenever it answers before the checks)."""
+        """Start the thread unless it runs, was stopped or gave up on an error (idempotent,
+        cheap: the runtime calls it whenever it answers before the checks)."""
         if self._thread is not None and self._thread.is_alive():
             return
         with self._lock:
@@ -78,22 +78,20 @@ class BackgroundChecks:
         if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
             thread.join(timeout)
 
-    def _quiet(self) -> bool:
-        return not self._activity.waiting() and self._activity.quiet_for() >= self.quiet_seconds
-
     def _should_stop(self) -> bool:
         return self._stop.is_set() or self._activity.waiting()
 
     def _loop(self) -> None:
         while not self._stop.wait(self._poll_s):
-            if not self._quiet():
+            if not self._activity.quiet(self.quiet_seconds):
                 continue
             try:
                 self._runtime.self_check(self._should_stop)  # those known by now are skipped
                 return
             except Preempted:
                 self.preemptions += 1
-            except Exception:  # keep answering as stock does; the error is logged
+            except Exception:  # keep answering as stock does; the error is logged, once
                 self.errors += 1
                 logger.exception("the engine's self-checks failed")
+                self._stop.set()  # not started again by the next answer
                 return

@@ -63,15 +63,12 @@ class IdleWorker:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def _quiet(self) -> bool:
-        return self._activity.quiet_for() >= self.idle_after_s and not self._activity.waiting()
-
     def _loop(self) -> None:
         while not self._stop.wait(self._poll_s):
             try:
                 if self._idle_since == self._activity.last_activity:
                     continue  # the last round found nothing to do and nothing happened since
-                if not (self._quiet() and self._should_run()):
+                if not (self._activity.quiet(self.idle_after_s) and self._should_run()):
                     continue
                 if not self._scheduler.has_work(self._answer is None):
                     # nothing to do until something happens: has_work is not polled meanwhile

@@ -134,6 +134,15 @@ class UserActivity:
         if self.background_stop() is None:
             self.last_activity = time.monotonic()
 
+    def quiet(self, seconds: float) -> bool:
+        """Whether no user's question waits and none came for *seconds* (when idle work may
+        start).
+
+        >>> UserActivity(history_size=8).quiet(0.0)
+        True
+        """
+        return not self.waiting() and self.quiet_for() >= seconds
+
     def quiet_for(self) -> float:
         """Seconds since the last user activity."""
         return time.monotonic() - self.last_activity

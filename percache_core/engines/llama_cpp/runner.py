@@ -104,7 +104,7 @@ class PromptRunner(StateRunner):
             if options.restore_depth is not None:  # as if the path were new past that depth
                 keys = keys[: options.restore_depth]
             elif not options.idle:
-                self._asked = (tuple(t for segment in segments for t in segment), keys)
+                self._asked = (tuple(layout.tokens), keys)
             if options.prefix_only:
                 segments = segments[:-1]
             result = RunResult(layout)

@@ -42,19 +42,22 @@ class StateRestorer:
         candidates = self.runner.stored_prefixes(keys)
         live_ok = live is not None and live.changes == self.runner.engine.changes
         reinstated = live is not None and live.reinstated
-        tie = int(reinstated)  # a state an idle round reinstated is kept where as deep as a stored one
+
+        def kept_wins(stored: int, depth: int) -> bool:  # a reinstated state also where as deep
+            return stored <= depth if reinstated else stored < depth
+
         if layout.stock_calls:  # the context is kept where it holds more state points
             assert layout.rule is not None
             candidates = self.usable(layout, keys, candidates, end)
             depth = sum(1 for index in range(len(layout.segments) - 1) if 0 < layout.state_point(index) <= kept)
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            keep = kept and end - kept >= layout.rule.min_tokens and (stored < depth + tie or not candidates)
+            keep = kept and end - kept >= layout.rule.min_tokens and (kept_wins(stored, depth) or not candidates)
             if keep and live_ok and self.runner.engine.truncate(kept):
                 return depth, kept, not reinstated
         elif kept and kept in ends and live_ok:
             depth = ends.index(kept) + 1
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            if stored < depth + tie and self.runner.engine.truncate(kept):
+            if kept_wins(stored, depth) and self.runner.engine.truncate(kept):
                 return depth, kept, not reinstated
         return (*self.restore_or_reset(keys, candidates), False)
 
