@@ -50,6 +50,7 @@ from percache_core.pipeline import PerCache
 from percache_core.types import ANSWERED_BEFORE
 
 from .data_sets import User, load_merged_user, load_users, query_scope
+from .output import write_json
 
 STAGES = ("embed", "qa_check", "retrieve", "restore", "prefill", "decode", "store_states", "store_qa")
 KINDS = {"qmsum": "meeting transcripts", "squad11-dev": "encyclopedia articles"}
@@ -818,8 +819,7 @@ def _plot_ttft_by_source(result: dict[str, Any], folder: Path, plt: Any) -> list
 
 def write_report(result: dict[str, Any], out: Path) -> list[Path]:
     """JSON, Markdown and PNGs into *out*'s folder; returns the files written."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    write_json(result, out)
     table = out.with_suffix(".md")
     table.write_text(markdown_table(result) + "\n")
     written = [out, table]

@@ -15,7 +15,9 @@ each prompt and model:
   stored), each decoded the same way; every run that restored a state is a (prompt, state)
   pair, and its text must equal the reference.
 
-Prints how many pairs it tried and how many differed; writes JSON.
+Prints how many pairs it tried and how many differed; writes JSON. ``--merge A.json
+B.json`` writes one result of several runs instead (each run's models, the pairs summed):
+a sweep stopped for time (its ``.partial.json``) and one continued at another seed.
 
     .venv/bin/python -m benchmarks.exactness_sweep --data ../shared/data --models bundled,smollm2 \\
         --prompts 40 --out benchmarks/results/exactness_sweep.json
@@ -24,6 +26,7 @@ Prints how many pairs it tried and how many differed; writes JSON.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import tempfile
@@ -215,9 +218,24 @@ def sweep_model(model: Path, material: list, args: argparse.Namespace, folder: P
     }
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result of several runs: every run's models (a partial file is one model's),
+    their pairs and differences summed.
+
+    >>> merged = merge([{"model": "a", "prompts": 2, "pairs": 5, "differed": 0, "rows": []},
+    ...                 {"models": [{"model": "b", "pairs": 7, "differed": 0}], "pairs": 7, "differed": 0}])
+    >>> merged["pairs"], merged["differed"], [m["model"] for m in merged["models"]]
+    (12, 0, ['a', 'b'])
+    """
+    models = [model for result in results for model in result.get("models") or [result]]
+    return {"merged_from": len(results), "models": models,
+            "pairs": sum(m["pairs"] for m in models), "differed": sum(m["differed"] for m in models)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="the folder with qmsum/ and squad11-dev/")
+    parser.add_argument("--merge", nargs="+", type=Path, help="write one result of these runs' JSON instead")
+    parser.add_argument("--data", type=Path, help="the folder with qmsum/ and squad11-dev/")
     parser.add_argument("--models", default="bundled,smollm2", help="bundled, smollm2 or GGUF paths, comma-separated")
     parser.add_argument("--prompts", type=int, default=30, help="prompts per model")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per run")
@@ -226,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", default="benchmarks/results/exactness_sweep.json")
     args = parser.parse_args(argv)
-    if not (args.data / "qmsum" / "documents.jsonl").is_file():
+    if args.merge:
+        merged = merge([json.loads(path.read_text()) for path in args.merge])
+        print(f"{merged['pairs']} (prompt, state) pairs in {len(args.merge)} runs, {merged['differed']} differed")
+        write_json(merged, args.out)
+        return 1 if merged["differed"] else 0
+    if args.data is None or not (args.data / "qmsum" / "documents.jsonl").is_file():
         parser.error(f"no qmsum/documents.jsonl under {args.data}")
     if args.prompts < 1 or args.tokens < 1:
         parser.error("--prompts and --tokens must be positive")
