@@ -8,8 +8,8 @@ its ``results`` markers), docs/evaluation.md's "Current results" and docs/figure
 One row per thing a user runs (:data:`benchmarks.report_rows.ROWS`): PerCache's time over
 what the user runs instead, how many answers were that system's fresh text, the machine
 and date of the run and the command that measured it (each result's ``run`` stamp).
-``--quick`` runs every row's command at a small scale (one user, a few questions: about
-15 minutes on 2 cores), overwriting the results, then writes the tables and the figure.
+``--quick`` runs every row's command at a small scale (one user, two or three questions:
+about 13 minutes on 2 cores), overwriting the results, then writes the tables and the figure.
 """
 
 from __future__ import annotations

@@ -60,6 +60,15 @@ def times(ratio: float) -> str:
     return f"**{ratio:.2f}x** the time"
 
 
+def asked(users: int, questions: int) -> str:
+    """How much a row asked.
+
+    >>> asked(1, 3), asked(7, 42)
+    ('1 user x 3 questions', '7 users x 6 questions')
+    """
+    return f"{users} user{'s' if users > 1 else ''} x {questions // users} questions"
+
+
 def _apps(result: dict[str, Any]) -> Measured:
     """``benchmarks.apps``: every user's questions, both sides' mean time per question."""
     summary, users = result["summary"], result["per_user"]
@@ -71,7 +80,7 @@ def _apps(result: dict[str, Any]) -> Measured:
     if first and len(users) > 1:
         figure += f" (a new user's first session {first['ratio']:.2f}x)"
     return Measured(summary["ratio"], figure, f"{summary['identical']}/{summary['questions']}",
-                    f"{len(users)} users x {questions // len(users)} questions", before, after)
+                    asked(len(users), questions), before, after)
 
 
 def _e2e(result: dict[str, Any]) -> Measured:
@@ -79,11 +88,11 @@ def _e2e(result: dict[str, Any]) -> Measured:
     same retrieval and prompts; "same" against the pipeline without a cache (naive)."""
     users = result["per_user"]
     mean = {name: sum(u[name]["latency_s"]["mean"] for u in users.values()) / len(users) for name in ("stock", "percache")}
-    asked = {user: len(result["queries"][user]["percache"]) for user in users}
-    same = sum(round(users[user]["percache"]["identical_to_naive"] * n) for user, n in asked.items())
-    total = sum(asked.values())
+    questions = {user: len(result["queries"][user]["percache"]) for user in users}
+    same = sum(round(users[user]["percache"]["identical_to_naive"] * n) for user, n in questions.items())
+    total = sum(questions.values())
     ratio = mean["percache"] / mean["stock"]
-    return Measured(ratio, times(ratio), f"{same}/{total}", f"{len(users)} users x {total // len(users)} questions",
+    return Measured(ratio, times(ratio), f"{same}/{total}", asked(len(users), total),
                     mean["stock"], mean["percache"])
 
 
@@ -97,7 +106,7 @@ def _endpoint(workload: str) -> Callable[[dict[str, Any]], Measured]:
         if workload == "restart":
             figure += f", first piece {row['ttft_ratio']:.2f}x"
         return Measured(row["ratio"], figure, f"{row['percache_identical_to_fresh']:g}/{row['prompts']}",
-                        f"{row['prompts']} prompts", row["server_alone_s"] / row["prompts"], row["percache_s"] / row["prompts"])
+                        f"{row['prompts']} prompt{'s' if row['prompts'] > 1 else ''}", row["server_alone_s"] / row["prompts"], row["percache_s"] / row["prompts"])
 
     return read
 
@@ -143,7 +152,7 @@ ROWS: tuple[Row, ...] = (
     Row("your own RAG pipeline (`PerCache.answer`)", "the same retrieval and prompt on stock `llama_cpp.Llama`",
         "e2e.json", _e2e, "benchmarks.e2e",
         (*DATA, "--qmsum-users", "1", "--squad-users", "1", "--queries-per-user", "6", "--systems", "stock,naive,percache"),
-        (*DATA, "--qmsum-users", "0", "--squad-users", "1", "--queries-per-user", "3", "--systems", "stock,naive,percache")),
+        (*DATA, "--qmsum-users", "0", "--squad-users", "1", "--queries-per-user", "2", "--systems", "stock,naive,percache")),
     Row("LlamaIndex's starter app, swapped", "the same app on stock llama.cpp", "apps_starter.json", _apps,
         "benchmarks.apps", (*DATA, "--qmsum-users", "5", "--squad-users", "2", "--queries-per-user", "6", *STARTER),
         (*DATA, "--qmsum-users", "1", "--squad-users", "0", "--queries-per-user", "3", *STARTER)),
@@ -155,7 +164,7 @@ ROWS: tuple[Row, ...] = (
         (*DATA, "--qmsum-users", "0", "--squad-users", "1", "--queries-per-user", "3", *LCEL)),
     Row("`percache serve`, one client's new chats", "the llama-server alone", "endpoint.json",
         _endpoint("first asks"), "benchmarks.endpoint", (*DATA, *ENDPOINT, "--requests", "4"),
-        (*DATA, *ENDPOINT, "--turns", "3", "--restarts", "1", "--requests", "2")),
+        (*DATA, *ENDPOINT, "--turns", "2", "--restarts", "1", "--requests", "2")),
     Row("`percache serve`, a chat's next turns", "the llama-server alone", "endpoint.json",
         _endpoint("chat turns"), "benchmarks.endpoint", (), ()),
     Row("`percache serve`, several clients at once", "a default llama-server alone (4 slots)", "endpoint.json",
@@ -166,7 +175,7 @@ ROWS: tuple[Row, ...] = (
         _cold_start, "benchmarks.cold_start", (), ("--questions", "2")),
     Row("every state restored, generated prompts up to `n_ctx`", "a fresh prefill on stock llama.cpp",
         "exactness_sweep.json", _sweep, "benchmarks.exactness_sweep", (*DATA, "--models", "bundled,smollm2"),
-        (*DATA, "--models", "bundled", "--prompts", "3")),
+        (*DATA, "--models", "bundled", "--prompts", "2")),
 )
 
 
