@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .output import quoted
-from .report_rows import ROWS, Measured, Row, read_result, runs
+from .report_rows import ROWS, Measured, Row, first_model_rows, read_result, runs
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -93,7 +93,7 @@ def plot(folder: Path, path: Path) -> Path | None:
         return None
     rows = [(row, m) for row, m, _ in measured_rows(folder) if m is not None and m.before_s is not None]
     load = read_result(folder, next(r for r in ROWS if r.module == "benchmarks.endpoint"))
-    clients = [r for r in next(iter(load["models"].values())) if r["workload"] == "load"] if load else []
+    clients = [r for r in first_model_rows(load) if r["workload"] == "load"] if load else []
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1.2]})
     names = [row.what.replace("`", "").replace(", swapped", "") for row, _ in rows]
     y = range(len(rows))
@@ -123,11 +123,11 @@ def plot(folder: Path, path: Path) -> Path | None:
 def run_quick(data: str, folder: Path, only: Sequence[str] = ()) -> None:
     """Every row's quick command (:func:`benchmarks.report_rows.runs`), one after the
     other, alone, each writing its result file into *folder*."""
+    out = os.path.relpath(folder.resolve(), REPO)
     for row in runs():
         if only and row.result not in only:
             continue
         arguments = tuple(data if previous == "--data" else a for previous, a in zip(("",) + row.quick, row.quick))
-        out = os.path.relpath(folder.resolve(), REPO)
         command = [sys.executable, *row.command(arguments, out)]
         print(f"report --quick: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()

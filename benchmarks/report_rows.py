@@ -60,13 +60,27 @@ def times(ratio: float) -> str:
     return f"**{ratio:.2f}x** the time"
 
 
+def counted(count: int, noun: str) -> str:
+    """*count* of *noun*, in the plural where it is not 1.
+
+    >>> counted(1, "prompt"), counted(3, "prompt")
+    ('1 prompt', '3 prompts')
+    """
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def asked(users: int, questions: int) -> str:
     """How much a row asked.
 
     >>> asked(1, 3), asked(7, 42)
     ('1 user x 3 questions', '7 users x 6 questions')
     """
-    return f"{users} user{'s' if users > 1 else ''} x {questions // users} questions"
+    return f"{counted(users, 'user')} x {counted(questions // users, 'question')}"
+
+
+def first_model_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """``benchmarks.endpoint``'s rows for its first model (the one the table shows)."""
+    return next(iter(result["models"].values()))
 
 
 def _apps(result: dict[str, Any]) -> Measured:
@@ -100,20 +114,20 @@ def _endpoint(workload: str) -> Callable[[dict[str, Any]], Measured]:
     """``benchmarks.endpoint``: one workload's row (the first model's)."""
 
     def read(result: dict[str, Any]) -> Measured:
-        rows = next(iter(result["models"].values()))
-        row = next(r for r in rows if r["workload"] == workload)
+        row = next(r for r in first_model_rows(result) if r["workload"] == workload)
         figure = times(row["ratio"])
         if workload == "restart":
             figure += f", first piece {row['ttft_ratio']:.2f}x"
-        return Measured(row["ratio"], figure, f"{row['percache_identical_to_fresh']:g}/{row['prompts']}",
-                        f"{row['prompts']} prompt{'s' if row['prompts'] > 1 else ''}", row["server_alone_s"] / row["prompts"], row["percache_s"] / row["prompts"])
+        prompts = row["prompts"]
+        return Measured(row["ratio"], figure, f"{row['percache_identical_to_fresh']:g}/{prompts}",
+                        counted(prompts, "prompt"), row["server_alone_s"] / prompts, row["percache_s"] / prompts)
 
     return read
 
 
 def _load(result: dict[str, Any]) -> Measured:
     """``benchmarks.endpoint --workloads load``: wall time of several clients at once."""
-    rows = [r for r in next(iter(result["models"].values())) if r["workload"] == "load"]
+    rows = [r for r in first_model_rows(result) if r["workload"] == "load"]
     several = [r for r in rows if r["clients"] > 1]
     one = next((r for r in rows if r["clients"] == 1), None)
     figure = ", ".join(f"{r['clients']} clients **{r['ratio']:.2f}x**" for r in several) + " the wall time"
@@ -130,7 +144,7 @@ def _cold_start(result: dict[str, Any]) -> Measured:
     first, again = summary["percache ask (first)"], summary["percache ask (again)"]
     same = sum(r["percache ask (first)"]["text"] == r["stock"]["text"] for r in rows)
     figure = f"first ask **{first['ratio_of_means']:.2f}x**, asked again **{again['ratio_of_means']:.2f}x** the time"
-    return Measured(first["ratio_of_means"], figure, f"{same}/{len(rows)}", f"{len(rows)} questions",
+    return Measured(first["ratio_of_means"], figure, f"{same}/{len(rows)}", counted(len(rows), "question"),
                     summary["stock"]["mean_wall_s"], first["mean_wall_s"])
 
 
