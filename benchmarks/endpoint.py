@@ -50,6 +50,7 @@ from langchain_openai import ChatOpenAI
 from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.engines.llama_server.server import free_port
+from percache_core.inspection import internals
 from percache_core.knowledge.bert import BertEmbedder
 
 from .output import write_json
@@ -293,47 +294,57 @@ def concurrent(url: str, model: str, first_turn: Messages, questions: list[str],
 
 
 def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[int, int], threads: int,
-         fresh: ChatOpenAI) -> dict[str, Any]:
+         fresh: ChatOpenAI, rounds: int = 2) -> dict[str, Any]:
     """*shape* = (clients, requests each) at once (client i asks session i // 2's passages
     with its own questions: pairs share passages), on a default server alone and through
-    ``percache serve`` in front of one, each on fresh servers. With one client (every request
-    alone) the replies are compared with the fresh text."""
+    ``percache serve`` in front of one, each on fresh servers, *rounds* times with the order
+    of the sides alternating (alone first, then PerCache first: this machine's speed
+    drifts); the sides' wall times summed. With one client (every request alone) the
+    replies are compared with the fresh text."""
     clients, requests = shape
     asks = [[list(sessions[(c // 2 + n * clients) % len(sessions)][:1])
              + [("user", sessions[(c + n) % len(sessions)][1][1])] for n in range(requests)] for c in range(clients)]
-    row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests}
-    for side in ("alone", "percache"):
-        slot_folder = folder / f"slots-{side}-{clients}"
-        slot_folder.mkdir()
-        slots = ("--slot-save-path", str(slot_folder)) if side == "percache" else ()
-        server = ServerAlone(model_path, threads, slots, server_defaults=True)
-        url = f"http://127.0.0.1:{server.port}"
-        try:
-            if side == "alone":
-                row.update(_load_side("server_alone", url + "/v1", asks))
-            else:
-                attached = LlamaServer(url=url, slot_save_path=slot_folder)
-                with PerCache.open(folder / f"cache-{clients}", config=PerCacheConfig(prediction=False),
-                                   engine=attached) as pc, serving_in_thread(pc, attached) as url:
-                    pc.preload()
-                    row.update(_load_side("percache", url, asks))
-                    row["slots_used"] = attached.leases.count
-        finally:
-            server.close()
+    row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests, "rounds": rounds}
+    measured: dict[str, list[tuple[float, list[float], int, list[list[str]]]]] = {"server_alone": [], "percache": []}
+    for index in range(rounds):
+        for side in (("alone", "percache") if index % 2 == 0 else ("percache", "alone")):
+            slot_folder = folder / f"slots-{side}-{clients}-{index}"
+            slot_folder.mkdir()
+            slots = ("--slot-save-path", str(slot_folder)) if side == "percache" else ()
+            server = ServerAlone(model_path, threads, slots, server_defaults=True)
+            url = f"http://127.0.0.1:{server.port}"
+            try:
+                if side == "alone":
+                    measured["server_alone"].append(_load_side(url + "/v1", asks))
+                else:
+                    attached = LlamaServer(url=url, slot_save_path=slot_folder)
+                    with PerCache.open(folder / f"cache-{clients}-{index}", config=PerCacheConfig(prediction=False),
+                                       engine=attached) as pc, serving_in_thread(pc, attached) as url:
+                        pc.preload()
+                        measured["percache"].append(_load_side(url, asks))
+                        row["slots_used"] = attached.leases.count
+                        row["batched_runs"] = row.get("batched_runs", 0) + internals(pc).runtime.runner.batched_runs
+            finally:
+                server.close()
+    for name, runs in measured.items():
+        latencies = sorted(t for _, times, _, _ in runs for t in times) or [0.0]
+        row.update({f"{name}_s": round(sum(seconds for seconds, *_ in runs), 2),
+                    f"{name}_p50_s": round(latencies[len(latencies) // 2], 3),
+                    f"{name}_p95_s": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 3),
+                    f"{name}_errors": sum(errors for _, _, errors, _ in runs)})
     row["ratio"] = round(row["percache_s"] / row["server_alone_s"], 4)
     if clients == 1:
         references = [str(fresh.invoke(lc_messages(m)).content) for m in asks[0]]
-        for side in ("percache", "server_alone"):
-            row[f"{side}_identical_to_fresh"] = sum(a == b for a, b in zip(row.pop(f"{side}_texts")[0], references))
-    else:
-        row.pop("percache_texts"), row.pop("server_alone_texts")
+        for name, runs in measured.items():
+            row[f"{name}_identical_to_fresh"] = sum(a == b for _, _, _, texts in runs for a, b in zip(texts[0], references))
     print(f"  load {clients} clients: PerCache {row['percache_s']:.1f} s, alone {row['server_alone_s']:.1f} s, "
           f"ratio {row['ratio']}, errors {row['percache_errors']}/{row['server_alone_errors']}", flush=True)
     return row
 
 
-def _load_side(name: str, url: str, asks: list[list[Messages]]) -> dict[str, Any]:
-    """Wall seconds, p50/p95 latency and errors of the clients' *asks* at once against *url*."""
+def _load_side(url: str, asks: list[list[Messages]]) -> tuple[float, list[float], int, list[list[str]]]:
+    """The clients' *asks* at once against *url*: (wall seconds, each request's latency,
+    errors, each client's texts)."""
     latencies: list[float] = []
     errors = 0
 
@@ -353,12 +364,7 @@ def _load_side(name: str, url: str, asks: list[list[Messages]]) -> dict[str, Any
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(asks)) as pool:
         texts = list(pool.map(run, asks))
-    seconds = time.perf_counter() - started
-    ordered = sorted(latencies) or [0.0]
-    return {f"{name}_s": round(seconds, 2), f"{name}_p50_s": round(ordered[len(ordered) // 2], 3),
-            f"{name}_p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
-            f"{name}_errors": errors, f"{name}_texts": texts}
-
+    return time.perf_counter() - started, latencies, errors, texts
 
 def plot(results: dict[str, Any], path: Path) -> None:
     """Bars: PerCache's time over the server alone's per workload (total and first piece)."""

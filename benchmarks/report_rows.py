@@ -132,7 +132,8 @@ def _load(result: dict[str, Any]) -> Measured:
     one = next((r for r in rows if r["clients"] == 1), None)
     figure = ", ".join(f"{r['clients']} clients **{r['ratio']:.2f}x**" for r in several) + " the wall time"
     errors = sum(r["percache_errors"] for r in rows)
-    same = f"{one['percache_identical_to_fresh']}/{one['requests']} (one client)" if one else "not compared"
+    compared = one["requests"] * one.get("rounds", 1) if one else 0
+    same = f"{one['percache_identical_to_fresh']}/{compared} (one client)" if one else "not compared"
     scale = f"{several[0]['requests'] // several[0]['clients']} requests per client, {errors} errors" if several else ""
     return Measured(several[-1]["ratio"] if several else None, figure, same, scale)
 

@@ -2,7 +2,8 @@
 model: the start-up round trip, answers identical to whole states and to no cache, a
 broken chain falling back to a shorter prefix, and the bytes saved on deep paths."""
 
-from percache_core.engines.llama_cpp.slicing import state_round_trip
+from percache_core.engines.llama_cpp.engine import LlamaEngine
+from percache_core.engines.llama_cpp.slicing import StateLayout, state_round_trip
 from percache_core.inspection import internals
 
 QUESTIONS = [
@@ -21,6 +22,18 @@ def test_the_bundled_engine_passes_the_round_trip_past_its_window(engine):
     verdict = state_round_trip(engine)
     assert verdict.slices and verdict.reach == engine.n_ctx
     assert engine.n_past == 0  # the check leaves an empty sequence
+
+
+def test_a_context_between_one_and_three_windows_is_proved_to_its_end(model_path):
+    # n_ctx 1,024 with Gemma 3's 512-token window: no three pieces each pass the window, so
+    # two trips prove it (a state past the window; a continuation that crosses it)
+    small = LlamaEngine(model_path, n_ctx=1024, n_batch=512)
+    try:
+        assert small.n_swa == 512
+        assert state_round_trip(small) == StateLayout(slices=True, reach=1024, tried=1024)
+        assert small.n_past == 0
+    finally:
+        small.close()
 
 
 def test_answers_from_slices_equal_whole_states_and_no_cache(make_cache):

@@ -34,6 +34,13 @@ def test_the_self_checks_pass_on_the_fake_engine_and_are_remembered():
     assert engine.n_past == 0  # each check leaves the sequence empty
 
 
+def test_a_context_of_one_to_three_windows_is_proved_to_its_end_by_two_trips():
+    engine = FakeEngine(n_ctx=1024)
+    engine.n_swa = 512  # no three pieces of 1,024 tokens each pass a window of 512
+    assert state_round_trip(engine) == StateLayout(slices=True, reach=1024, tried=1024)
+    assert engine.n_past == 0
+
+
 def test_a_waiting_user_preempts_a_self_check_and_nothing_is_kept():
     engine = FakeEngine()
     calls = iter(range(1000))

@@ -9,7 +9,9 @@ live. :func:`state_round_trip` checks both on this engine before any state is st
 short prompt, then one of *reach* tokens (default: the engine's ``n_ctx``) whose pieces each
 pass the model's window, restored and then continued by a prefill that itself crosses the
 window (the case a framework's 1,024-token chunks make: a state past Gemma 3's 512-token
-window once changed an answer, :mod:`percache_core.kv.state_cells`). The verdict
+window once changed an answer, :mod:`percache_core.kv.state_cells`); where ``n_ctx`` is too
+short for three such pieces (between about one and three windows), two trips prove it
+instead: a state past the window, then a continuation that crosses it. The verdict
 (:class:`StateLayout`): slices where they rebuild both exactly, else whole states; states
 up to the tokens the long prompt proved, else none past the window (never a wrong answer).
 ``state_layout`` runs it once per engine, as idle work (an idle round's first step, or
@@ -121,20 +123,49 @@ def _layout(engine: Engine, target: int, window: int, should_stop: StopCheck | N
     if not whole:
         logger.info("a restored state changed the logits: no chunk states kept past a few tokens")
         return StateLayout(False, 0, target)
-    question = window + 29 if window else max(8, target // 4)
-    first = (target - question) // 2 + 3
-    second = target - question - first
-    if min(first, second, question) <= max(window, 8):  # the context is too short to cross the window
+    trips = long_trips(target, window)
+    if not trips:  # the context is too short for a state and its continuation to pass the window
         return StateLayout(sliced, window or target, target)
     tokens = probe_tokens(engine, target)
-    long = [tokens[:first], tokens[first : first + second], tokens[first + second :]]
-    long_sliced, long_whole = _round_trip(engine, long, should_stop, whole_if_sliced=not sliced)
-    if not long_whole:
-        logger.warning("a state of %d tokens restored past the window changed the logits: none kept past %d", first, window)
-        return StateLayout(False, window, target)
+    long_sliced = True
+    for pieces in trips:
+        ends = np.cumsum(pieces)
+        long = [tokens[end - size : end] for size, end in zip(pieces, ends)]
+        trip_sliced, trip_whole = _round_trip(engine, long, should_stop, whole_if_sliced=not sliced)
+        if not trip_whole:
+            logger.warning("a state of %d tokens restored past the window changed the logits: none kept past %d",
+                           int(ends[-2]), window)
+            return StateLayout(False, window, target)
+        long_sliced = long_sliced and trip_sliced
     if sliced and not long_sliced:
         logger.warning("a long path rebuilt from slices changed the logits: keeping whole states")
     return StateLayout(sliced and long_sliced, target, target)
+
+
+def long_trips(target: int, window: int) -> list[tuple[int, int, int]]:
+    """The long round trips that prove a reach of *target* tokens on a model with a sliding
+    *window* (0: none): pieces (first, second, continuation) of *target* tokens in all, the
+    first two restored (the second as a slice) and the continuation prefilled after them.
+    One trip where each piece passes the window; where the context is too short for that
+    (between about one and three windows), two: a state of all but 8 tokens past the
+    window, then a continuation that itself crosses the window; none where neither fits.
+
+    >>> long_trips(4096, 512)
+    [(1780, 1775, 541)]
+    >>> long_trips(1024, 512)
+    [(508, 508, 8), (241, 242, 541)]
+    >>> long_trips(540, 512)
+    []
+    """
+    question = window + 29 if window else max(8, target // 4)
+    first = (target - question) // 2 + 3
+    second = target - question - first
+    if min(first, second, question) > max(window, 8):
+        return [(first, second, question)]
+    if not window or target - question < 16:
+        return []
+    state = target - question
+    return [((target - 8) // 2, target - 8 - (target - 8) // 2, 8), (state // 2, state - state // 2, question)]
 
 
 def _round_trip(

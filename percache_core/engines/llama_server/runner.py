@@ -46,6 +46,7 @@ from ...kv.engine import Decoding
 from ...kv.stopping import StopStringFilter, stop_strings
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode, prefix_keys
+from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
 from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
 from ...serving.text_stream import close_source, shown_text
@@ -124,8 +125,6 @@ class ServerRunner(StateRunner):
             return lay_out_text(spec, server, max_prompt_tokens=max_prompt_tokens, rule=cuts, lead=lead)
         return lay_out(spec, tokenize=server.tokenize, max_prompt_tokens=max_prompt_tokens, rule=rule)
 
-    # -- where a prefill may start ---------------------------------------------------------
-
     # -- running a prompt -------------------------------------------------------------------
 
     def run(
@@ -151,7 +150,9 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
+            if run.mark.batched and options.decode and not options.idle and self._loose_reaches_further(run, layout):
+                return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
+            if self.engine.slots_shared:  # alone: as on an empty server
                 self.pool.clear_others(run)
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
@@ -214,14 +215,38 @@ class ServerRunner(StateRunner):
             self.pool.leases.done_computing(run.mark)
             result.batched = run.mark.batched
             if result.batched:  # what it computed is the server's under batching: nothing kept
-                self.batched_runs += 1
-                run.slot.content, complete = None, False
+                self.batched_runs, complete = self.batched_runs + 1, False
+                run.slot.keep_loose(layout.tokens)
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
                 after_reply = options.relay is not None and not options.idle  # the client's reply first
                 run.taking.store_later(layout, keys, early, span, options.idle, after_reply=after_reply)
             result.timings["store_states"] = time.perf_counter() - clock
+
+    def _loose_reaches_further(self, run: SlotRun, layout: PromptLayout) -> bool:
+        """Whether a batched run's cells in *run*'s slot hold more of *layout* than any stored state."""
+        held = common_prefix(run.slot.loose, layout.tokens) if run.slot.content is None else 0
+        if not held or self.states is None or self.rule is None:
+            return held > 0
+        with self.store_lock:
+            stored = stored_starts(self.states, self.budget_bytes, layout, self._keys(layout, self.states), len(layout.tokens))
+        return held > (stored[0].n_tokens if stored else 0)
+
+    def _run_batched(
+        self, run: SlotRun, result: RunResult, options: RunOptions, how: tuple[StopCheck | None, float]
+    ) -> Generator[str, None, RunResult]:
+        """A run batched from its start whose slot holds more of its prompt from an earlier
+        such run than any stored state: its text is the server's under batching whatever it
+        starts from, so it goes on from those cells, as the server alone's clients; keeps nothing."""
+        try:
+            yield from self._complete(run, result, 0, options, how, checked=False)
+        finally:
+            self.pool.leases.done_computing(run.mark)
+            result.batched, self.batched_runs = True, self.batched_runs + 1
+            run.slot.keep_loose(result.layout.tokens)
+            result.prefilled_tokens = max(0, len(result.layout.tokens) - result.reused_tokens)
+        return result
 
     def _save_early(
         self, run: SlotRun, result: RunResult, prompt: tuple[PromptLayout, list[str]], span: tuple[int, int],
@@ -261,15 +286,7 @@ class ServerRunner(StateRunner):
         holds the store lock."""
         slot = run.slot
         live = 0 if fresh else slot.live_reuse(layout.tokens[:end])
-        stored: list[StateNode] = []
-        if keys and self.states is not None:
-            stored = [
-                node for node in self.states.candidates(keys, budget_bytes=self.budget_bytes)
-                if layout.state_point(keys.index(node.key)) == node.n_tokens
-            ]
-            if layout.caller_prompt:  # a caller's prompt: any stored state of its leading tokens
-                found = {node.key: node for node in (*stored, *self._stored_text_prefixes(layout.tokens, end))}
-                stored = sorted(found.values(), key=lambda node: -node.n_tokens)
+        stored = stored_starts(self.states, self.budget_bytes, layout, keys, end) if self.states is not None else []
         usable = [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end, past_window=True)]
         deepest = usable[0].n_tokens if usable else 0
         if live < 0 and not fresh:  # the slot holds more than may be kept: cut it back
@@ -287,21 +304,14 @@ class ServerRunner(StateRunner):
         slot.content = None  # whatever it holds, the next request is fresh
         return 0, 0
 
-    def _stored_text_prefixes(self, tokens: Sequence[int], end: int) -> list[StateNode]:
-        """Stored states of a caller's prompts that *tokens* start with (keyed by leading
-        tokens), wherever the earlier prompt's cuts were (which of them the prompt may go on
-        from is ``cut_allowed``'s: a batch boundary may be a few tokens before its end)."""
-        assert self.states is not None and self.rule is not None
-        lengths = sorted({n.n_tokens for n in self.states.tree.nodes if n.label == "text" and n.n_tokens < end})
-        keys = prefix_keys(self.states.root_key, tokens, lengths) if lengths else []
-        return [node for key in keys if key in self.states and (node := self.states.tree.get(key)) is not None]
-
     def _complete(
-        self, run: SlotRun, result: RunResult, point: int, options: RunOptions, how: tuple[StopCheck | None, float]
+        self, run: SlotRun, result: RunResult, point: int, options: RunOptions, how: tuple[StopCheck | None, float],
+        *, checked: bool = True,
     ) -> Generator[str, None, int]:
         """Complete the prompt from *point* in *run*'s slot; on a reuse other than planned,
-        from 0 (*how*: the stop check and when the request started). Returns where its
-        prefill started."""
+        from 0 (*how*: the stop check and when the request started). Not *checked*: from
+        whatever the server reuses of its slot (a batched run's, noted in *result*). Returns
+        where its prefill started."""
         assert options.sampling is not None
         should_stop, started = how
         tokens, relay = result.layout.tokens, options.relay
@@ -312,7 +322,8 @@ class ServerRunner(StateRunner):
         for attempt in (0, 1):
             run.slot.content = None
             completion = Completion()
-            pieces = _timed(self._request(run, tokens, point, options, (stops, completion)), result, started, clock)
+            request = self._request(run, tokens, point if checked else None, options, (stops, completion))
+            pieces = _timed(request, result, started, clock)
             try:
                 yield from shown_text(pieces, stop, should_stop)
                 break
@@ -323,27 +334,31 @@ class ServerRunner(StateRunner):
                 self.unexpected_reuse += 1
                 point = result.reused_tokens = result.depth = 0
         result.text = stop.text.strip() if options.trim and relay is None else stop.text
+        if not checked:
+            point = result.reused_tokens = completion.cached or 0
         result.timings["decode"] = time.perf_counter() - clock - result.timings.get("prefill", 0.0)
         self._completed(run, result, (point, completion), relay)
         return point
 
     def _request(
-        self, run: SlotRun, tokens: Sequence[int], point: int, options: RunOptions, into: tuple[Sequence[str], Completion]
+        self, run: SlotRun, tokens: Sequence[int], point: int | None, options: RunOptions,
+        into: tuple[Sequence[str], Completion],
     ) -> Iterator[str]:
-        """The request that completes *tokens* from *point* in the run's slot: the
+        """The request that completes *tokens* from *point* in the run's slot (None: from
+        whatever the server reuses of it, unchecked): the
         server's completion with PerCache's decoding and the stop strings of *into*, or a
         relayed client's request on the server's own endpoint (which lays out, stops and
         parses the reply); its :class:`Completion` is *into*'s."""
         relay, server = options.relay, self.engine
         stops, completion = into
         slot = InSlot(run.slot.index, completion)
+        reuse = point is None or point > 0
         if relay is None:
             decoding = Decoding(options.max_new_tokens, options.sampling, list(stops))
-            return server.complete(tokens, decoding, cache_prompt=point > 0, expected_cached=point, slot=slot)
+            return server.complete(tokens, decoding, cache_prompt=reuse, expected_cached=point, slot=slot)
         relay.chunks.clear()
-        return server.relay(
-            relay.path, relay.body, cache_prompt=point > 0, expected=(point, len(tokens)), chunks=relay.chunks, slot=slot
-        )
+        expected = None if point is None else (point, len(tokens))
+        return server.relay(relay.path, relay.body, cache_prompt=reuse, expected=expected, chunks=relay.chunks, slot=slot)
 
     def _completed(
         self, run: SlotRun, result: RunResult, done: tuple[int, Completion], relay: RelayedRequest | None
@@ -396,6 +411,27 @@ class ServerRunner(StateRunner):
         :meth:`ServerSlot.complete_plain`)."""
         with self.pool.lease((), idle=True) as run:
             return run.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
+
+
+def stored_starts(states: TieredStateStore, budget_bytes: int, layout: PromptLayout, keys: list[str], end: int) -> list[StateNode]:
+    """The states in *states* a run of *layout* (prefilled to *end*) may start from, deepest
+    first: those of its *keys* at their state points, and for a caller's prompt any stored
+    state of its leading tokens (keyed by leading tokens, wherever the earlier prompt's cuts
+    were: which of them the prompt may go on from is ``cut_allowed``'s, since a batch
+    boundary may be a few tokens before its end). The caller holds the store lock."""
+    if not keys:
+        return []
+    stored = [
+        node for node in states.candidates(keys, budget_bytes=budget_bytes)
+        if layout.state_point(keys.index(node.key)) == node.n_tokens
+    ]
+    if not layout.caller_prompt:
+        return stored
+    lengths = sorted({n.n_tokens for n in states.tree.nodes if n.label == "text" and n.n_tokens < end})
+    prefixes = prefix_keys(states.root_key, layout.tokens, lengths) if lengths else []
+    found = {node.key: node for node in stored}
+    found.update((key, node) for key in prefixes if key in states and (node := states.tree.get(key)) is not None)
+    return sorted(found.values(), key=lambda node: -node.n_tokens)
 
 
 def _window_may_pass(window: int, end: int, options: RunOptions) -> bool:

@@ -409,7 +409,7 @@ class LlamaServer:
         body: dict[str, Any],
         *,
         cache_prompt: bool,
-        expected: tuple[int, int],
+        expected: tuple[int, int] | None,
         chunks: list[dict[str, Any]],
         slot: InSlot | None = None,
     ) -> Iterator[str]:
@@ -421,7 +421,7 @@ class LlamaServer:
         :class:`Completion` is the slot's ``completion`` and :attr:`last`.
 
         Before any text, the server's progress event must show *expected* = (tokens reused,
-        prompt tokens) (the prompt PerCache laid out):
+        prompt tokens) (the prompt PerCache laid out; None: not checked):
         otherwise the request is cancelled and :class:`UnexpectedReuse` raised."""
         request, slot = dict(body), slot or InSlot()
         request.update(

@@ -80,13 +80,13 @@ def _absorb(event: dict[str, Any], completion: Completion) -> None:
 
 
 def relay_events(
-    http: ServerHTTP, path: str, body: dict[str, Any], completion: Completion, expected: tuple[int, int],
+    http: ServerHTTP, path: str, body: dict[str, Any], completion: Completion, expected: tuple[int, int] | None,
     chunks: list[dict[str, Any]],
 ) -> Iterator[str]:
     """Stream a client's OpenAI request *body* to *path* on *http*, filling in *completion*
     and appending each chunk the client would get to *chunks*; yields the text each adds.
     Raises :class:`UnexpectedReuse` when the first progress event shows another (reuse,
-    prompt length) than *expected*."""
+    prompt length) than *expected* (None: any)."""
     finished = False
     try:
         for event in http.event_stream(path, body):
@@ -95,7 +95,7 @@ def relay_events(
                 if completion.cached is None:
                     completion.cached = int(progress.get("cache", 0))
                     total = int(progress.get("total", 0))
-                    if (completion.cached, total) != expected:
+                    if expected is not None and (completion.cached, total) != expected:
                         raise UnexpectedReuse(expected[0], completion.cached, expected[1], total)
                 continue  # progress is PerCache's, not the client's
             if completion.cached is None:

@@ -166,13 +166,22 @@ class ServerSlot:
         self.cuts = cuts
         self.index = index
         self.content: SlotContent | None = None
+        # the prompt a run batched with another left (its cells are the server's under that
+        # batching: only another such run goes on from them), while content is unknown
+        self.loose: tuple[int, ...] = ()
         self.last_used = 0  # when a run last leased it (the runner's count of leases)
         self._bytes_per_token: float | None = None
 
+    def keep_loose(self, tokens: Sequence[int]) -> None:
+        """Note that the run of prompt *tokens* just ended here was batched with another: what
+        the slot holds is known only as :attr:`loose` (where the run ran to its end)."""
+        self.loose, self.content = (tuple(tokens) if self.content is not None else ()), None
+
     def held_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of *tokens* the slot holds, as far as known (0: none)."""
+        """How many leading tokens of *tokens* the slot holds, as far as known (0: none),
+        those a batched run left included."""
         slot = self.content
-        return 0 if slot is None else common_prefix(slot.prompt, tokens)
+        return common_prefix(self.loose, tokens) if slot is None else common_prefix(slot.prompt, tokens)
 
     def live_reuse(self, tokens: Sequence[int]) -> int:
         """The tokens the server would reuse of what the slot holds: that many where the

@@ -1,0 +1,190 @@
+"""Whether a llama-server computes a request the same with and without other requests beside
+it, per server configuration, bit for bit.
+
+A llama-server batches the work of its slots: one request's prompt tokens share a ubatch
+with another's prompt or decode tokens. Where that changes a request's arithmetic, what a
+run batched with another computes differs from a lone run's, and PerCache keeps nothing of
+it. Read in llama.cpp's CPU backend (the sources this build comes from), a token's numbers
+may depend on its batch through weight repacking (``-nr`` turns it off), the tiled K-quant
+matmul at 8 rows or more (env ``GGML_CPU_TILED_MM=0``), llamafile's tinyBLAS (only a build
+without it), CPU flash attention's paths (``-fa off``) and one KV cache shared by every
+slot (``--no-kv-unified`` gives each slot its own). This benchmark measures which
+configurations make a request's result independent of its neighbours.
+
+Per model and configuration: a reference server (``-np 1``) runs each prompt alone, fresh
+(``cache_prompt: false``); a two-slot server of the same configuration then runs it alone
+in slot 0, alone in slot 1 while slot 0 holds another prompt, beside another request's
+prefill (a long prompt sent just before) and beside another's decode (sent once the other
+streams tokens). Compared with the reference: the first token's top-10 log-probabilities
+and 64 greedy tokens. Prompts: about 100 tokens, past 512 (Gemma 3's window) and past
+2,048. Also each configuration's prefill and decode speed alone (the server's timings).
+
+    .venv/bin/python -m benchmarks.batch_invariance --models bundled,smollm2 \\
+        --out benchmarks/results/batch_invariance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from percache_core.engines.llama_server.server import LlamaServer, find_server_binary, free_port
+from percache_core.engines.llama_server.server_process import wait_until_ready
+from percache_core.kv.probe_text import probe_sentences
+
+from .output import write_json
+from .stock import model_paths
+
+# name -> (flags, environment)
+CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "default": ((), {}),
+    "no repack": (("-nr",), {}),
+    "flash attention off": (("-fa", "off"), {}),
+    "tiled matmul off": ((), {"GGML_CPU_TILED_MM": "0"}),
+    "no unified KV": (("--no-kv-unified",), {}),
+    "all four": (("-nr", "-fa", "off", "--no-kv-unified"), {"GGML_CPU_TILED_MM": "0"}),
+}
+PROMPT_SENTENCES = {"short": 6, "past 512": 45, "past 2048": 160}  # about 100, 700 and 2,500 tokens
+GREEDY_TOKENS = 64
+SCENARIOS = ("alone in slot 0", "alone in slot 1", "beside a prefill", "beside a decode")
+
+
+class Server:
+    """A llama-server of *model* with *flags* and *env* on a free loopback port."""
+
+    def __init__(self, binary: Path, model: Path, threads: int, flags: tuple[str, ...], env: dict[str, str]) -> None:
+        self.port = free_port("127.0.0.1")
+        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", "16384",
+                "-t", str(threads), "-tb", str(threads), "--no-webui", *flags]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+        wait_until_ready(LlamaServer(url=f"http://127.0.0.1:{self.port}").http, 180)
+
+    def stream(self, prompt: str, slot: int, n_predict: int) -> Iterator[dict[str, Any]]:
+        """``/completion`` of *prompt* in *slot*, fresh and greedy, streamed: its events."""
+        body = {"prompt": prompt, "n_predict": n_predict, "id_slot": slot, "cache_prompt": False, "temperature": 0,
+                "n_probs": 10, "return_tokens": True, "stream": True}
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            connection.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+            for line in connection.getresponse():
+                if line.startswith(b"data:"):
+                    yield json.loads(line[5:])
+        finally:
+            connection.close()
+
+    def run(self, prompt: str, slot: int = 0, n_predict: int = GREEDY_TOKENS) -> dict[str, Any]:
+        """The request's greedy tokens, first token's top log-probabilities and timings."""
+        tokens: list[int] = []
+        first: list[tuple[int, float]] | None = None
+        timings: dict[str, Any] = {}
+        for event in self.stream(prompt, slot, n_predict):
+            tokens += [int(t) for t in event.get("tokens") or ()]
+            probabilities = event.get("completion_probabilities")
+            if probabilities and first is None:
+                first = [(int(p["id"]), float(p["logprob"])) for p in probabilities[0]["top_logprobs"]]
+            timings = event.get("timings") or timings
+        return {"tokens": tokens, "first": first, "timings": timings}
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def beside(server: Server, prompt: str, other: str, other_tokens: int, wait_for_tokens: bool) -> dict[str, Any]:
+    """*prompt* in slot 0 while *other* runs in slot 1: sent once the other streams its
+    first token (*wait_for_tokens*: beside its decode) or 0.3 s after it (beside its
+    prefill). Also whether the other was still running when this one ended."""
+    started, done = threading.Event(), threading.Event()
+
+    def other_request() -> None:
+        for event in server.stream(other, 1, other_tokens):
+            if event.get("tokens"):
+                started.set()
+        started.set()
+        done.set()
+
+    thread = threading.Thread(target=other_request)
+    thread.start()
+    if wait_for_tokens:
+        started.wait(600)
+    else:
+        time.sleep(0.3)
+    result = server.run(prompt, 0)
+    result["overlapped"] = not done.is_set()
+    thread.join()
+    return result
+
+
+def compare(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Whether *result* equals the lone *reference*: its first log-probabilities, its
+    tokens, and the first token where they part (None: none)."""
+    tokens, expected = result["tokens"], reference["tokens"]
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    if parted is None and len(tokens) != len(expected):
+        parted = min(len(tokens), len(expected))
+    return {"first_logprobs_equal": result["first"] == reference["first"], "tokens_equal": parted is None,
+            "parted_at": parted, **({"overlapped": result["overlapped"]} if "overlapped" in result else {})}
+
+
+def measure(binary: Path, model: Path, threads: int, name: str) -> dict[str, Any]:
+    """One configuration on one model: the reference runs, then every scenario."""
+    flags, env = CONFIGS[name]
+    prompts = {size: " ".join(probe_sentences(count)) + "\nQuestion: who said the van is late?\nAnswer:"
+               for size, count in PROMPT_SENTENCES.items()}
+    long_other = " ".join(probe_sentences(150)[::-1])
+    server = Server(binary, model, threads, ("-np", "1", *flags), env)
+    try:
+        references = {size: server.run(prompt) for size, prompt in prompts.items()}
+    finally:
+        server.close()
+    server = Server(binary, model, threads, ("-np", "2", *flags), env)
+    rows = []
+    try:
+        for size, prompt in prompts.items():
+            runs = {"alone in slot 0": server.run(prompt, 0)}
+            server.run(long_other, 0, 1)  # slot 0 holds another prompt
+            runs["alone in slot 1"] = server.run(prompt, 1)
+            runs["beside a prefill"] = beside(server, prompt, long_other, 8, wait_for_tokens=False)
+            runs["beside a decode"] = beside(server, prompt, "Count from one to two hundred:", 400, wait_for_tokens=True)
+            rows += [{"prompt": size, "prompt_tokens": references[size]["timings"].get("prompt_n"), "scenario": scenario,
+                      **compare(runs[scenario], references[size])} for scenario in SCENARIOS]
+    finally:
+        server.close()
+    long = references["past 2048"]["timings"]
+    speed = {"prefill_tokens_per_s": long.get("prompt_per_second"), "decode_tokens_per_s": long.get("predicted_per_second")}
+    invariant = all(r["first_logprobs_equal"] and r["tokens_equal"] for r in rows)
+    print(f"{model.name} {name}: {'invariant' if invariant else 'differs'} "
+          f"({sum(r['tokens_equal'] for r in rows)}/{len(rows)} texts, "
+          f"{sum(r['first_logprobs_equal'] for r in rows)}/{len(rows)} first log-probabilities); "
+          f"prefill {speed['prefill_tokens_per_s']:.0f} tok/s, decode {speed['decode_tokens_per_s']:.1f} tok/s", flush=True)
+    return {"model": model.name, "config": name, "flags": list(flags), "env": env, "invariant": invariant, **speed, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="bundled", help="bundled, smollm2 or GGUF paths, comma-separated")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
+    parser.add_argument("--server", type=Path, default=None, help="a llama-server binary (default: the one PerCache finds)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/batch_invariance.json")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.configs.split(",")]
+    unknown = set(names) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configurations: {', '.join(sorted(unknown))}")
+    binary = args.server or find_server_binary()
+    results = [measure(binary, model, args.threads, name) for model in model_paths(args.models) for name in names]
+    write_json({"server": str(binary), "results": results}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
