@@ -51,6 +51,10 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "tiled matmul off": ((), {"GGML_CPU_TILED_MM": "0"}),
     "no unified KV": (("--no-kv-unified",), {}),
     "all four": (("-nr", "-fa", "off", "--no-kv-unified"), {"GGML_CPU_TILED_MM": "0"}),
+    # what LlamaServer.start runs (ServerLaunch), without and with batch_invariant
+    "PerCache's launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu"), {}),
+    "PerCache's invariant launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "off"),
+                                    {"GGML_CPU_TILED_MM": "0"}),
 }
 PROMPT_SENTENCES = {"short": 6, "past 512": 45, "past 2048": 160}  # about 100, 700 and 2,500 tokens
 GREEDY_TOKENS = 64
@@ -181,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     binary = args.server or find_server_binary()
-    results = [measure(binary, model, args.threads, name) for model in model_paths(args.models) for name in names]
-    write_json({"server": str(binary), "results": results}, args.out)
+    results: list[dict[str, Any]] = []
+    for model in model_paths(args.models):
+        for name in names:
+            results.append(measure(binary, model, args.threads, name))
+            write_json({"server": str(binary), "results": results}, args.out)  # after each: a stopped run keeps them
     return 0
 
 

@@ -280,7 +280,7 @@ def test_concurrent_clients_run_at_once_and_nothing_batched_is_served_later(
     server's fresh text: nothing computed under batching was stored."""
     url, pc = endpoint
     model = openai.OpenAI(base_url=url, api_key="none").models.list().data[0].id
-    asks = [chat(f"{QUESTIONS[i % 3]} (client {c})") for c in range(4) for i in range(3)]
+    asks = [chat(f"{QUESTIONS[(c + i) % 3]} (client {c})") for c in range(4) for i in range(2)]
 
     def ask(messages: list[dict[str, str]]) -> str:
         client = openai.OpenAI(base_url=url, api_key="none")

@@ -336,7 +336,8 @@ def test_a_prompt_the_window_never_passes_runs_as_one_request_and_keeps_its_stat
 def test_an_idle_round_on_the_server_fills_states_and_predicts(
     tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
 ) -> None:
-    pc = open_on(tmp_path / "cache", server, embedder, corpus, prediction=True, max_new_tokens=16)
+    pc = open_on(tmp_path / "cache", server, embedder, corpus, prediction=True, max_new_tokens=16,
+                 knowledge_prefill_neighbours=2)
     try:
         report = pc.warm(max_seconds=120, max_predictions=2, progress=False)
         assert not report.preempted

@@ -135,15 +135,16 @@ class LlamaServer:
         self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
         self.slots_shared = False  # one KV cache: a run alone erases the other free slots first (slot_probe)
+        self.batch_invariant = False  # started so that a batched run computes as alone (ServerLaunch.batch_invariant)
 
     # -- starting and stopping --------------------------------------------------------------
 
     @classmethod
     def start(cls, model_path: str | os.PathLike[str] | None = None, launch: ServerLaunch | None = None) -> LlamaServer:
         """Start a llama-server on *model_path* and wait until it answers. It runs with the
-        launch's slots (default: as many as llama-server's own, 4, each with a KV cache of its
-        own: see :class:`ServerLaunch`), ``-b``/``-ub`` ``n_batch``, ``--swa-full``, ``--cache-ram 0`` (PerCache keeps the states) and
-        ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`).
+        launch's slots (default: llama-server's 4, each with a KV cache of its own: see
+        :class:`ServerLaunch`), ``-b``/``-ub`` ``n_batch``, ``--swa-full``, ``--cache-ram 0``
+        and ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`).
 
         Args:
             model_path: a GGUF file (None: the bundled model).
@@ -166,7 +167,7 @@ class LlamaServer:
         process = ServerProcess(model, launch or ServerLaunch())
         server = cls(process.url, slot_save_path=process.slot_save_path)
         server._process, server.launch_flags, server.model_path = process, process.flags, model
-        server._n_ubatch = (launch or ServerLaunch()).n_batch
+        server._n_ubatch, server.batch_invariant = (launch or ServerLaunch()).n_batch, (launch or ServerLaunch()).batch_invariant
         try:
             process.wait_until_ready(server.http, (launch or ServerLaunch()).startup_timeout_s)
         except BaseException:
