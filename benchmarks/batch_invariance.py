@@ -105,7 +105,9 @@ class Server:
 def beside(server: Server, prompt: str, other: str, other_tokens: int, wait_for_tokens: bool) -> dict[str, Any]:
     """*prompt* in slot 0 while *other* runs in slot 1: sent once the other streams its
     first token (*wait_for_tokens*: beside its decode) or 0.3 s after it (beside its
-    prefill). Also whether the other was still running when this one ended."""
+    prefill: this one's prompt joins the batches of the other's). Also whether the other was
+    still running when this one ended (beside a prefill it often was not: its few tokens
+    end first)."""
     started, done = threading.Event(), threading.Event()
 
     def other_request() -> None:
@@ -122,7 +124,7 @@ def beside(server: Server, prompt: str, other: str, other_tokens: int, wait_for_
     else:
         time.sleep(0.3)
     result = server.run(prompt, 0)
-    result["overlapped"] = not done.is_set()
+    result["other_running_at_end"] = not done.is_set()
     thread.join()
     return result
 
@@ -135,7 +137,7 @@ def compare(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]
     if parted is None and len(tokens) != len(expected):
         parted = min(len(tokens), len(expected))
     return {"first_logprobs_equal": result["first"] == reference["first"], "tokens_equal": parted is None,
-            "parted_at": parted, **({"overlapped": result["overlapped"]} if "overlapped" in result else {})}
+            "parted_at": parted, **({k: result[k] for k in ("other_running_at_end",) if k in result})}
 
 
 def measure(binary: Path, model: Path, threads: int, name: str) -> dict[str, Any]:

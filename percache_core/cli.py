@@ -191,7 +191,7 @@ def _add_serve_parser(commands: Any) -> None:
                             "KV cache of the context size)")
     serve.add_argument("--batch-invariant", action="store_true",
                        help="start the server so that a request computes as alone beside others (-nr -fa off, "
-                            "GGML_CPU_TILED_MM=0): batched runs' states and answers are kept; 17%% slower prefill alone")
+                            "GGML_CPU_TILED_MM=0): batched runs' states and answers are kept; about 30%% slower prefill alone")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")

@@ -41,7 +41,8 @@ def new_engine(model_path: Path, new_home: Path):
 def test_a_first_session_answers_before_the_checks_and_the_first_idle_round_proves_n_ctx(
     tmp_path, model_path, new_engine, embedder, corpus
 ):
-    config = PerCacheConfig(max_new_tokens=16, knowledge_prefill_neighbours=1)
+    # (no question prediction: its LLM calls are tested apart, and the checks run before them)
+    config = PerCacheConfig(max_new_tokens=16, knowledge_prefill_neighbours=1, prediction=False)
     reference = PerCache.open(tmp_path / "off", config=config.replace(chunk_states=False, qa_bank=False),
                               engine=new_engine, embedder=embedder)
     pc = PerCache.open(tmp_path / "on", config=config.replace(qa_bank=False), engine=new_engine, embedder=embedder)
@@ -54,7 +55,7 @@ def test_a_first_session_answers_before_the_checks_and_the_first_idle_round_prov
         assert first.source == "full" and set(report["pending"]) == CHECKS and report["checks"] == {}
         assert internals(pc).runtime.checks_ready() is False and not list(internals(pc).tree.nodes)
 
-        pc.warm(max_predictions=2)  # the first idle round runs the checks, then fills states
+        pc.warm()  # the first idle round runs the checks, then fills states
         report = pc.stats()["engine_self_check"]
         assert report["pending"] == [] and set(report["checks"]) >= CHECKS
         assert report["state_layout"]["reach_tokens"] == new_engine.n_ctx == report["n_ctx"]

@@ -99,10 +99,10 @@ class ServerLaunch:
             repacking off ``-nr``, flash attention off ``-fa off``, the tiled K-quant matmul off
             ``GGML_CPU_TILED_MM=0``, with the KV cache per slot): what a run batched with
             another computes is then kept and reused as a lone run's. Measured with Gemma 3
-            270M on 2 cores (``benchmarks.batch_invariance``): 12 of 12 requests beside
-            another's prefill or decode equal a lone run bit for bit (default flags: 10 of
-            12), at 17% less prefill speed alone (366 against 442 tokens/s) and 6% less
-            decode; off by default (one client gains nothing from it).
+            270M on 2 cores (``benchmarks.batch_invariance``, this launch's other flags): 12
+            of 12 requests beside another's prefill or decode equal a lone run bit for bit
+            (without it: 10 of 12), at 31% less prefill speed alone (298 against 430
+            tokens/s) and 24% less decode; off by default (one client gains nothing from it).
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
