@@ -52,7 +52,7 @@ from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, State
 from ...serving.text_stream import close_source, shown_text
 from ...types import Chunk
 from .server import Completion, InSlot, LlamaServer, UnexpectedReuse
-from .slot import NO_WINDOW, ServerCuts, ServerSlot, SlotContent
+from .slot import NO_WINDOW, ServerCuts, SlotContent
 from .slot_pool import SlotPool, SlotRun
 from .states import EarlySave
 
@@ -150,7 +150,7 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            if run.mark.batched and options.decode and not options.idle and self._as_the_server_alone(run, layout):
+            if run.mark.batched and options.decode and not options.idle and self._loose_reaches_further(run, layout):
                 return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
             if self.engine.slots_shared:  # alone: as on an empty server
                 self.pool.clear_others(run)
@@ -224,20 +224,21 @@ class ServerRunner(StateRunner):
                 run.taking.store_later(layout, keys, early, span, options.idle, after_reply=after_reply)
             result.timings["store_states"] = time.perf_counter() - clock
 
-    def _as_the_server_alone(self, run: SlotRun, layout: PromptLayout) -> bool:
-        """Whether a run batched from its start goes on as the server alone's (:func:`as_the_server_alone`)."""
-        if self.engine.batch_invariant or self.states is None or self.rule is None:
-            return not self.engine.batch_invariant and as_the_server_alone(run.slot, layout.tokens, 0)
+    def _loose_reaches_further(self, run: SlotRun, layout: PromptLayout) -> bool:
+        """Whether a batched run's cells in *run*'s slot hold more of *layout* than any stored state."""
+        held = common_prefix(run.slot.loose, layout.tokens) if run.slot.content is None else 0
+        if not held or self.states is None or self.rule is None:
+            return held > 0
         with self.store_lock:
             stored = stored_starts(self.states, self.budget_bytes, layout, self._keys(layout, self.states), len(layout.tokens))
-        return as_the_server_alone(run.slot, layout.tokens, stored[0].n_tokens if stored else 0)
+        return held > (stored[0].n_tokens if stored else 0)
 
     def _run_batched(
         self, run: SlotRun, result: RunResult, options: RunOptions, how: tuple[StopCheck | None, float]
     ) -> Generator[str, None, RunResult]:
-        """A run batched from its start (:meth:`_as_the_server_alone`): its text is the
-        server's under batching whatever it starts from, so it goes on from whatever the
-        server reuses (its slot, its prompt cache), as the server alone's clients; keeps nothing."""
+        """A run batched from its start whose slot holds more of its prompt from an earlier
+        such run than any stored state: its text is the server's under batching whatever it
+        starts from, so it goes on from those cells, as the server alone's clients; keeps nothing."""
         try:
             yield from self._complete(run, result, 0, options, how, checked=False)
         finally:
@@ -431,24 +432,6 @@ def stored_starts(states: TieredStateStore, budget_bytes: int, layout: PromptLay
     found = {node.key: node for node in stored}
     found.update((key, node) for key in prefixes if key in states and (node := states.tree.get(key)) is not None)
     return sorted(found.values(), key=lambda node: -node.n_tokens)
-
-
-def as_the_server_alone(slot: ServerSlot, tokens: Sequence[int], stored: int) -> bool:
-    """Whether a run of *tokens* batched from its start in *slot* goes on from whatever the
-    server reuses, as the server alone's request would (unchecked), rather than from exact
-    cells: where the cells a batched run left in the slot hold more of it than the deepest
-    stored state (*stored* tokens), or where nothing exact of it is held (no stored state,
-    no allowed reuse of the slot's content). A run that starts alone never does.
-
-    >>> slot = ServerSlot(None, ServerCuts(None, 512, NO_WINDOW))
-    >>> as_the_server_alone(slot, [1, 2, 3], stored=0), as_the_server_alone(slot, [1, 2, 3], stored=2)
-    (True, False)
-    >>> slot.loose = (1, 2, 3, 4)
-    >>> as_the_server_alone(slot, [1, 2, 3, 9], stored=2)
-    True
-    """
-    held = common_prefix(slot.loose, tokens) if slot.content is None else 0
-    return held > stored if held else stored == 0 and slot.live_reuse(tokens) <= 0
 
 
 def _window_may_pass(window: int, end: int, options: RunOptions) -> bool:
