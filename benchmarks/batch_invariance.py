@@ -16,8 +16,8 @@ Per model and configuration: a reference server (``-np 1``) runs each prompt alo
 in slot 0, alone in slot 1 while slot 0 holds another prompt, beside another request's
 prefill (a long prompt sent just before) and beside another's decode (sent once the other
 streams tokens). Compared with the reference: the first token's top-10 log-probabilities
-and 64 greedy tokens. Prompts: about 100 tokens, past 512 (Gemma 3's window) and past
-2,048. Also each configuration's prefill and decode speed alone (the server's timings).
+and 64 greedy tokens. Prompts (on Gemma 3's tokenizer): 146 tokens, 1,040 (past its
+512-token window) and 3,731 (past 2,048). Also each configuration's prefill and decode speed alone (the server's timings).
 
     .venv/bin/python -m benchmarks.batch_invariance --models bundled,smollm2 \\
         --out benchmarks/results/batch_invariance.json
@@ -56,7 +56,7 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "PerCache's invariant launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "off"),
                                     {"GGML_CPU_TILED_MM": "0"}),
 }
-PROMPT_SENTENCES = {"short": 6, "past 512": 45, "past 2048": 160}  # about 100, 700 and 2,500 tokens
+PROMPT_SENTENCES = {"short": 6, "past 512": 45, "past 2048": 160}  # 146, 1,040 and 3,731 tokens on Gemma 3
 GREEDY_TOKENS = 64
 SCENARIOS = ("alone in slot 0", "alone in slot 1", "beside a prefill", "beside a decode")
 
