@@ -51,7 +51,7 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "tiled matmul off": ((), {"GGML_CPU_TILED_MM": "0"}),
     "no unified KV": (("--no-kv-unified",), {}),
     "all four": (("-nr", "-fa", "off", "--no-kv-unified"), {"GGML_CPU_TILED_MM": "0"}),
-    # what LlamaServer.start runs (ServerLaunch), without and with batch_invariant
+    # what LlamaServer.start runs (ServerLaunch), without and with the four switches
     "PerCache's launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu"), {}),
     "PerCache's invariant launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "off"),
                                     {"GGML_CPU_TILED_MM": "0"}),

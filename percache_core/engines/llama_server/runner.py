@@ -213,7 +213,7 @@ class ServerRunner(StateRunner):
             result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
             self.pool.leases.done_computing(run.mark)
-            result.batched = run.mark.batched and not self.engine.batch_invariant  # (else it computed as alone)
+            result.batched = run.mark.batched
             if result.batched:  # what it computed is the server's under batching: nothing kept
                 self.batched_runs, complete = self.batched_runs + 1, False
                 run.slot.keep_loose(layout.tokens)

@@ -135,7 +135,6 @@ class LlamaServer:
         self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
         self.slots_shared = False  # one KV cache: a run alone erases the other free slots first (slot_probe)
-        self.batch_invariant = False  # started so that a batched run computes as alone (ServerLaunch.batch_invariant)
 
     # -- starting and stopping --------------------------------------------------------------
 
@@ -167,7 +166,7 @@ class LlamaServer:
         process = ServerProcess(model, launch or ServerLaunch())
         server = cls(process.url, slot_save_path=process.slot_save_path)
         server._process, server.launch_flags, server.model_path = process, process.flags, model
-        server._n_ubatch, server.batch_invariant = (launch or ServerLaunch()).n_batch, (launch or ServerLaunch()).batch_invariant
+        server._n_ubatch = (launch or ServerLaunch()).n_batch
         try:
             process.wait_until_ready(server.http, (launch or ServerLaunch()).startup_timeout_s)
         except BaseException:

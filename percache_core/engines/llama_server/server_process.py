@@ -72,12 +72,6 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-# what makes a request's arithmetic independent of the requests batched with it (on the CPU
-# backend: benchmarks.batch_invariance; the KV cache per slot comes with every launch)
-INVARIANT_FLAGS = ("-nr", "-fa", "off")
-INVARIANT_ENVIRONMENT = {"GGML_CPU_TILED_MM": "0"}
-
-
 @dataclass(frozen=True)
 class ServerLaunch:
     """How :meth:`LlamaServer.start` launches a server.
@@ -95,14 +89,6 @@ class ServerLaunch:
         host: the address it listens on.
         port: its port (None: a free one).
         slot_save_path: where it saves slot files (None: a temporary folder).
-        batch_invariant: run every request as it runs alone, whatever runs beside it (weight
-            repacking off ``-nr``, flash attention off ``-fa off``, the tiled K-quant matmul off
-            ``GGML_CPU_TILED_MM=0``, with the KV cache per slot): what a run batched with
-            another computes is then kept and reused as a lone run's. Measured with Gemma 3
-            270M on 2 cores (``benchmarks.batch_invariance``, this launch's other flags): 12
-            of 12 requests beside another's prefill or decode equal a lone run bit for bit
-            (without it: 10 of 12), at 31% less prefill speed alone (298 against 430
-            tokens/s) and 24% less decode; off by default (one client gains nothing from it).
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
@@ -115,7 +101,6 @@ class ServerLaunch:
     host: str = "127.0.0.1"
     port: int | None = None
     slot_save_path: str | os.PathLike[str] | None = None
-    batch_invariant: bool = False
     extra_args: Sequence[str] = ()
     binary: str | os.PathLike[str] | None = None
     startup_timeout_s: float = 180.0
@@ -132,12 +117,8 @@ class ServerLaunch:
         return (
             "-c", str(self.n_ctx * slots), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", str(slots), "-no-kvu",
             "-t", str(threads), "-tb", str(threads),
-            "--swa-full", "--cache-ram", "0", "--no-webui", *INVARIANT_FLAGS * self.batch_invariant, *self.extra_args,
+            "--swa-full", "--cache-ram", "0", "--no-webui", *self.extra_args,
         )  # fmt: skip
-
-    def environment(self) -> dict[str, str]:
-        """The environment variables the server runs with beside this process's."""
-        return dict(INVARIANT_ENVIRONMENT) if self.batch_invariant else {}
 
 
 def wait_until_ready(http: ServerHTTP, timeout_s: float, process: ServerProcess | None = None) -> None:
@@ -190,8 +171,7 @@ class ServerProcess:
         where = ("-m", str(model), "--host", launch.host, "--port", str(port), "--slot-save-path", str(slot_save_path))
         self._log: Any = tempfile.TemporaryFile(prefix="percache-llama-server-")
         self.popen = subprocess.Popen(
-            [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent,
-            env={**os.environ, **launch.environment()},
+            [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent
         )
         self._finalizer = weakref.finalize(self, _stop, self.popen, self._log)
 
