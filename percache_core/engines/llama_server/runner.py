@@ -152,7 +152,7 @@ class ServerRunner(StateRunner):
             self.flush()
             if run.mark.batched and options.decode and not options.idle and self._loose_reaches_further(run, layout):
                 return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
-            if self.engine.slots_shared:  # alone: as on an empty server
+            if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
                 self.pool.clear_others(run)
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
