@@ -366,6 +366,7 @@ def _load_side(url: str, asks: list[list[Messages]]) -> tuple[float, list[float]
         texts = list(pool.map(run, asks))
     return time.perf_counter() - started, latencies, errors, texts
 
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Bars: PerCache's time over the server alone's per workload (total and first piece)."""
     import matplotlib

@@ -91,7 +91,7 @@ class SlotPool:
                 if free:
                     self.takings[index].settle()
                     slot.server.erase_slot(index)
-                    slot.content, slot.loose = None, ()
+                    slot.content = None
                     self._erased.add(index)
 
     def forget_contents(self) -> None:
@@ -99,4 +99,4 @@ class SlotPool:
         changed any of them)."""
         self._erased.clear()
         for slot in self.slots:
-            slot.content, slot.loose = None, ()
+            slot.content = None
