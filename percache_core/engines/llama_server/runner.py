@@ -161,7 +161,7 @@ class ServerRunner(StateRunner):
             if options.prefix_only:  # to the last state point before the question
                 end = layout.state_point(len(layout.segments) - 2) if len(layout.segments) > 1 else 0
             with _pinned(states, keys, self.store_lock) if states is not None else nullcontext():
-                if run.mark.batched and options.decode and not options.idle and not _reuses_nothing(options, self.config):
+                if run.mark.batched and options.decode and not options.idle and options.restore_depth is None:
                     yield from self._run_batched(run, result, keys, options, (should_stop, started))
                 else:
                     yield from self._run(run, result, layout, keys, options, (should_stop, started, end))
@@ -181,7 +181,7 @@ class ServerRunner(StateRunner):
         should_stop, started, end = how
         tokens = layout.tokens
         clock = time.perf_counter()
-        fresh = _reuses_nothing(options, self.config)
+        fresh = options.restore_depth is not None or not self.config.tiers.chunk_states  # caches off: nothing reused
         with self.store_lock:
             point, depth = self._start(run, layout, keys, end, fresh=fresh)
         result.depth, result.reused_tokens = depth, point
@@ -430,11 +430,6 @@ def stored_starts(states: TieredStateStore, budget_bytes: int, layout: PromptLay
     found = {node.key: node for node in stored}
     found.update((key, node) for key in prefixes if key in states and (node := states.tree.get(key)) is not None)
     return sorted(found.values(), key=lambda node: -node.n_tokens)
-
-
-def _reuses_nothing(options: RunOptions, config: PerCacheConfig | LiveConfig) -> bool:
-    """Whether a run reuses nothing: a fresh reference (``restore_depth``) or caches off."""
-    return options.restore_depth is not None or not config.tiers.chunk_states
 
 
 def _window_may_pass(window: int, end: int, options: RunOptions) -> bool:
