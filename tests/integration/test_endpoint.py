@@ -267,6 +267,11 @@ def test_a_client_gone_mid_stream_leaves_nothing_stored(endpoint: tuple[str, Per
         if chunk.choices and chunk.choices[0].delta.content:
             break
     stream.close()  # the client goes away after its first piece
+    leases = internals(pc).runtime.runner.pool.leases
+    deadline = time.monotonic() + 30
+    while leases.leased and time.monotonic() < deadline:  # its run ends at its next piece (a request
+        time.sleep(0.01)                                   # sent before shares its batches: the server's text)
+    assert not leases.leased
     reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=64)
     assert reply.percache["source"] != "prompt_answer"  # the cut-off run stored no answer
     assert reply.choices[0].message.content == alone_text(alone, messages, max_tokens=64)

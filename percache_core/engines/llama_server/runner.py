@@ -149,7 +149,8 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
+            alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
+            if self.engine.slots_shared and alone:  # as on an empty server
                 self.pool.clear_others(run)
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own

@@ -137,6 +137,15 @@ class SlotLeases:
         with self._cond:
             mark.computing = False
 
+    def alone_now(self, mark: RunMark) -> bool:
+        """For a run that has sent the server nothing yet: whether no other lease computes
+        now; if so it runs alone, and a batched mark that an overlap now ended set is
+        cleared (e.g. a run whose client went away, ending as this one was leased)."""
+        with self._cond:
+            if not any(other.computing for other, _ in self._leased.values() if other is not mark):
+                mark.batched = False
+            return not mark.batched
+
     def wait_until_no_saves(self, mark: RunMark) -> None:
         """Wait until every lease other than *mark*'s computes or shares batches (a run
         that computed alone, done computing, may still save its slot; a save's lease too)."""
