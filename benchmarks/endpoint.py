@@ -302,8 +302,7 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
     drifts); the sides' wall times summed. With one client (every request alone) the
     replies are compared with the fresh text."""
     clients, requests = shape
-    asks = [[list(sessions[(c // 2 + n * clients) % len(sessions)][:1])
-             + [("user", sessions[(c + n) % len(sessions)][1][1])] for n in range(requests)] for c in range(clients)]
+    asks = load_asks(sessions, clients, requests)
     row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests, "rounds": rounds}
     measured: dict[str, list[tuple[float, list[float], int, list[list[str]]]]] = {"server_alone": [], "percache": []}
     for index in range(rounds):
@@ -315,13 +314,13 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
             url = f"http://127.0.0.1:{server.port}"
             try:
                 if side == "alone":
-                    measured["server_alone"].append(_load_side(url + "/v1", asks))
+                    measured["server_alone"].append(load_side(url + "/v1", asks))
                 else:
                     attached = LlamaServer(url=url, slot_save_path=slot_folder)
                     with PerCache.open(folder / f"cache-{clients}-{index}", config=PerCacheConfig(prediction=False),
                                        engine=attached) as pc, serving_in_thread(pc, attached) as url:
                         pc.preload()
-                        measured["percache"].append(_load_side(url, asks))
+                        measured["percache"].append(load_side(url, asks))
                         row["slots_used"] = attached.leases.count
                         row["batched_runs"] = row.get("batched_runs", 0) + internals(pc).runtime.runner.batched_runs
             finally:
@@ -342,7 +341,15 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
     return row
 
 
-def _load_side(url: str, asks: list[list[Messages]]) -> tuple[float, list[float], int, list[list[str]]]:
+def load_asks(sessions: list[Messages], clients: int, requests: int) -> list[list[Messages]]:
+    """Each of *clients*' *requests*: client i asks session i // 2's passages (pairs of
+    clients share passages, and the passages come again every few rounds) with its own
+    questions."""
+    return [[list(sessions[(c // 2 + n * clients) % len(sessions)][:1])
+             + [("user", sessions[(c + n) % len(sessions)][1][1])] for n in range(requests)] for c in range(clients)]
+
+
+def load_side(url: str, asks: list[list[Messages]]) -> tuple[float, list[float], int, list[list[str]]]:
     """The clients' *asks* at once against *url*: (wall seconds, each request's latency,
     errors, each client's texts)."""
     latencies: list[float] = []

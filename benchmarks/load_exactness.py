@@ -1,0 +1,107 @@
+"""What ``percache serve`` keeps under load is exact: clients at once on a llama-server
+started with its defaults, then every request asked again alone.
+
+The load is the endpoint benchmark's (``benchmarks.endpoint --workloads load``: pairs of
+clients share passages, which come again every few rounds), sent by ``--clients`` clients
+at once, ``--requests`` each, through ``percache serve`` in front of a default server with
+``--slot-save-path``. Runs batched there get the server's text under batching and keep
+nothing; runs that computed alone keep their answers and states. Then each request is
+asked again through the same endpoint, one at a time: a stored answer, or a run that
+restores the states kept under load. Each of those replies is compared with the fresh
+text (a second default server, one request at a time, ``cache_prompt: false``). Reported
+per model: the pairs, how many differ, how the replies were served (stored answer, states
+restored, fresh), and the runs batched under load.
+
+    .venv/bin/python -m benchmarks.load_exactness --data ../shared/data --models bundled,smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from percache_core import LlamaServer, PerCache, PerCacheConfig
+from percache_core.endpoint.serve import serving_in_thread
+from percache_core.inspection import internals
+
+from .endpoint import MAX_TOKENS, load_asks, load_side
+from .output import write_json
+from .server import ServerAlone
+from .stock import QMSUM_USER, model_paths, rag_chat_turns, user_rows
+
+
+def ask(chat: openai.OpenAI, messages: list[tuple[str, str]], **extra: Any) -> Any:
+    """*messages* asked on *chat*, greedy, as the load's clients ask (``extra``: body fields)."""
+    return chat.chat.completions.create(
+        model="model", messages=[{"role": role, "content": text} for role, text in messages],  # type: ignore[misc]
+        temperature=0, max_tokens=MAX_TOKENS, extra_body=extra or None,
+    )
+
+
+def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threads: int) -> dict[str, Any]:
+    """One model's load, then its requests again alone against the fresh text."""
+    chunks, questions = user_rows(data, "qmsum", QMSUM_USER)
+    asks = load_asks(rag_chat_turns(chunks, questions, 8), clients, requests)
+    prompts = [messages for own in asks for messages in own]
+    with tempfile.TemporaryDirectory() as folder:
+        slots = Path(folder) / "slots"
+        slots.mkdir()
+        server = ServerAlone(model_path, threads, ("--slot-save-path", str(slots)), server_defaults=True)
+        reference = ServerAlone(model_path, threads, (), server_defaults=True)
+        try:
+            attached = LlamaServer(url=f"http://127.0.0.1:{server.port}", slot_save_path=slots)
+            fresh = openai.OpenAI(base_url=f"http://127.0.0.1:{reference.port}/v1", api_key="none", timeout=600)
+            with PerCache.open(Path(folder) / "cache", config=PerCacheConfig(prediction=False), engine=attached) as pc, \
+                    serving_in_thread(pc, attached) as url:
+                pc.preload()
+                seconds, _, errors, _ = load_side(url, asks)
+                runner = internals(pc).runtime.runner
+                batched, kept = runner.batched_runs, pc.stats()["chunk_states"]["nodes"]
+                ours = openai.OpenAI(base_url=url, api_key="none", timeout=600)
+                served = []
+                for messages in prompts:
+                    reply = ask(ours, messages)
+                    about = getattr(reply, "percache", None) or {}
+                    served.append((reply.choices[0].message.content or "", about.get("source", "?"),
+                                   int(about.get("reused_tokens") or 0)))
+            references = [ask(fresh, messages, cache_prompt=False).choices[0].message.content or "" for messages in prompts]
+        finally:
+            server.close()
+            reference.close()
+    sources: dict[str, int] = {}
+    for _, source, _ in served:
+        sources[source] = sources.get(source, 0) + 1
+    different = [i for i, ((text, _, _), ref) in enumerate(zip(served, references)) if text != ref]
+    row = {"clients": clients, "requests": len(prompts), "load_seconds": round(seconds, 1), "load_errors": errors,
+           "batched_under_load": batched, "states_kept_under_load": kept, "pairs": len(prompts),
+           "different": len(different), "different_requests": different, "sources": sources,
+           "restored_tokens": sum(reused for _, _, reused in served)}
+    print(f"  {model_path.name}: {row['pairs']} pairs, {row['different']} different, sources {sources}, "
+          f"{batched} batched under load, {kept} states kept", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/load_exactness.json"))
+    parser.add_argument("--models", default="bundled", help="bundled, smollm2 or GGUF paths, comma-separated")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=13, help="requests per client")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"max_tokens": MAX_TOKENS, "models": {}}
+    for path in model_paths(args.models):
+        print("model", path.name, flush=True)
+        results["models"][path.name] = model_pairs(path, args.data, args.clients, args.requests, args.threads)
+        write_json(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
