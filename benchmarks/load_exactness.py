@@ -79,7 +79,9 @@ def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threa
     different = [i for i, ((text, _, _), ref) in enumerate(zip(served, references)) if text != ref]
     row = {"clients": clients, "requests": len(prompts), "load_seconds": round(seconds, 1), "load_errors": errors,
            "batched_under_load": batched, "states_kept_under_load": kept, "pairs": len(prompts),
-           "different": len(different), "different_requests": different, "sources": sources,
+           "different": len(different), "sources": sources,
+           "differences": [{"request": i, "source": served[i][1], "percache": served[i][0], "fresh": references[i]}
+                           for i in different],
            "restored_tokens": sum(reused for _, _, reused in served)}
     print(f"  {model_path.name}: {row['pairs']} pairs, {row['different']} different, sources {sources}, "
           f"{batched} batched under load, {kept} states kept", flush=True)

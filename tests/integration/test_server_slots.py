@@ -62,11 +62,13 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
             beside = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
             assert mark.batched
         assert runner.batched_runs == 1 and beside.text
-        assert all(slot.content is None for slot in runner.pool.slots)  # the server placed it: no slot known
+        slot = runner.pool.slots[1 - held]
+        assert slot.content is None and slot.loose  # its cells are kept only for another batched run
         assert pc.stats()["chunk_states"]["nodes"] == 0  # and no state of it is stored
-        with server.leases.one(lambda free: free[0]):  # batched from its start: as the server alone's
+        with server.leases.one(lambda free: free[0]) as (other, mark):  # batched from its start: as the
+            assert other == held                                            # server alone, it goes on from them
             follows = pc.caller.complete(prompt("Who books the catering?"), documents=NOTES, decoding=decoding)
-        assert runner.batched_runs == 2 and follows.text and follows.reused_tokens > 0  # the server picked the slot
+        assert runner.batched_runs == 2 and follows.text and follows.reused_tokens > 0
         alone = pc.caller.complete(prompt("When is the rehearsal?"), documents=NOTES, decoding=decoding)
         assert alone.source != "prompt_answer"  # the batched run's answer was not stored
         assert alone.text == fresh_of(pc, server, prompt("When is the rehearsal?"))

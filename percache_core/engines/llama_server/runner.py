@@ -46,6 +46,7 @@ from ...kv.engine import Decoding
 from ...kv.stopping import StopStringFilter, stop_strings
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode, prefix_keys
+from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
 from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
 from ...serving.text_stream import close_source, shown_text
@@ -149,8 +150,9 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
-            if self.engine.slots_shared and alone:  # as on an empty server
+            if not self.pool.leases.alone_now(run.mark) and options.decode and not options.idle and self._loose_reaches_further(run, layout):
+                return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
+            if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
                 self.pool.clear_others(run)
             if states is not None and states.bytes > self.budget_bytes:
                 self.evict_to_budget()  # the budget was lowered: new states evict on their own
@@ -162,10 +164,7 @@ class ServerRunner(StateRunner):
             if options.prefix_only:  # to the last state point before the question
                 end = layout.state_point(len(layout.segments) - 2) if len(layout.segments) > 1 else 0
             with _pinned(states, keys, self.store_lock) if states is not None else nullcontext():
-                if run.mark.batched and options.decode and not options.idle and options.restore_depth is None:
-                    yield from self._run_batched(run, result, keys, options, (should_stop, started))
-                else:
-                    yield from self._run(run, result, layout, keys, options, (should_stop, started, end))
+                yield from self._run(run, result, layout, keys, options, (should_stop, started, end))
         return result
 
     def _run(
@@ -217,7 +216,7 @@ class ServerRunner(StateRunner):
             result.batched = run.mark.batched
             if result.batched:  # what it computed is the server's under batching: nothing kept
                 self.batched_runs, complete = self.batched_runs + 1, False
-                run.slot.content = None
+                run.slot.keep_loose(layout.tokens)
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
             if complete and self.states is not None and self.rule is not None:
@@ -225,27 +224,29 @@ class ServerRunner(StateRunner):
                 run.taking.store_later(layout, keys, early, span, options.idle, after_reply=after_reply)
             result.timings["store_states"] = time.perf_counter() - clock
 
+    def _loose_reaches_further(self, run: SlotRun, layout: PromptLayout) -> bool:
+        """Whether a batched run's cells in *run*'s slot hold more of *layout* than any stored state."""
+        held = common_prefix(run.slot.loose, layout.tokens) if run.slot.content is None else 0
+        if not held or self.states is None or self.rule is None:
+            return held > 0
+        with self.store_lock:
+            stored = stored_starts(self.states, self.budget_bytes, layout, self._keys(layout, self.states), len(layout.tokens))
+        return held > (stored[0].n_tokens if stored else 0)
+
     def _run_batched(
-        self, run: SlotRun, result: RunResult, keys: list[str], options: RunOptions, how: tuple[StopCheck | None, float]
-    ) -> Generator[str, None, None]:
-        """A run batched from its start: its text is the server's under batching whatever it
-        starts from, so it starts as the server alone's request would: the deepest stored
-        state is restored into its slot (or the slot's own prefix kept), and the request goes
-        to whichever slot the server picks, reusing what the server holds (its prompt cache
-        included), unchecked. Keeps nothing, and leaves every slot's content unknown (the
-        server may have written any free one)."""
-        layout = result.layout
+        self, run: SlotRun, result: RunResult, options: RunOptions, how: tuple[StopCheck | None, float]
+    ) -> Generator[str, None, RunResult]:
+        """A run batched from its start whose slot holds more of its prompt from an earlier
+        such run than any stored state: its text is the server's under batching whatever it
+        starts from, so it goes on from those cells, as the server alone's clients; keeps nothing."""
         try:
-            with self.store_lock:
-                result.reused_tokens, result.depth = self._start(run, layout, keys, len(layout.tokens), fresh=False)
-            self.pool.quiet_for(run)  # no slot save of PerCache's left where the server may put it
-            yield from self._complete(run, result, result.reused_tokens, options, how, checked=False)
+            yield from self._complete(run, result, 0, options, how, checked=False)
         finally:
-            self.pool.forget_contents(but=run)
             self.pool.leases.done_computing(run.mark)
-            run.slot.content = None
             result.batched, self.batched_runs = True, self.batched_runs + 1
-            result.prefilled_tokens = max(0, len(layout.tokens) - result.reused_tokens)
+            run.slot.keep_loose(result.layout.tokens)
+            result.prefilled_tokens = max(0, len(result.layout.tokens) - result.reused_tokens)
+        return result
 
     def _save_early(
         self, run: SlotRun, result: RunResult, prompt: tuple[PromptLayout, list[str]], span: tuple[int, int],
@@ -343,14 +344,14 @@ class ServerRunner(StateRunner):
         self, run: SlotRun, tokens: Sequence[int], point: int | None, options: RunOptions,
         into: tuple[Sequence[str], Completion],
     ) -> Iterator[str]:
-        """The request that completes *tokens* from *point* in the run's slot (None: in
-        the slot the server picks, from whatever it reuses there, unchecked): the
+        """The request that completes *tokens* from *point* in the run's slot (None: from
+        whatever the server reuses of it, unchecked): the
         server's completion with PerCache's decoding and the stop strings of *into*, or a
         relayed client's request on the server's own endpoint (which lays out, stops and
         parses the reply); its :class:`Completion` is *into*'s."""
         relay, server = options.relay, self.engine
         stops, completion = into
-        slot = InSlot(-1 if point is None else run.slot.index, completion)  # -1: the server's choice
+        slot = InSlot(run.slot.index, completion)
         reuse = point is None or point > 0
         if relay is None:
             decoding = Decoding(options.max_new_tokens, options.sampling, list(stops))

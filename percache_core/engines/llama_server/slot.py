@@ -165,13 +165,34 @@ class ServerSlot:
         self.server = server
         self.cuts = cuts
         self.index = index
-        self.content: SlotContent | None = None  # what it holds of exact cells, as far as known (None: nothing known)
+        self._content: SlotContent | None = None
+        # the prompt a run batched with another left (its cells are the server's under that
+        # batching: only another such run goes on from them); any write of content forgets it
+        self.loose: tuple[int, ...] = ()
         self.last_used = 0  # when a run last leased it (the runner's count of leases)
         self._bytes_per_token: float | None = None
 
+    @property
+    def content(self) -> SlotContent | None:
+        """What the slot holds of exact cells, as far as known (None: nothing known)."""
+        return self._content
+
+    @content.setter
+    def content(self, held: SlotContent | None) -> None:
+        self._content, self.loose = held, ()  # the slot is written (or forgotten): no batched run's cells
+
+    def keep_loose(self, tokens: Sequence[int]) -> None:
+        """Note that the run of prompt *tokens* just ended here was batched with another: what
+        the slot holds is known only as :attr:`loose` (where the run ran to its end)."""
+        finished = self._content is not None
+        self.content = None
+        self.loose = tuple(tokens) if finished else ()
+
     def held_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of *tokens* the slot holds, as far as known (0: none)."""
-        return common_prefix(self.content.prompt, tokens) if self.content is not None else 0
+        """How many leading tokens of *tokens* the slot holds, as far as known (0: none),
+        those a batched run left included."""
+        slot = self.content
+        return common_prefix(self.loose, tokens) if slot is None else common_prefix(slot.prompt, tokens)
 
     def live_reuse(self, tokens: Sequence[int]) -> int:
         """The tokens the server would reuse of what the slot holds: that many where the

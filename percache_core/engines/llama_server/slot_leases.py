@@ -146,12 +146,6 @@ class SlotLeases:
                 mark.batched = False
             return not mark.batched
 
-    def wait_until_no_saves(self, mark: RunMark) -> None:
-        """Wait until every lease other than *mark*'s computes or shares batches (a run
-        that computed alone, done computing, may still save its slot; a save's lease too)."""
-        with self._cond:
-            self._cond.wait_for(lambda: all(other.computing or other.batched for other, _ in self._leased.values() if other is not mark))
-
     def _may_lease(self, idle: bool) -> bool:
         if self._whole_owner is not None or self._whole_waiting or len(self._leased) >= self.count:
             return False

@@ -94,19 +94,9 @@ class SlotPool:
                     slot.content = None
                     self._erased.add(index)
 
-    def quiet_for(self, run: SlotRun) -> None:
-        """Before *run* sends a request that the server places in a slot of its choice: wait
-        until no other lease may still save its slot (each other run is computing, or shares
-        batches and so keeps nothing), then make the slot saves that relayed replies left in
-        the free slots; otherwise the request could land in a slot before its save and the
-        save would take its cells."""
-        self.leases.wait_until_no_saves(run.mark)
-        self.settle()
-
-    def forget_contents(self, *, but: SlotRun | None = None) -> None:
-        """Mark every slot's content unknown (a request PerCache did not run, or one placed
-        by the server, may have changed any of them), *but*'s own slot aside."""
-        for index, slot in enumerate(self.slots):
-            if but is None or slot is not but.slot:
-                slot.content = None
-                self._erased.discard(index)
+    def forget_contents(self) -> None:
+        """Mark every slot's content unknown (a request PerCache did not run may have
+        changed any of them)."""
+        self._erased.clear()
+        for slot in self.slots:
+            slot.content = None
