@@ -150,7 +150,8 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            if not self.pool.leases.alone_now(run.mark) and options.decode and not options.idle and self._loose_reaches_further(run, layout):
+            alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
+            if not alone and options.decode and not options.idle and self._loose_reaches_further(run, layout):
                 return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
             if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
                 self.pool.clear_others(run)
@@ -236,9 +237,8 @@ class ServerRunner(StateRunner):
     def _run_batched(
         self, run: SlotRun, result: RunResult, options: RunOptions, how: tuple[StopCheck | None, float]
     ) -> Generator[str, None, RunResult]:
-        """A run batched from its start whose slot holds more of its prompt from an earlier
-        such run than any stored state: its text is the server's under batching whatever it
-        starts from, so it goes on from those cells, as the server alone's clients; keeps nothing."""
+        """A run batched from its start whose slot holds more of its prompt from an earlier such run than any
+        stored state: its text is the server's under batching, so it goes on from those cells; keeps nothing."""
         try:
             yield from self._complete(run, result, 0, options, how, checked=False)
         finally:
