@@ -1,8 +1,9 @@
 """What ``percache serve`` keeps under load is exact: clients at once on a llama-server
 started with its defaults, then every request asked again alone.
 
-The load is the endpoint benchmark's (``benchmarks.endpoint --workloads load``: pairs of
-clients share passages, which come again every few rounds), sent by ``--clients`` clients
+The load is laid out as the endpoint benchmark's (``benchmarks.endpoint --workloads load``,
+``load_asks``: pairs of clients share passages, which come again every few rounds), over 8
+chats of the QMSum user (so prompts repeat: 32 distinct among 8 x 13), sent by ``--clients`` clients
 at once, ``--requests`` each, through ``percache serve`` in front of a default server with
 ``--slot-save-path``. Runs batched there get the server's text under batching and keep
 nothing; runs that computed alone keep their answers and states. Then each request is
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +75,7 @@ def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threa
         finally:
             server.close()
             reference.close()
-    sources: dict[str, int] = {}
-    for _, source, _ in served:
-        sources[source] = sources.get(source, 0) + 1
+    sources = dict(Counter(source for _, source, _ in served))
     different = [i for i, ((text, _, _), ref) in enumerate(zip(served, references)) if text != ref]
     row = {"clients": clients, "requests": len(prompts), "load_seconds": round(seconds, 1), "load_errors": errors,
            "batched_under_load": batched, "states_kept_under_load": kept, "pairs": len(prompts),
