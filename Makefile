@@ -11,6 +11,16 @@ export TRANSFORMERS_OFFLINE := 1
 
 DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchain
 
+# llama.cpp is compiled for this CPU (-march=native, llama-cpp-python's default) but without
+# its AMX kernels: a machine of this kind (a VM on a Xeon whose CPU reports AMX) killed every
+# model process at the first AMX instruction (ldtilecfg, a general protection fault; seen
+# 2026-12-06), llama-server too. -U drops the macros -march=native defines, so ggml compiles
+# no AMX code; every other instruction set of the CPU stays in.
+NO_AMX := -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__
+NO_AMX_ENV := CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)"
+export NO_AMX
+export AMX_BUILT := import llama_cpp, sys; sys.exit("AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode())
+
 $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -20,7 +30,11 @@ $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/p
 	# the three distributions of this repository (percache-core and the two adapters),
 	# editable; an earlier checkout's single "percache" distribution is removed first
 	$(BIN)/python -m pip uninstall --quiet --yes percache 2>/dev/null || true
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
+	$(NO_AMX_ENV) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
+	# a llama-cpp-python compiled with AMX before (pip's cache, an older checkout) is compiled again
+	$(BIN)/python -c "$$AMX_BUILT" || $(NO_AMX_ENV) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
+		"llama-cpp-python==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')"
 	# byte-compiled, as a wheel install is (an editable one is not: every new process would
 	# compile the ~150 modules again, 0.2 s, where PYTHONDONTWRITEBYTECODE is set)
 	$(BIN)/python -m compileall -q percache_core percache_langchain percache_llamaindex

@@ -4,7 +4,8 @@
 # installs the binary as $VENV/bin/llama-server. Run once by `make llama-server`; the result
 # is kept (about 4 minutes on 2 cores).
 #   cmake: the server on, the prebuilt web UI off (it would be downloaded), OpenSSL off
-#   (loopback HTTP only), static libraries (one self-contained binary), Ninja.
+#   (loopback HTTP only), static libraries (one self-contained binary), Ninja, and no AMX
+#   kernels (NO_AMX).
 set -euo pipefail
 VENV=${1:-.venv}
 VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
@@ -19,7 +20,11 @@ SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$WORK"
 GENERATOR=()
 command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
+# NO_AMX (set by the Makefile): compiled for this CPU without llama.cpp's AMX kernels, as
+# llama-cpp-python is (the Makefile says why)
+: "${NO_AMX:?run by make llama-server, which sets NO_AMX}"
 cmake -S "$SRC" -B "$WORK/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
 cmake --build "$WORK/build" --target llama-server -j "$(nproc)" >/dev/null
