@@ -40,7 +40,7 @@ import numpy as np
 from benchmarks.apps import LANGCHAIN_TUTORIAL
 from benchmarks.data_sets import read_jsonl
 from benchmarks.output import write_json
-from benchmarks.stock import model_paths
+from benchmarks.stock import model_paths, stock_llama
 from percache_core import PerCache, PerCacheConfig
 from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.inspection import internals
@@ -176,8 +176,6 @@ def _run(runner: Any, layout: Any, options: RunOptions) -> Any:
 
 
 def sweep_model(model: Path, material: list, args: argparse.Namespace, folder: Path) -> dict:
-    from llama_cpp import Llama
-
     engine = LlamaEngine(model, n_ctx=args.n_ctx, n_batch=512, n_threads=args.threads)
     caches = {
         kind: PerCache.open(folder / f"{model.stem}-{kind}", engine=engine,
@@ -185,7 +183,7 @@ def sweep_model(model: Path, material: list, args: argparse.Namespace, folder: P
                                                   prediction=False, chunk_state_slices=kind == "slices"))
         for kind in ("slices", "whole")
     }  # fmt: skip
-    stock = Llama(str(model), n_ctx=args.n_ctx, n_batch=512, n_threads=args.threads, verbose=False)
+    stock = stock_llama(model, args.n_ctx, args.threads)  # on the compute thread: one OpenMP team
     prompts = make_prompts(engine, material, args.prompts, seed=args.seed)
     rows, started = [], time.perf_counter()
     for index, prompt in enumerate(prompts):

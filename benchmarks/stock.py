@@ -163,6 +163,9 @@ class OnComputeThread:
 
         return on_thread
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__getattr__("__call__")(*args, **kwargs)
+
     def _steps(self, stream: Any) -> Any:
         while True:
             try:

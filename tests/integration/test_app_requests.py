@@ -17,6 +17,7 @@ from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
+from benchmarks.stock import stock_llama
 from percache_core.inspection import internals
 from percache_langchain import PerCacheLLM, PerCacheRetriever
 
@@ -37,9 +38,7 @@ class MiniLM(Embeddings):
 
 @pytest.fixture
 def stock(model_path) -> Iterator[object]:
-    from llama_cpp import Llama
-
-    llm = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    llm = stock_llama(model_path, n_ctx=2048, threads=2)
     yield llm
     llm.close()
 

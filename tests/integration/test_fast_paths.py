@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
+from benchmarks.stock import stock_llama
 from percache_core import Decoding
 from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
@@ -38,8 +39,7 @@ def framework_prompt(documents: list[str], question: str) -> str:
 @pytest.fixture(scope="module")
 def stock(model_path):
     """Stock llama_cpp.Llama on the same GGUF (its defaults: weights repacked)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False)
+    llm = stock_llama(model_path, n_ctx=2048, threads=2)
     yield llm
     llm.close()
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from benchmarks.stock import stock_llama
 from percache_core.inspection import internals
 from percache_core.kv.engine import Decoding
 from percache_core.kv.probe_text import probe_sentences, probe_tokens
@@ -54,9 +55,7 @@ def test_whole_states_and_slices_past_the_window_restore_the_live_logits(engine)
 
 @pytest.fixture
 def stock(model_path) -> Iterator[object]:
-    from llama_cpp import Llama
-
-    llm = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    llm = stock_llama(model_path, n_ctx=2048, threads=2)
     yield llm
     llm.close()
 

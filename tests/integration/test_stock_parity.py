@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
-from benchmarks.stock import smollm2_path
+from benchmarks.stock import smollm2_path, stock_llama
 from percache_core import PerCacheConfig
 from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.engines.llama_cpp.runner import PromptRunner
@@ -51,9 +51,7 @@ def chat_both_ways(model_path: Path, make_cache, max_tokens: int) -> tuple[list[
     """The same conversation through stock ``create_chat_completion`` and through
     ``PerCacheChatModel`` (on its own engine): stock's texts, PerCache's, and the
     tokens each PerCache turn kept from the context."""
-    from llama_cpp import Llama
-
-    stock = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    stock = stock_llama(model_path, n_ctx=2048, threads=2)
     engine = LlamaEngine(model_path, n_ctx=2048, n_batch=512, n_threads=2)
     try:
         pc = make_cache(f"parity-{model_path.stem}", documents=False, engine=engine)
@@ -136,9 +134,7 @@ def test_pc_answer_gives_stock_text_on_misses_hits_and_kept_contexts(model_path,
     """PerCache's own prompt runs in stock's calls: whatever it restored or kept, its answer is
     stock ``create_completion``'s on the prompt as one string (the demo's third question
     differed when the prompt ran one call per segment)."""
-    from llama_cpp import Llama
-
-    stock = Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    stock = stock_llama(model_path, n_ctx=2048, threads=2)
     pc = make_cache("stock-calls", qa_bank=False, max_new_tokens=24, stop=())
     runner = internals(pc).runner
     questions = [item["question"] for item in corpus["demo_questions"]][:5]
