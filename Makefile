@@ -11,15 +11,22 @@ export TRANSFORMERS_OFFLINE := 1
 
 DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchain
 
-# llama.cpp is compiled for this CPU (-march=native, llama-cpp-python's default) but without
-# its AMX kernels: a machine of this kind (a VM on a Xeon whose CPU reports AMX) killed every
-# model process at the first AMX instruction (ldtilecfg, a general protection fault; seen
-# 2026-12-06), llama-server too. -U drops the macros -march=native defines, so ggml compiles
-# no AMX code; every other instruction set of the CPU stays in.
+# llama-cpp-python is compiled here (pip builds it from its sdist) for this CPU
+# (-march=native, its default) with two changes, both measured on this kind of machine
+# (2026-12-06, Gemma 3 270M, 2 cores):
+# - no AMX kernels: a machine of this kind (a VM on a Xeon whose CPU reports AMX) killed
+#   every model process at the first AMX instruction (ldtilecfg, a general protection
+#   fault), llama-server too. -U drops the macros -march=native defines, so ggml compiles no
+#   AMX code; every other instruction set of the CPU stays in.
+# - no OpenMP (ggml's own thread pool): PerCache makes its llama.cpp calls on a thread of
+#   its own, and once another OpenMP team had run in the process (torch's, in an app whose
+#   embedder is a HuggingFace model) libgomp stopped spinning at its barriers: every decode
+#   step took 38 ms instead of 24 (stock, calling from torch's thread: 25). Without OpenMP:
+#   24.5 ms, and the same before torch ran.
 NO_AMX := -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__
-NO_AMX_ENV := CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)"
+LLAMA_CPP_BUILD := CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" CMAKE_ARGS="-DGGML_OPENMP=OFF"
 export NO_AMX
-export AMX_BUILT := import llama_cpp, sys; sys.exit("AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode())
+export LLAMA_CPP_AS_BUILT := import llama_cpp, sys; info = llama_cpp.llama_print_system_info().decode(); sys.exit("AMX_INT8 = 1" in info or "OPENMP = 1" in info)
 
 $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,9 +37,9 @@ $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/p
 	# the three distributions of this repository (percache-core and the two adapters),
 	# editable; an earlier checkout's single "percache" distribution is removed first
 	$(BIN)/python -m pip uninstall --quiet --yes percache 2>/dev/null || true
-	$(NO_AMX_ENV) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
-	# a llama-cpp-python compiled with AMX before (pip's cache, an older checkout) is compiled again
-	$(BIN)/python -c "$$AMX_BUILT" || $(NO_AMX_ENV) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	$(LLAMA_CPP_BUILD) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
+	# a llama-cpp-python compiled otherwise before (pip's cache, an older checkout) is compiled again
+	$(BIN)/python -c "$$LLAMA_CPP_AS_BUILT" || $(LLAMA_CPP_BUILD) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
 		"llama-cpp-python==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')"
 	# byte-compiled, as a wheel install is (an editable one is not: every new process would

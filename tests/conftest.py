@@ -1,8 +1,9 @@
 """Shared fixtures: one real llama.cpp engine and one real embedder for the whole session.
 
 Stock ``llama_cpp.Llama`` in a test is made with ``benchmarks.stock.stock_llama``: its calls
-run on the process's compute thread, as the engines' do. Called from the test's own thread
-it would be a second OpenMP team in the process, and every later decode step of the suite
+run on the process's compute thread, as the engines' do. In an OpenMP build of llama.cpp
+(llama-cpp-python's default; ``make`` builds without), called from the test's own thread it
+would be a second OpenMP team in the process, and every later decode step of the suite
 (every engine's) took 37 ms a token instead of 24 (measured 2026-12-06, Gemma 3 270M)."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from percache_core.knowledge.bert import BertEmbedder  # noqa: E402
 from percache_core.models import resolve_model_path  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
 from tests.fakes import HashingEmbedder  # noqa: E402
+from tests.suite_settings import SHORT_IDLE  # noqa: E402
 
 # Tests that use these fixtures run the real model or embedder: marked ``model``, so that
 # ``pytest -m "not model"`` runs the pure-logic tests alone in seconds.
@@ -103,11 +105,7 @@ def make_cache(
     tmp_path: Path, engine: LlamaEngine, embedder: BertEmbedder, corpus: dict[str, Any]
 ) -> Iterator[Callable[..., PerCache]]:
     """Open caches on the shared engine and embedder, with the demo corpus loaded."""
-    # two neighbour pairs per chunk (the default is 8): the same behaviour, a quarter of
-    # the idle prefill, so that the suite's idle rounds on the real model stay short
-    with _cache_opener(
-        tmp_path, corpus, lambda: engine, embedder, defaults={"knowledge_prefill_neighbours": 2}
-    ) as open_cache:
+    with _cache_opener(tmp_path, corpus, lambda: engine, embedder, defaults=SHORT_IDLE) as open_cache:
         yield open_cache
 
 

@@ -38,7 +38,7 @@ _pool_lock = threading.Lock()
 
 def _producers() -> ThreadPoolExecutor:
     """The threads that produce streams, started on first use and reused: llama.cpp's CPU
-    backend (OpenMP here) keeps a team of worker threads per calling thread, so a new thread
+    backend (built with OpenMP, its default) keeps a team of worker threads per calling thread, so a new thread
     per stream would start a new team each time while the last one still spins on the
     cores (measured: LlamaIndex completions 12% slower than stock llama.cpp)."""
     global _pool

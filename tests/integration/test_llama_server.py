@@ -21,6 +21,7 @@ from percache_core.kv.cuts import CutRule
 from percache_core.serving.prompting import PromptLayout, Segment
 from percache_core.serving.state_runner import IDLE_PIECE_TOKENS, RunOptions
 from percache_core.serving.streaming import drain
+from tests.suite_settings import SHORT_IDLE
 
 pytestmark = pytest.mark.model
 
@@ -336,8 +337,7 @@ def test_a_prompt_the_window_never_passes_runs_as_one_request_and_keeps_its_stat
 def test_an_idle_round_on_the_server_fills_states_and_predicts(
     tmp_path: Path, server: LlamaServer, embedder: Any, corpus: dict[str, Any]
 ) -> None:
-    pc = open_on(tmp_path / "cache", server, embedder, corpus, prediction=True, max_new_tokens=16,
-                 knowledge_prefill_neighbours=2)
+    pc = open_on(tmp_path / "cache", server, embedder, corpus, prediction=True, max_new_tokens=16, **SHORT_IDLE)
     try:
         report = pc.warm(max_seconds=120, max_predictions=2, progress=False)
         assert not report.preempted

@@ -21,6 +21,7 @@ from percache_llamaindex import (
     PerCacheNodePostprocessor,
     PerCacheQueryEngine,
 )
+from tests.suite_settings import SHORT_IDLE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QUESTION = "Which room is the launch talk rehearsal in?"
@@ -39,11 +40,10 @@ def llm(engine):
 
 
 def plain_and_cached(index, llm, tmp_path, name, **kwargs):
-    """The app's own engine and the swapped one, with the same arguments (the cache's
-    idle rounds prefill two neighbours of each chunk, not 8: the same behaviour, a quarter
-    of the idle prefill, as the suite's other caches)."""
+    """The app's own engine and the swapped one, with the same arguments (the cache's idle
+    rounds as short as the suite's other caches': ``SHORT_IDLE``)."""
     plain = index.as_query_engine(llm=llm, similarity_top_k=2, **kwargs)
-    config = PerCacheConfig(knowledge_prefill_neighbours=2)
+    config = PerCacheConfig(**SHORT_IDLE)
     cached = PerCacheQueryEngine.from_index(index, cache_dir=tmp_path / name, llm=llm, similarity_top_k=2, config=config, **kwargs)
     return plain, cached
 

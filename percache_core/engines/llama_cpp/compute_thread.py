@@ -1,6 +1,7 @@
 """One thread that makes every llama.cpp call of the process's engines.
 
-llama.cpp's CPU backend here is built with OpenMP: each OS thread that calls
+llama.cpp's CPU backend is built with OpenMP by default (``make`` turns it off, for the
+reason at the end): each OS thread that calls
 ``llama_decode`` gets a team of worker threads of its own, and a team that has just
 finished spins on the cores for a while before it sleeps. PerCache calls the model from
 several Python threads (the caller's, the threads that produce streams, the idle worker),
@@ -15,6 +16,11 @@ OpenMP threads than cores, and libgomp then stops spinning at its barriers. A de
 (hundreds of barriers a token) of Gemma 3 270M took 34 ms instead of 20 ms on 2 cores for
 every model in the process, measured with a second model (an engine for another context
 length, or stock ``llama_cpp.Llama`` beside it) that had computed once from another thread.
+Other libraries' teams share that count: after an app's torch embedder (a HuggingFace
+model) had run on the app's thread, a decode step took 38 ms instead of 24, where stock
+calling from that same thread took 25. ggml's own thread pool (a build with
+``-DGGML_OPENMP=OFF``, as ``make`` builds it) has no such count: 24.5 ms with torch beside
+it (measured 2026-12-06).
 
 >>> worker = ComputeThread("example")
 >>> worker.call(sum, [1, 2, 3])

@@ -206,7 +206,7 @@ class LlamaEngine(LlamaTextModel):
         _init_backend(lc, verbose)
         self.lock = threading.Lock()
         # every call that computes or touches the context runs on the process's one compute
-        # thread: one OpenMP team in the process, whatever thread asks (see compute_thread.py)
+        # thread: one OpenMP team in an OpenMP build, whatever thread asks (see compute_thread.py)
         self.compute = process_compute_thread()
 
         model_params = lc.llama_model_default_params()
