@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -109,6 +110,29 @@ def _init_backend(lc, verbose: bool) -> None:
         if not _backend_ready:
             lc.llama_backend_init()
             _backend_ready = True
+            advice = openmp_advice(lc.llama_print_system_info().decode("utf-8", "replace"), sys.modules)
+            if advice:
+                logger.warning(advice)
+
+
+def openmp_advice(system_info: str, modules: Any) -> str | None:
+    """What to do where llama.cpp is an OpenMP build (llama-cpp-python's default) and torch
+    is loaded in the process: PerCache computes on a thread of its own, and beside torch's
+    OpenMP team libgomp stops spinning at its barriers, so each decode step took about 1.5x
+    stock's (docs/concepts.md). None where neither holds.
+
+    >>> openmp_advice("AVX2 = 1 | OPENMP = 1 |", {"torch": object()}) is not None
+    True
+    >>> openmp_advice("AVX2 = 1 | OPENMP = 1 |", {}), openmp_advice("AVX2 = 1 |", {"torch": object()})
+    (None, None)
+    """
+    if "OPENMP = 1" not in system_info or "torch" not in modules:
+        return None
+    return (
+        "llama.cpp here is an OpenMP build and torch is loaded: beside torch's OpenMP threads "
+        "PerCache's decode can take about 1.5x stock's. Build llama-cpp-python without OpenMP: "
+        'CMAKE_ARGS="-DGGML_OPENMP=OFF" pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python'
+    )
 
 
 def _context_params(lc: Any, n_ctx: int, n_batch: int, threads: int) -> Any:
