@@ -24,7 +24,7 @@ DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchai
 #   step took 38 ms instead of 24 (stock, calling from torch's thread: 25). Without OpenMP:
 #   24.5 ms, and the same before torch ran.
 NO_AMX := -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__
-LLAMA_CPP_BUILD := CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" CMAKE_ARGS="-DGGML_OPENMP=OFF"
+LLAMA_CPP_BUILD := CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" CMAKE_ARGS="-DGGML_OPENMP=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc)
 export NO_AMX
 export LLAMA_CPP_AS_BUILT := import llama_cpp, sys; info = llama_cpp.llama_print_system_info().decode(); sys.exit("AMX_INT8 = 1" in info or "OPENMP = 1" in info)
 
@@ -37,9 +37,9 @@ $(STAMP): pyproject.toml percache_llamaindex/pyproject.toml percache_langchain/p
 	# the three distributions of this repository (percache-core and the two adapters),
 	# editable; an earlier checkout's single "percache" distribution is removed first
 	$(BIN)/python -m pip uninstall --quiet --yes percache 2>/dev/null || true
-	$(LLAMA_CPP_BUILD) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
+	$(LLAMA_CPP_BUILD) $(BIN)/python -m pip install --quiet $(DISTRIBUTIONS)
 	# a llama-cpp-python compiled otherwise before (pip's cache, an older checkout) is compiled again
-	$(BIN)/python -c "$$LLAMA_CPP_AS_BUILT" || $(LLAMA_CPP_BUILD) CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	$(BIN)/python -c "$$LLAMA_CPP_AS_BUILT" || $(LLAMA_CPP_BUILD) \
 		$(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
 		"llama-cpp-python==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')"
 	# byte-compiled, as a wheel install is (an editable one is not: every new process would

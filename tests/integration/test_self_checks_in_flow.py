@@ -149,7 +149,9 @@ def _proved_after_background_checks(pc: PerCache, engine: LlamaEngine) -> dict:
     background = internals(pc).scheduler.background_checks
     assert background.running  # started by the answer that found the checks pending
     assert background.wait(timeout=CHECKS_WAIT_S)
-    return _proved_here(pc, engine)
+    report = _proved_here(pc, engine)
+    assert set(report["checks"]) == CHECKS  # no idle round ran: the checks alone
+    return report
 
 
 def _proved_here(pc: PerCache, engine: LlamaEngine) -> dict:
