@@ -7,7 +7,7 @@ import pytest
 
 from percache_core.inspection import internals
 
-IDLE = dict(prediction_stride=2, abstract_batch_chunks=5, max_new_tokens=24)
+IDLE = dict(prediction_stride=2, abstract_batch_chunks=10, max_new_tokens=24)  # one summary call for the demo corpus
 # rounds that run only the steps under test (each step has its own tests): prediction and
 # its population without the knowledge prefill, the knowledge prefill without the abstract
 # and prediction, and the other steps (refresh, follow-ups) without either
@@ -121,7 +121,8 @@ def test_a_similar_question_served_from_the_bank_gets_its_own_answer_later(make_
 def test_a_user_question_preempts_a_running_round(make_cache):
     reference = make_cache("reference", qa_bank=False, chunk_states=False, **IDLE)
     expected = reference.answer("Why is the booking API late?").text
-    pc = make_cache(**{**IDLE, "prediction_stride": 5})
+    # two summary calls: the question arrives once the first one's tokens are counted
+    pc = make_cache(**{**IDLE, "prediction_stride": 5, "abstract_batch_chunks": 5})
     done = {}
 
     def idle_round():

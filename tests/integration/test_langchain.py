@@ -287,10 +287,10 @@ def test_idle_prediction_through_the_apps_chain_fills_its_llm_cache(make_cache):
     assert pc.stats()["qa_bank_hits"] - hits == len(report.predicted)  # each served by the cache
 
 
-def test_a_batch_of_sixteen_at_four_at_once_answers_as_each_asked_alone(make_cache):
+def test_a_batch_of_eight_at_four_at_once_answers_as_each_asked_alone(make_cache):
     questions = [
         f"{ask} {topic}?"
-        for ask in ("When is", "Where is", "Who approved", "How much is")
+        for ask in ("When is", "Who approved")
         for topic in ("the rehearsal", "the launch talk", "the Harbor design work", "the budget")
     ]
     plain = chain_on(make_cache("off", documents=False, qa_bank=False, chunk_states=False), False, 8)
@@ -298,7 +298,7 @@ def test_a_batch_of_sixteen_at_four_at_once_answers_as_each_asked_alone(make_cac
     pc = make_cache("batched", documents=False)
     batched = chain_on(pc, PerCacheLLMCache(pc), 8).batch(questions, config={"max_concurrency": 4})
     assert [m.content for m in batched] == alone
-    assert len(internals(pc).qa_bank) == 16
+    assert len(internals(pc).qa_bank) == 8
 
 
 def test_the_names_of_0_2_import_with_a_deprecation_warning():

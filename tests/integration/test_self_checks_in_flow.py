@@ -79,8 +79,8 @@ def flow_engine(model_path: Path, new_home: Path, earlier_checks: str):
 def test_a_first_session_answers_before_the_checks_and_the_first_idle_round_proves_n_ctx(
     tmp_path, model_path, new_engine, embedder, corpus
 ):
-    # (no question prediction: its LLM calls are tested apart, and the checks run before them)
-    config = PerCacheConfig(max_new_tokens=16, knowledge_prefill_neighbours=1, prediction=False)
+    # (no question prediction and no pairs: they are tested apart, and the checks run before them)
+    config = PerCacheConfig(max_new_tokens=16, knowledge_prefill_neighbours=0, prediction=False)
     reference = PerCache.open(tmp_path / "off", config=config.replace(chunk_states=False, qa_bank=False),
                               engine=new_engine, embedder=embedder)
     pc = PerCache.open(tmp_path / "on", config=config.replace(qa_bank=False), engine=new_engine, embedder=embedder)
