@@ -40,6 +40,7 @@ from percache_core.engines.llama_server.server import LlamaServer, find_server_b
 from percache_core.engines.llama_server.server_process import wait_until_ready
 from percache_core.kv.probe_text import probe_sentences
 
+from .data_sets import default_data_folder, read_data_set
 from .output import write_json
 from .stock import model_paths
 
@@ -174,6 +175,73 @@ def measure(binary: Path, model: Path, threads: int, name: str) -> dict[str, Any
     return {"model": model.name, "config": name, "flags": list(flags), "env": env, "invariant": invariant, **speed, "rows": rows}
 
 
+def load_prompts(data: Path, clients: int, requests: int) -> list[list[str]]:
+    """Per client, *requests* RAG prompts over QMSum passages of ``--data``: two passages
+    of about 300-600 tokens and a question of the meeting; clients in pairs share their
+    passages (as ``benchmarks.endpoint``'s load workload), each with its own questions."""
+    documents, queries = read_data_set(data, "qmsum")
+    by_user: dict[str, list[str]] = {}
+    for document in documents:
+        by_user.setdefault(document["user"], []).append(document["text"].strip())
+    users = sorted(by_user)
+    prompts: list[list[str]] = []
+    for client in range(clients):
+        user = users[(client // 2) % len(users)]
+        passages = by_user[user]
+        questions = [q["question"] for q in queries.get(user, [])] or ["What was decided?"]
+        own = []
+        for index in range(requests):
+            first, second = passages[index % len(passages)], passages[(index + 1) % len(passages)]
+            question = questions[(client % 2 + 2 * index) % len(questions)]
+            own.append(f"Context:\n{first[:2000]}\n\n{second[:2000]}\nQuestion: {question}\nAnswer:")
+        prompts.append(own)
+    return prompts
+
+
+def under_load(binary: Path, model: Path, threads: int, name: str, data: Path, clients: int, requests: int) -> dict[str, Any]:
+    """*clients* clients at once on a server of *clients* slots of configuration *name*,
+    each sending its *requests* prompts one after another (fresh, greedy, any slot),
+    compared with each prompt alone on a one-slot server of the same configuration; and the
+    load's wall time."""
+    flags, env = CONFIGS[name]
+    prompts = load_prompts(data, clients, requests)
+    server = Server(binary, model, threads, ("-np", "1", *flags), env)
+    try:
+        references = {p: server.run(p, 0) for own in prompts for p in own}
+    finally:
+        server.close()
+    server = Server(binary, model, threads, ("-np", str(clients), *flags), env)
+    results: dict[str, dict[str, Any]] = {}
+    lock = threading.Lock()
+
+    def client(own: list[str], delay: float) -> None:
+        time.sleep(delay)
+        for prompt in own:
+            result = server.run(prompt, -1)
+            with lock:
+                results[prompt] = result
+
+    try:
+        started = time.perf_counter()
+        threads_ = [threading.Thread(target=client, args=(own, 0.15 * i)) for i, own in enumerate(prompts)]
+        for thread in threads_:
+            thread.start()
+        for thread in threads_:
+            thread.join()
+        wall = time.perf_counter() - started
+    finally:
+        server.close()
+    rows = [{"prompt_tokens": references[p]["timings"].get("prompt_n"), **compare(results[p], references[p])}
+            for own in prompts for p in own]
+    texts = sum(r["tokens_equal"] for r in rows)
+    firsts = sum(r["first_logprobs_equal"] for r in rows)
+    print(f"{model.name} {name} under load ({clients} clients x {requests}): {texts}/{len(rows)} texts, "
+          f"{firsts}/{len(rows)} first log-probabilities equal a lone run's; wall {wall:.1f} s", flush=True)
+    return {"model": model.name, "config": name, "flags": list(flags), "env": env, "clients": clients,
+            "requests": requests, "texts_equal": texts, "first_logprobs_equal": firsts, "runs": len(rows),
+            "wall_s": wall, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bundled", help="bundled, smollm2 or GGUF paths, comma-separated")
@@ -181,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", type=Path, default=None, help="a llama-server binary (default: the one PerCache finds)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/batch_invariance.json")
+    parser.add_argument("--load", type=int, default=0, metavar="CLIENTS",
+                        help="instead: this many clients at once, each prompt compared with a lone run (needs --data)")
+    parser.add_argument("--requests", type=int, default=6, help="prompts per client with --load")
+    parser.add_argument("--data", type=Path, help="the folder with qmsum/ (for --load)")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.configs.split(",")]
     unknown = set(names) - set(CONFIGS)
@@ -190,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     for model in model_paths(args.models):
         for name in names:
-            results.append(measure(binary, model, args.threads, name))
+            if args.load:
+                data = args.data or default_data_folder()
+                results.append(under_load(binary, model, args.threads, name, data, args.load, args.requests))
+            else:
+                results.append(measure(binary, model, args.threads, name))
             write_json({"server": str(binary), "results": results}, args.out)  # after each: a stopped run keeps them
     return 0
 
