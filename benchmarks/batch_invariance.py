@@ -21,6 +21,13 @@ and 64 greedy tokens. Prompts (on Gemma 3's tokenizer): 146 tokens, 1,040 (past 
 
     .venv/bin/python -m benchmarks.batch_invariance --models bundled,smollm2 \\
         --out benchmarks/results/batch_invariance.json
+
+With ``--load N``: N clients at once instead, on an N-slot server of each configuration,
+each sending ``--requests`` RAG prompts over QMSum passages of ``--data`` (fresh, greedy,
+any slot); each reply is compared with the same prompt alone on a one-slot server of the
+same configuration, and the load's wall time is reported.
+
+    .venv/bin/python -m benchmarks.batch_invariance --configs "all four" --load 4 --data ../shared/data
 """
 
 from __future__ import annotations
@@ -223,11 +230,11 @@ def under_load(binary: Path, model: Path, threads: int, name: str, data: Path, c
 
     try:
         started = time.perf_counter()
-        threads_ = [threading.Thread(target=client, args=(own, 0.15 * i)) for i, own in enumerate(prompts)]
-        for thread in threads_:
-            thread.start()
-        for thread in threads_:
-            thread.join()
+        workers = [threading.Thread(target=client, args=(own, 0.15 * i)) for i, own in enumerate(prompts)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
         wall = time.perf_counter() - started
     finally:
         server.close()
@@ -248,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
     parser.add_argument("--server", type=Path, default=None, help="a llama-server binary (default: the one PerCache finds)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/batch_invariance.json")
+    parser.add_argument("--out", help="default: benchmarks/results/batch_invariance.json (with --load: batch_invariance_load.json)")
     parser.add_argument("--load", type=int, default=0, metavar="CLIENTS",
                         help="instead: this many clients at once, each prompt compared with a lone run (needs --data)")
     parser.add_argument("--requests", type=int, default=6, help="prompts per client with --load")
     parser.add_argument("--data", type=Path, help="the folder with qmsum/ (for --load)")
     args = parser.parse_args(argv)
+    if args.load < 0 or args.requests < 1:
+        parser.error("--load: 0 or more clients; --requests: 1 or more")
+    out = args.out or f"benchmarks/results/batch_invariance{'_load' if args.load else ''}.json"
     names = [name.strip() for name in args.configs.split(",")]
     unknown = set(names) - set(CONFIGS)
     if unknown:
@@ -267,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(under_load(binary, model, args.threads, name, data, args.load, args.requests))
             else:
                 results.append(measure(binary, model, args.threads, name))
-            write_json({"server": str(binary), "results": results}, args.out)  # after each: a stopped run keeps them
+            write_json({"server": str(binary), "results": results}, out)  # after each: a stopped run keeps them
     return 0
 
 
