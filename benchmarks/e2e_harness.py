@@ -808,7 +808,8 @@ def _plot_ttft_by_source(result: dict[str, Any], folder: Path, plt: Any) -> list
         if values:
             axis.axhline(sum(values) / len(values), color=colours[name], linestyle="--", label=f"{name} (mean)")
     axis.set(ylabel="mean time to first token (s)", title="Time to first token by answer source")
-    axis.legend(fontsize=7)
+    if any(baselines.values()):  # a run of PerCache alone has no baseline line to name
+        axis.legend(fontsize=7)
     axis.tick_params(axis="x", labelsize=7)
     figure.tight_layout()
     path = folder / "ttft_by_source.png"
