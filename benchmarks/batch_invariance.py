@@ -109,6 +109,20 @@ class Server:
         self.process.terminate()
         self.process.wait(timeout=30)
 
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def lone_runs(binary: Path, model: Path, threads: int, name: str, prompts: list[str]) -> dict[str, dict[str, Any]]:
+    """Each of *prompts* alone on a one-slot server of configuration *name*: the
+    references the runs beside others are compared with, by prompt."""
+    flags, env = CONFIGS[name]
+    with Server(binary, model, threads, ("-np", "1", *flags), env) as server:
+        return {prompt: server.run(prompt, 0) for prompt in prompts}
+
 
 def beside(server: Server, prompt: str, other: str, other_tokens: int, wait_for_tokens: bool) -> dict[str, Any]:
     """*prompt* in slot 0 while *other* runs in slot 1: sent once the other streams its
@@ -154,14 +168,10 @@ def measure(binary: Path, model: Path, threads: int, name: str) -> dict[str, Any
     prompts = {size: " ".join(probe_sentences(count)) + "\nQuestion: who said the van is late?\nAnswer:"
                for size, count in PROMPT_SENTENCES.items()}
     long_other = " ".join(probe_sentences(150)[::-1])
-    server = Server(binary, model, threads, ("-np", "1", *flags), env)
-    try:
-        references = {size: server.run(prompt) for size, prompt in prompts.items()}
-    finally:
-        server.close()
-    server = Server(binary, model, threads, ("-np", "2", *flags), env)
+    alone = lone_runs(binary, model, threads, name, list(prompts.values()))
+    references = {size: alone[prompt] for size, prompt in prompts.items()}
     rows = []
-    try:
+    with Server(binary, model, threads, ("-np", "2", *flags), env) as server:
         for size, prompt in prompts.items():
             runs = {"alone in slot 0": server.run(prompt, 0)}
             server.run(long_other, 0, 1)  # slot 0 holds another prompt
@@ -170,8 +180,6 @@ def measure(binary: Path, model: Path, threads: int, name: str) -> dict[str, Any
             runs["beside a decode"] = beside(server, prompt, "Count from one to two hundred:", 400, wait_for_tokens=True)
             rows += [{"prompt": size, "prompt_tokens": references[size]["timings"].get("prompt_n"), "scenario": scenario,
                       **compare(runs[scenario], references[size])} for scenario in SCENARIOS]
-    finally:
-        server.close()
     long = references["past 2048"]["timings"]
     speed = {"prefill_tokens_per_s": long.get("prompt_per_second"), "decode_tokens_per_s": long.get("predicted_per_second")}
     invariant = all(r["first_logprobs_equal"] and r["tokens_equal"] for r in rows)
@@ -205,19 +213,14 @@ def load_prompts(data: Path, clients: int, requests: int) -> list[list[str]]:
     return prompts
 
 
-def under_load(binary: Path, model: Path, threads: int, name: str, data: Path, clients: int, requests: int) -> dict[str, Any]:
-    """*clients* clients at once on a server of *clients* slots of configuration *name*,
-    each sending its *requests* prompts one after another (fresh, greedy, any slot),
-    compared with each prompt alone on a one-slot server of the same configuration; and the
-    load's wall time."""
+def under_load(binary: Path, model: Path, threads: int, name: str, prompts: list[list[str]]) -> dict[str, Any]:
+    """One client per list of *prompts* (:func:`load_prompts`), all at once on a server of
+    as many slots of configuration *name*, each sending its prompts one after another
+    (fresh, greedy, any slot), compared with each prompt alone on a one-slot server of the
+    same configuration; and the load's wall time."""
     flags, env = CONFIGS[name]
-    prompts = load_prompts(data, clients, requests)
-    server = Server(binary, model, threads, ("-np", "1", *flags), env)
-    try:
-        references = {p: server.run(p, 0) for own in prompts for p in own}
-    finally:
-        server.close()
-    server = Server(binary, model, threads, ("-np", str(clients), *flags), env)
+    clients, requests = len(prompts), max(len(own) for own in prompts)
+    references = lone_runs(binary, model, threads, name, [p for own in prompts for p in own])
     results: dict[str, dict[str, Any]] = {}
     lock = threading.Lock()
 
@@ -228,7 +231,7 @@ def under_load(binary: Path, model: Path, threads: int, name: str, data: Path, c
             with lock:
                 results[prompt] = result
 
-    try:
+    with Server(binary, model, threads, ("-np", str(clients), *flags), env) as server:
         started = time.perf_counter()
         workers = [threading.Thread(target=client, args=(own, 0.15 * i)) for i, own in enumerate(prompts)]
         for worker in workers:
@@ -236,8 +239,6 @@ def under_load(binary: Path, model: Path, threads: int, name: str, data: Path, c
         for worker in workers:
             worker.join()
         wall = time.perf_counter() - started
-    finally:
-        server.close()
     rows = [{"prompt_tokens": references[p]["timings"].get("prompt_n"), **compare(results[p], references[p])}
             for own in prompts for p in own]
     texts = sum(r["tokens_equal"] for r in rows)
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="default: benchmarks/results/batch_invariance.json (with --load: batch_invariance_load.json)")
     parser.add_argument("--load", type=int, default=0, metavar="CLIENTS",
-                        help="instead: this many clients at once, each prompt compared with a lone run (needs --data)")
+                        help="instead: this many clients at once, each prompt compared with a lone run (prompts from --data)")
     parser.add_argument("--requests", type=int, default=6, help="prompts per client with --load")
     parser.add_argument("--data", type=Path, help="the folder with qmsum/ (for --load)")
     args = parser.parse_args(argv)
@@ -269,12 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     binary = args.server or find_server_binary()
+    prompts = load_prompts(args.data or default_data_folder(), args.load, args.requests) if args.load else None
     results: list[dict[str, Any]] = []
     for model in model_paths(args.models):
         for name in names:
-            if args.load:
-                data = args.data or default_data_folder()
-                results.append(under_load(binary, model, args.threads, name, data, args.load, args.requests))
+            if prompts is not None:
+                results.append(under_load(binary, model, args.threads, name, prompts))
             else:
                 results.append(measure(binary, model, args.threads, name))
             write_json({"server": str(binary), "results": results}, out)  # after each: a stopped run keeps them
