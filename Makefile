@@ -7,7 +7,7 @@ STAMP := $(VENV)/.percache-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench docs wheels clean redis-server llama-server
+.PHONY: demo test lint bench docs wheels clean redis-server llama-server llama-server-invariant
 
 DISTRIBUTIONS := -e ".[all,dev]" -e ./percache_llamaindex -e ./percache_langchain
 
@@ -65,13 +65,24 @@ $(LLAMA_SERVER): scripts/build_llama_server.sh | $(STAMP)
 
 llama-server: $(LLAMA_SERVER)
 
+# the same build without llamafile's kernels (-DGGML_LLAMAFILE=OFF), for a server started
+# batch-invariant (ServerLaunch.batch_invariant, percache serve --batch-invariant): llamafile's
+# tinyBLAS computes a sequence's rows otherwise by how many rows a batch holds, so under load
+# a request's result depended on its neighbours (docs/engines.md, "Batch invariance"); another
+# 4 minutes or so, built once and kept as .venv/bin/llama-server-invariant
+LLAMA_SERVER_INVARIANT := $(BIN)/llama-server-invariant
+$(LLAMA_SERVER_INVARIANT): scripts/build_llama_server.sh | $(STAMP)
+	scripts/build_llama_server.sh $(VENV) invariant
+
+llama-server-invariant: $(LLAMA_SERVER_INVARIANT)
+
 # the shared-tier tests start their own redis-server processes on loopback ports
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing Debian's redis-server for the shared-tier tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
-test: $(STAMP) redis-server $(LLAMA_SERVER)
+test: $(STAMP) redis-server $(LLAMA_SERVER) $(LLAMA_SERVER_INVARIANT)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -151,7 +151,8 @@ def chat_prompts(sessions: list[Messages], fresh: ChatOpenAI) -> list[Messages]:
 
 
 def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: int, requests: int,
-          threads: int, workloads: set[str]) -> list[dict[str, Any]]:
+          threads: int, workloads: set[str], load_clients: tuple[int, ...] = LOAD_CLIENTS,
+          invariant: bool = False) -> list[dict[str, Any]]:
     chunks, questions = user_rows(data, "qmsum", QMSUM_USER)
     sessions = rag_chat_turns(chunks, questions, turns + 2 * restarts)
     # new chats that share no passage with each other or the chats above (every other turn of
@@ -188,7 +189,8 @@ def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: i
         if "shared tier" in workloads:
             rows.append(shared_tier(model_path, Path(folder), prompts[:turns], fresh, threads, embedder, documents))
         if "load" in workloads:
-            rows += [load(model_path, Path(folder), sessions, (count, requests), threads, fresh) for count in LOAD_CLIENTS]
+            rows += [load(model_path, Path(folder), sessions, (count, requests), threads, fresh, invariant=invariant)
+                     for count in load_clients]
         reference.close()
     return rows
 
@@ -294,29 +296,35 @@ def concurrent(url: str, model: str, first_turn: Messages, questions: list[str],
 
 
 def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[int, int], threads: int,
-         fresh: ChatOpenAI, rounds: int = 2) -> dict[str, Any]:
+         fresh: ChatOpenAI, rounds: int = 2, invariant: bool = False) -> dict[str, Any]:
     """*shape* = (clients, requests each) at once (client i asks session i // 2's passages
     with its own questions: pairs share passages), on a default server alone and through
-    ``percache serve`` in front of one, each on fresh servers, *rounds* times with the order
-    of the sides alternating (alone first, then PerCache first: this machine's speed
-    drifts); the sides' wall times summed. With one client (every request alone) the
-    replies are compared with the fresh text."""
+    ``percache serve`` in front of one (*invariant*: in front of a 4-slot server it starts
+    batch-invariant, ``ServerLaunch(batch_invariant=True)``), each on fresh servers, *rounds*
+    times with the order of the sides alternating (alone first, then PerCache first: this
+    machine's speed drifts); the sides' wall times summed. With one client (every request
+    alone) the replies are compared with the fresh text."""
     clients, requests = shape
     asks = load_asks(sessions, clients, requests)
-    row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests, "rounds": rounds}
+    row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests, "rounds": rounds,
+                           "batch_invariant": invariant}
     measured: dict[str, list[tuple[float, list[float], int, list[list[str]]]]] = {"server_alone": [], "percache": []}
     for index in range(rounds):
         for side in (("alone", "percache") if index % 2 == 0 else ("percache", "alone")):
             slot_folder = folder / f"slots-{side}-{clients}-{index}"
             slot_folder.mkdir()
             slots = ("--slot-save-path", str(slot_folder)) if side == "percache" else ()
-            server = ServerAlone(model_path, threads, slots, server_defaults=True)
-            url = f"http://127.0.0.1:{server.port}"
+            server: ServerAlone | LlamaServer
+            if side == "percache" and invariant:
+                server = attached = LlamaServer.start(model_path, ServerLaunch(
+                    n_slots=4, n_threads=threads, slot_save_path=slot_folder, batch_invariant=True))
+            else:
+                server = ServerAlone(model_path, threads, slots, server_defaults=True)
+                attached = LlamaServer(url=f"http://127.0.0.1:{server.port}", slot_save_path=slot_folder)
             try:
                 if side == "alone":
-                    measured["server_alone"].append(load_side(url + "/v1", asks))
+                    measured["server_alone"].append(load_side(attached.url + "/v1", asks))
                 else:
-                    attached = LlamaServer(url=url, slot_save_path=slot_folder)
                     with PerCache.open(folder / f"cache-{clients}-{index}", config=PerCacheConfig(prediction=False),
                                        engine=attached) as pc, serving_in_thread(pc, attached) as url:
                         pc.preload()
@@ -407,18 +415,30 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--requests", type=int, default=50, help="requests per concurrent client")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--load-clients", default=",".join(map(str, LOAD_CLIENTS)),
+                        help="the load workload's client counts, comma-separated")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the load workload's PerCache side on a server it starts batch-invariant "
+                             "(make llama-server-invariant)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     args = parser.parse_args()
     workloads = {name.strip() for name in args.workloads.split(",")}
     if workloads - set(WORKLOADS):
         parser.error(f"unknown workloads: {', '.join(sorted(workloads - set(WORKLOADS)))}")
+    try:
+        load_clients = tuple(int(count) for count in args.load_clients.split(","))
+    except ValueError:
+        load_clients = ()
+    if not load_clients or min(load_clients) < 1:
+        parser.error(f"--load-clients takes client counts of 1 or more, e.g. 1,4,8 (got {args.load_clients!r})")
     results: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
                                "models": {}}
     for path in model_paths(args.models):
         print(f"model {path.name}", flush=True)
         results["models"][path.name] = bench(path, args.data, turns=args.turns, restarts=args.restarts,
                                              clients=args.clients, requests=args.requests, threads=args.threads,
-                                             workloads=workloads)
+                                             workloads=workloads, load_clients=load_clients,
+                                             invariant=args.batch_invariant)
     write_json(results, args.out)
     plot(results, args.out.with_suffix(".png"))
 

@@ -11,7 +11,12 @@ asked again through the same endpoint, one at a time: a stored answer, or a run 
 restores the states kept under load. Each of those replies is compared with the fresh
 text (a second default server, one request at a time, ``cache_prompt: false``). Reported
 per model: the pairs, how many differ, how the replies were served (stored answer, states
-restored, fresh), and the runs batched under load.
+restored, fresh), the runs batched under load, and how many replies under load were the
+fresh text.
+
+With ``--batch-invariant`` the endpoint runs in front of a server PerCache starts so
+(``ServerLaunch(batch_invariant=True)``, 4 slots), which keeps batched runs' answers and
+states as lone runs'; the fresh text is then a one-slot server of the same launch's.
 
     .venv/bin/python -m benchmarks.load_exactness --data ../shared/data --models bundled,smollm2
 """
@@ -22,12 +27,13 @@ import argparse
 import os
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import openai
 
-from percache_core import LlamaServer, PerCache, PerCacheConfig
+from percache_core import LlamaServer, PerCache, PerCacheConfig, ServerLaunch
 from percache_core.endpoint.serve import serving_in_thread
 from percache_core.inspection import internals
 
@@ -45,7 +51,22 @@ def ask(chat: openai.OpenAI, messages: list[tuple[str, str]], **extra: Any) -> A
     )
 
 
-def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threads: int) -> dict[str, Any]:
+def servers(model_path: Path, slots: Path, threads: int, invariant: bool) -> tuple[Any, Any, LlamaServer, str]:
+    """(the served server, the reference server, the endpoint's :class:`LlamaServer`, the
+    reference's base URL): default servers, or launches of PerCache's batch-invariant kind."""
+    if invariant:
+        launch = ServerLaunch(n_slots=4, n_threads=threads, slot_save_path=slots, batch_invariant=True)
+        served = LlamaServer.start(model_path, launch)
+        reference = LlamaServer.start(model_path, replace(launch, n_slots=1, slot_save_path=None))
+        return served, reference, served, f"{reference.url}/v1"
+    served, reference = (ServerAlone(model_path, threads, ("--slot-save-path", str(slots)), server_defaults=True),
+                         ServerAlone(model_path, threads, (), server_defaults=True))
+    return served, reference, LlamaServer(url=f"http://127.0.0.1:{served.port}", slot_save_path=slots), \
+        f"http://127.0.0.1:{reference.port}/v1"
+
+
+def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threads: int,
+                invariant: bool = False) -> dict[str, Any]:
     """One model's load, then its requests again alone against the fresh text."""
     chunks, questions = user_rows(data, "qmsum", QMSUM_USER)
     asks = load_asks(rag_chat_turns(chunks, questions, 8), clients, requests)
@@ -53,15 +74,13 @@ def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threa
     with tempfile.TemporaryDirectory() as folder:
         slots = Path(folder) / "slots"
         slots.mkdir()
-        server = ServerAlone(model_path, threads, ("--slot-save-path", str(slots)), server_defaults=True)
-        reference = ServerAlone(model_path, threads, (), server_defaults=True)
+        server, reference, attached, reference_url = servers(model_path, slots, threads, invariant)
         try:
-            attached = LlamaServer(url=f"http://127.0.0.1:{server.port}", slot_save_path=slots)
-            fresh = openai.OpenAI(base_url=f"http://127.0.0.1:{reference.port}/v1", api_key="none", timeout=600)
+            fresh = openai.OpenAI(base_url=reference_url, api_key="none", timeout=600)
             with PerCache.open(Path(folder) / "cache", config=PerCacheConfig(prediction=False), engine=attached) as pc, \
                     serving_in_thread(pc, attached) as url:
                 pc.preload()
-                seconds, _, errors, _ = load_side(url, asks)
+                seconds, _, errors, under_load = load_side(url, asks)
                 runner = internals(pc).runtime.runner
                 batched, kept = runner.batched_runs, pc.stats()["chunk_states"]["nodes"]
                 ours = openai.OpenAI(base_url=url, api_key="none", timeout=600)
@@ -77,14 +96,17 @@ def model_pairs(model_path: Path, data: Path, clients: int, requests: int, threa
             reference.close()
     sources = dict(Counter(source for _, source, _ in served))
     different = [i for i, ((text, _, _), ref) in enumerate(zip(served, references)) if text != ref]
-    row = {"clients": clients, "requests": len(prompts), "load_seconds": round(seconds, 1), "load_errors": errors,
-           "batched_under_load": batched, "states_kept_under_load": kept, "pairs": len(prompts),
+    loaded = [text for texts in under_load for text in texts]
+    row = {"clients": clients, "requests": len(prompts), "batch_invariant": invariant, "load_seconds": round(seconds, 1),
+           "load_errors": errors, "batched_under_load": batched, "states_kept_under_load": kept,
+           "under_load_equal_fresh": sum(a == b for a, b in zip(loaded, references)), "pairs": len(prompts),
            "different": len(different), "sources": sources,
            "differences": [{"request": i, "source": served[i][1], "percache": served[i][0], "fresh": references[i]}
                            for i in different],
            "restored_tokens": sum(reused for _, _, reused in served)}
     print(f"  {model_path.name}: {row['pairs']} pairs, {row['different']} different, sources {sources}, "
-          f"{batched} batched under load, {kept} states kept", flush=True)
+          f"{batched} batched under load, {kept} states kept, {row['under_load_equal_fresh']} replies under load "
+          "the fresh text", flush=True)
     return row
 
 
@@ -96,11 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=13, help="requests per client")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="serve a server PerCache starts batch-invariant (make llama-server-invariant)")
     args = parser.parse_args(argv)
+    if args.clients < 1 or args.requests < 1:
+        parser.error("--clients and --requests: 1 or more")
     results: dict[str, Any] = {"max_tokens": MAX_TOKENS, "models": {}}
     for path in model_paths(args.models):
         print("model", path.name, flush=True)
-        results["models"][path.name] = model_pairs(path, args.data, args.clients, args.requests, args.threads)
+        results["models"][path.name] = model_pairs(path, args.data, args.clients, args.requests, args.threads,
+                                                   args.batch_invariant)
         write_json(results, args.out)
     return 0
 

@@ -159,11 +159,14 @@ def run_serve(args: argparse.Namespace) -> int:
         raise PerCacheError("--wait-upstream must be 0 or more seconds")
     if args.slots is not None and (args.slots < 1 or args.upstream is not None):
         raise PerCacheError("--slots: 1 or more, for a server this command starts (an --upstream runs its own -np)")
+    if args.batch_invariant and args.upstream is not None:
+        raise PerCacheError("--batch-invariant: for a server this command starts (an --upstream runs its own flags)")
     for pattern in args.documents or ():
         if not Path(pattern).expanduser().is_dir() and not document_files(pattern):
             raise PerCacheError(f"--documents {pattern}: no folder and no .txt, .md or .jsonl file there")
     config = shared_config(args.shared_url)
-    server = open_server(args.upstream, args.model, args.slot_save_path, wait_upstream_s=args.wait_upstream, slots=args.slots)
+    server = open_server(args.upstream, args.model, args.slot_save_path, wait_upstream_s=args.wait_upstream, slots=args.slots,
+                         batch_invariant=args.batch_invariant)
     settings = EndpointSettings(api_key=key, max_request_bytes=args.max_request_bytes)
     documents = tuple(args.documents or ())
     between = BetweenRequests(idle=(args.idle or bool(documents)) and not args.no_idle, documents=documents)
@@ -186,6 +189,10 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--slots", type=int, metavar="N",
                        help="slots of the server this command starts (default 4, as llama-server's; each its own "
                             "KV cache of the context size)")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="start the build without llamafile (make llama-server-invariant) so that a request computes "
+                            "as alone beside others (-nr -fa off, GGML_CPU_TILED_MM=0): batched runs' states and answers "
+                            "are kept; prefill alone 0.41-0.49x on Gemma 3, 0.67-0.90x on SmolLM2 (docs/engines.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")

@@ -29,14 +29,15 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def open_server(
     upstream: str | None, model: str | None, slot_save_path: str | None, *, wait_upstream_s: float = 0.0,
-    slots: int | None = None,
+    slots: int | None = None, batch_invariant: bool = False,
 ) -> LlamaServer | PlainUpstream:
     """The server to serve over: the one at *upstream*, a llama-server (its
     ``--slot-save-path`` folder as *slot_save_path*, else stored answers only) or another
     OpenAI-compatible server (:func:`~percache_core.endpoint.upstream.detect_upstream`:
     stored replies only), waited for up to *wait_upstream_s* seconds (one started at the same
     time is still loading); or a llama-server started on the GGUF *model* (neither given: the
-    bundled model, as ``percache ask`` loads it) with *slots* slots (None: llama-server's 4).
+    bundled model, as ``percache ask`` loads it) with *slots* slots (None: llama-server's 4),
+    *batch_invariant* as :class:`~percache_core.engines.llama_server.server_process.ServerLaunch` says.
 
     Raises:
         PerCacheError: both *upstream* and *model*; nothing OpenAI-compatible at *upstream*
@@ -55,7 +56,7 @@ def open_server(
         return LlamaServer(upstream, slot_save_path=slot_save_path, api_key=key)
     if model is None:
         print("percache serve: starting a llama-server on the bundled model (give --upstream or --model for another)")
-    return LlamaServer.start(model, ServerLaunch(slot_save_path=slot_save_path, n_slots=slots))
+    return LlamaServer.start(model, ServerLaunch(slot_save_path=slot_save_path, n_slots=slots, batch_invariant=batch_invariant))
 
 
 def checked_api_key(host: str, api_key: str | None) -> str | None:

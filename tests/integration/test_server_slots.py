@@ -13,6 +13,7 @@ import pytest
 
 from percache_core import Decoding, LlamaServer, ServerLaunch, TextPrompt
 from percache_core.engines.llama_server.runner import ServerRunner
+from percache_core.engines.llama_server.server import InSlot
 from percache_core.engines.llama_server.slot_probe import FRESH, ISOLATED, RESTORED, slots_independent
 from percache_core.inspection import internals
 
@@ -77,6 +78,41 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
         assert pc.stats()["chunk_states"]["nodes"] > 0
     finally:
         pc.close()
+
+
+def test_a_batch_invariant_server_keeps_what_a_run_beside_another_computes(
+    tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True)  # no llamafile, -nr -fa off, no tiled matmul
+    with LlamaServer.start(model_path, launch) as invariant:
+        assert invariant.batch_invariant and "-nr" in invariant.launch_flags
+        pc = open_on(tmp_path / "cache", invariant, embedder, corpus)
+        pc.preload()  # the server's cut rule, measured on the whole server: before the other client comes
+        decoding, question = Decoding(max_new_tokens=16), "Who brings the projector?"
+        decoding_now = threading.Event()
+
+        def another_client() -> None:  # decodes in the other slot while the cache's run prefills and decodes
+            with invariant.leases.one(lambda free: free[0]) as (slot, _):
+                tokens = invariant.tokenize("Count from one to two hundred: one, two,", True)
+                for _ in invariant.complete(tokens, Decoding(300), cache_prompt=False, slot=InSlot(slot)):
+                    decoding_now.set()
+            decoding_now.set()
+
+        try:
+            other = threading.Thread(target=another_client)
+            other.start()
+            assert decoding_now.wait(60)
+            beside = pc.caller.complete(prompt(question), documents=NOTES, decoding=decoding)
+            still_decoding = other.is_alive()
+            other.join(120)
+            runner = internals(pc).runtime.runner
+            assert still_decoding and runner.batched_runs == 0  # it computed as alone: kept as a lone run's
+            assert beside.text == fresh_of(pc, invariant, prompt(question))
+            assert pc.stats()["chunk_states"]["nodes"] > 0
+            again = pc.caller.complete(prompt(question), documents=NOTES, decoding=decoding)
+            assert again.source == "prompt_answer" and again.text == beside.text
+        finally:
+            pc.close()
 
 
 def test_a_state_restores_into_whichever_slot_is_free(

@@ -27,7 +27,9 @@ runs in different slots go to the server at once, as its own clients' would. A r
 shared the server's batches with another (:mod:`~percache_core.engines.llama_server.slot_leases`)
 gets the server's text under that batching, as a client of the server alone would, and
 leaves nothing: no stored answer (:attr:`RunResult.batched`), no state, nothing of its slot
-kept for the next request. Only what a request computed alone is stored or reused.
+kept for the next request. Only what a request computed alone is stored or reused. On a
+server started batch-invariant (:class:`~percache_core.engines.llama_server.server_process.ServerLaunch`'s
+``batch_invariant``) every request computes as alone, so every run is kept as a lone run's.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
+            alone = self.pool.leases.alone_now(run.mark) or self.engine.batch_invariant  # (see alone_now; invariant: all)
             if not alone and options.decode and not options.idle and self._loose_reaches_further(run, layout):
                 return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
             if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
@@ -214,7 +216,7 @@ class ServerRunner(StateRunner):
             result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
             self.pool.leases.done_computing(run.mark)
-            result.batched = run.mark.batched
+            result.batched = run.mark.batched and not self.engine.batch_invariant  # (else it computed as alone)
             if result.batched:  # what it computed is the server's under batching: nothing kept
                 self.batched_runs, complete = self.batched_runs + 1, False
                 run.slot.keep_loose(layout.tokens)

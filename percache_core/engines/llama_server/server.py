@@ -135,6 +135,7 @@ class LlamaServer:
         self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
         self.slots_shared = False  # one KV cache: a run alone erases the other free slots first (slot_probe)
+        self.batch_invariant = False  # started so that a batched run computes as alone (ServerLaunch.batch_invariant)
 
     # -- starting and stopping --------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class LlamaServer:
         process = ServerProcess(model, launch or ServerLaunch())
         server = cls(process.url, slot_save_path=process.slot_save_path)
         server._process, server.launch_flags, server.model_path = process, process.flags, model
-        server._n_ubatch = (launch or ServerLaunch()).n_batch
+        server._n_ubatch, server.batch_invariant = (launch or ServerLaunch()).n_batch, (launch or ServerLaunch()).batch_invariant
         try:
             process.wait_until_ready(server.http, (launch or ServerLaunch()).startup_timeout_s)
         except BaseException:
@@ -298,9 +299,8 @@ class LlamaServer:
         _ = self.props
 
     def fingerprint(self, extra: str = "") -> str:
-        """A digest of what decides the server's output and the bytes of its slot files:
-        its build, its model (path, and size and modification time where readable), its
-        context size, and a started server's flags; plus *extra*."""
+        """A digest of what decides the server's output and its slot files' bytes: its build, model (path, size
+        and mtime where readable), context size, a started server's flags and build kind; plus *extra*."""
         props = self.props
         model = str(props.get("model_path", ""))
         stat = ""
@@ -308,7 +308,8 @@ class LlamaServer:
             info = self.model_path.stat()
             stat = f"{info.st_size}:{info.st_mtime_ns}"
         record = json.dumps(
-            [props.get("build_info"), model, stat, self.n_ctx, props.get("total_slots"), self.launch_flags, extra],
+            [props.get("build_info"), model, stat, self.n_ctx, props.get("total_slots"), self.launch_flags, extra]
+            + ["batch-invariant"] * self.batch_invariant,
             default=str,
         )
         return hashlib.sha256(record.encode()).hexdigest()[:32]

@@ -24,24 +24,28 @@ from typing import Any
 from .server_http import ServerError, ServerHTTP
 
 BINARY_ENV = "PERCACHE_LLAMA_SERVER"
+INVARIANT_BINARY_ENV = "PERCACHE_LLAMA_SERVER_INVARIANT"  # a build without llamafile (ServerLaunch.batch_invariant)
 DEFAULT_SLOTS = 4  # llama-server's slots when started with no -np (it says "n_parallel is set to auto")
 
 
-def find_server_binary() -> Path:
+def find_server_binary(*, batch_invariant: bool = False) -> Path:
     """The llama-server to start: ``$PERCACHE_LLAMA_SERVER``, the one ``make llama-server``
-    installed beside this Python (``.venv/bin``), or one on ``PATH``."""
-    named = os.environ.get(BINARY_ENV)
+    installed beside this Python (``.venv/bin``), or one on ``PATH``. With *batch_invariant*,
+    the build without llamafile's kernels: ``$PERCACHE_LLAMA_SERVER_INVARIANT`` or the one
+    ``make llama-server-invariant`` installed (``.venv/bin/llama-server-invariant``)."""
+    env, name = (INVARIANT_BINARY_ENV, "llama-server-invariant") if batch_invariant else (BINARY_ENV, "llama-server")
+    named = os.environ.get(env)
     candidates = [Path(named)] if named else []
-    candidates.append(Path(sys.prefix) / "bin" / "llama-server")
-    found = shutil.which("llama-server")
+    candidates.append(Path(sys.prefix) / "bin" / name)
+    found = shutil.which(name)
     if found:
         candidates.append(Path(found))
     for candidate in candidates:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
     raise ServerError(
-        "no llama-server binary: run `make llama-server` (builds it from the llama-cpp-python "
-        f"sdist into .venv/bin), or set {BINARY_ENV} to one"
+        f"no {name} binary: run `make {name}` (builds it from the llama-cpp-python "
+        f"sdist into .venv/bin), or set {env} to one"
     )
 
 
@@ -72,6 +76,12 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+# what makes a request's arithmetic independent of the requests batched with it (on the CPU
+# backend: benchmarks.batch_invariance; the KV cache per slot comes with every launch)
+INVARIANT_FLAGS = ("-nr", "-fa", "off")
+INVARIANT_ENVIRONMENT = {"GGML_CPU_TILED_MM": "0"}
+
+
 @dataclass(frozen=True)
 class ServerLaunch:
     """How :meth:`LlamaServer.start` launches a server.
@@ -89,6 +99,17 @@ class ServerLaunch:
         host: the address it listens on.
         port: its port (None: a free one).
         slot_save_path: where it saves slot files (None: a temporary folder).
+        batch_invariant: run every request as it runs alone, whatever runs beside it, so that
+            what a run batched with another computes is kept and reused as a lone run's: the
+            build without llamafile's kernels (``make llama-server-invariant``), weight
+            repacking off ``-nr``, flash attention off ``-fa off``, the tiled K-quant matmul
+            off ``GGML_CPU_TILED_MM=0``, with the KV cache per slot. Measured on 2 cores
+            (``benchmarks.batch_invariance --load 4``, 4 clients x 6 RAG prompts at once, each
+            against the same prompt alone): 24 of 24 texts and first-token log-probabilities
+            bit for bit on Gemma 3 270M and on SmolLM2-135M (the default build with the same
+            switches: 22 and 23 of 24). It costs prefill speed alone, by model: Gemma 3 (most
+            of its weights Q5_0/Q8_0, llamafile's types) 0.41-0.49x a started server's,
+            SmolLM2 (Q4_1) 0.67-0.90x; off by default (one client gains nothing from it).
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
@@ -101,6 +122,7 @@ class ServerLaunch:
     host: str = "127.0.0.1"
     port: int | None = None
     slot_save_path: str | os.PathLike[str] | None = None
+    batch_invariant: bool = False
     extra_args: Sequence[str] = ()
     binary: str | os.PathLike[str] | None = None
     startup_timeout_s: float = 180.0
@@ -117,8 +139,12 @@ class ServerLaunch:
         return (
             "-c", str(self.n_ctx * slots), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", str(slots), "-no-kvu",
             "-t", str(threads), "-tb", str(threads),
-            "--swa-full", "--cache-ram", "0", "--no-webui", *self.extra_args,
+            "--swa-full", "--cache-ram", "0", "--no-webui", *INVARIANT_FLAGS * self.batch_invariant, *self.extra_args,
         )  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        """The environment variables the server runs with beside this process's."""
+        return dict(INVARIANT_ENVIRONMENT) if self.batch_invariant else {}
 
 
 def wait_until_ready(http: ServerHTTP, timeout_s: float, process: ServerProcess | None = None) -> None:
@@ -157,7 +183,7 @@ class ServerProcess:
             raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
         if launch.n_slots is not None and launch.n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, or None for llama-server's default (got {launch.n_slots})")
-        executable = Path(launch.binary) if launch.binary is not None else find_server_binary()
+        executable = Path(launch.binary) if launch.binary is not None else find_server_binary(batch_invariant=launch.batch_invariant)
         self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
         slot_save_path = launch.slot_save_path
         if slot_save_path is None:
@@ -171,7 +197,8 @@ class ServerProcess:
         where = ("-m", str(model), "--host", launch.host, "--port", str(port), "--slot-save-path", str(slot_save_path))
         self._log: Any = tempfile.TemporaryFile(prefix="percache-llama-server-")
         self.popen = subprocess.Popen(
-            [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent
+            [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent,
+            env={**os.environ, **launch.environment()},
         )
         self._finalizer = weakref.finalize(self, _stop, self.popen, self._log)
 

@@ -1,0 +1,42 @@
+"""How a llama-server PerCache starts is launched: the batch-invariant launch's flags,
+environment and binary, and the CLI's refusal of it for a server it does not start."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from percache_core import ServerLaunch
+from percache_core.cli import main
+from percache_core.engines.llama_server.server_http import ServerError
+from percache_core.engines.llama_server.server_process import INVARIANT_BINARY_ENV, find_server_binary
+
+
+def test_the_invariant_launch_turns_the_batch_dependent_paths_off_and_the_default_keeps_them() -> None:
+    plain, invariant = ServerLaunch(n_slots=2), ServerLaunch(n_slots=2, batch_invariant=True)
+    assert "-nr" not in plain.flags() and plain.environment() == {}
+    flags = invariant.flags()
+    assert "-nr" in flags and flags[flags.index("-fa") + 1] == "off" and "-no-kvu" in flags
+    assert invariant.environment() == {"GGML_CPU_TILED_MM": "0"}
+    assert flags[: len(plain.flags())] == plain.flags()  # the same slots, context and batches, then the switches
+
+
+def test_the_invariant_launch_runs_its_own_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    binary = tmp_path / "llama-server-invariant"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv(INVARIANT_BINARY_ENV, str(binary))
+    assert find_server_binary(batch_invariant=True) == binary
+    assert find_server_binary() != binary  # the plain launch keeps make llama-server's
+    monkeypatch.setenv(INVARIANT_BINARY_ENV, str(tmp_path / "missing"))  # nor beside this Python, nor on PATH:
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))           # the error says how to build it
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(ServerError, match="make llama-server-invariant"):
+        find_server_binary(batch_invariant=True)
+
+
+def test_serve_refuses_batch_invariant_for_a_server_it_does_not_start(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--upstream", "http://127.0.0.1:1", "--batch-invariant"]) == 2
+    assert "--batch-invariant" in capsys.readouterr().err
