@@ -11,7 +11,11 @@ import pytest
 from percache_core import ServerLaunch
 from percache_core.cli import main
 from percache_core.engines.llama_server.server_http import ServerError
-from percache_core.engines.llama_server.server_process import INVARIANT_BINARY_ENV, find_server_binary
+from percache_core.engines.llama_server.server_process import (
+    BINARY_ENV,
+    INVARIANT_BINARY_ENV,
+    find_server_binary,
+)
 
 
 def test_the_invariant_launch_turns_the_batch_dependent_paths_off_and_the_default_keeps_them() -> None:
@@ -27,9 +31,13 @@ def test_the_invariant_launch_runs_its_own_build(tmp_path: Path, monkeypatch: py
     binary = tmp_path / "llama-server-invariant"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
+    plain = tmp_path / "llama-server"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o755)
     monkeypatch.setenv(INVARIANT_BINARY_ENV, str(binary))
+    monkeypatch.setenv(BINARY_ENV, str(plain))
     assert find_server_binary(batch_invariant=True) == binary
-    assert find_server_binary() != binary  # the plain launch keeps make llama-server's
+    assert find_server_binary() == plain  # the plain launch keeps its own
     monkeypatch.setenv(INVARIANT_BINARY_ENV, str(tmp_path / "missing"))  # nor beside this Python, nor on PATH:
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))           # the error says how to build it
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))

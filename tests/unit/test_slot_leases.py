@@ -24,6 +24,14 @@ def test_runs_get_different_slots_and_overlapping_runs_are_batched() -> None:
     assert leases.leased == []
 
 
+def test_on_a_batch_invariant_server_overlapping_runs_get_their_slots_and_count_as_alone() -> None:
+    leases = SlotLeases(2, invariant=True)
+    with leases.one(first) as (a, mark_a):
+        with leases.one(first) as (b, mark_b):
+            assert (a, b) == (0, 1) and leases.alone_now(mark_b)
+    assert not mark_a.batched and not mark_b.batched
+
+
 def test_a_run_after_another_finished_computing_is_alone() -> None:
     leases = SlotLeases(2)
     with leases.one(first) as (_, mark_a):

@@ -29,7 +29,8 @@ gets the server's text under that batching, as a client of the server alone woul
 leaves nothing: no stored answer (:attr:`RunResult.batched`), no state, nothing of its slot
 kept for the next request. Only what a request computed alone is stored or reused. On a
 server started batch-invariant (:class:`~percache_core.engines.llama_server.server_process.ServerLaunch`'s
-``batch_invariant``) every request computes as alone, so every run is kept as a lone run's.
+``batch_invariant``) every request computes as alone, so no run is marked batched and each
+is kept as a lone run's.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class ServerRunner(StateRunner):
         states = self.states if config.tiers.chunk_states and self.rule is not None else None
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
-            alone = self.pool.leases.alone_now(run.mark) or self.engine.batch_invariant  # (see alone_now; invariant: all)
+            alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
             if not alone and options.decode and not options.idle and self._loose_reaches_further(run, layout):
                 return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
             if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
@@ -216,7 +217,7 @@ class ServerRunner(StateRunner):
             result.prefilled_tokens = max(0, end - result.reused_tokens)
         finally:
             self.pool.leases.done_computing(run.mark)
-            result.batched = run.mark.batched and not self.engine.batch_invariant  # (else it computed as alone)
+            result.batched = run.mark.batched
             if result.batched:  # what it computed is the server's under batching: nothing kept
                 self.batched_runs, complete = self.batched_runs + 1, False
                 run.slot.keep_loose(layout.tokens)

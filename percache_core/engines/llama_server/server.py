@@ -215,7 +215,7 @@ class LlamaServer:
         a measurement or a passed-through request the whole server. A started server's every
         slot; an attached one's first only, until :meth:`use_every_slot`."""
         if self._leases is None:
-            self._leases = SlotLeases(self.total_slots if self.owns_process else 1)
+            self._leases = SlotLeases(self.total_slots if self.owns_process else 1, invariant=self.batch_invariant)
         return self._leases
 
     def use_every_slot(self) -> None:

@@ -17,6 +17,9 @@ under that batching, so it is neither stored nor reused. Idle work's leases and 
 do not overlap: a user's lease waits for idle work to yield (idle work stops at its next
 check once a user waits), and idle work waits for users.
 
+On a server started batch-invariant (``ServerLaunch.batch_invariant``) a request computes
+as alone whatever runs beside it, so there no run is marked batched.
+
 Requests that other clients send the server directly are not seen here.
 
 >>> leases = SlotLeases(2)
@@ -45,12 +48,14 @@ class RunMark:
 
 
 class SlotLeases:
-    """The slots of a server with *count* of them (see the module)."""
+    """The slots of a server with *count* of them (see the module); *invariant*: a
+    batch-invariant server's, whose runs are never marked batched."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, *, invariant: bool = False) -> None:
         if count < 1:
             raise ValueError(f"a server has at least one slot (got {count})")
         self.count = count
+        self.invariant = invariant
         self._cond = threading.Condition()
         self._leased: dict[int, tuple[RunMark, str]] = {}  # slot -> (its run, "user", "idle" or "save")
         self._whole_owner: int | None = None  # the thread that holds the whole server
@@ -99,7 +104,7 @@ class SlotLeases:
             else:
                 self._cond.wait_for(lambda: self._may_lease(idle))
                 slot = choose([s for s in range(self.count) if s not in self._leased])
-                if any(other.computing for other, _ in self._leased.values()):
+                if not self.invariant and any(other.computing for other, _ in self._leased.values()):
                     mark.batched = True
                     for other, _ in self._leased.values():
                         other.batched = other.batched or other.computing
