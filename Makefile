@@ -65,11 +65,13 @@ $(LLAMA_SERVER): scripts/build_llama_server.sh | $(STAMP)
 
 llama-server: $(LLAMA_SERVER)
 
-# the same build without llamafile's kernels (-DGGML_LLAMAFILE=OFF), for a server started
-# batch-invariant (ServerLaunch.batch_invariant, percache serve --batch-invariant): llamafile's
-# tinyBLAS computes a sequence's rows otherwise by how many rows a batch holds, so under load
-# a request's result depended on its neighbours (docs/engines.md, "Batch invariance"); another
-# 4 minutes or so, built once and kept as .venv/bin/llama-server-invariant
+# the same sources with one line of llamafile's sgemm.cpp changed (tinyBLAS for every batch
+# size: upstream, a product of one token row takes ggml's vec_dot kernels instead, which round
+# otherwise), for a server started batch-invariant (ServerLaunch.batch_invariant, percache serve
+# --batch-invariant): with it a lone decode step and the same step batched with another slot's
+# compute alike, so under load a request's result does not depend on its neighbours
+# (docs/engines.md, "Batch invariance"); a copy of the sources, another 4 minutes or so, built
+# once and kept as .venv/bin/llama-server-invariant
 LLAMA_SERVER_INVARIANT := $(BIN)/llama-server-invariant
 $(LLAMA_SERVER_INVARIANT): scripts/build_llama_server.sh | $(STAMP)
 	scripts/build_llama_server.sh $(VENV) invariant

@@ -6,10 +6,12 @@ with another's prompt or decode tokens. Where that changes a request's arithmeti
 run batched with another computes differs from a lone run's, and PerCache keeps nothing of
 it. Read in llama.cpp's CPU backend (the sources this build comes from), a token's numbers
 may depend on its batch through weight repacking (``-nr`` turns it off), the tiled K-quant
-matmul at 8 rows or more (env ``GGML_CPU_TILED_MM=0``), llamafile's tinyBLAS (only a build
-without it), CPU flash attention's paths (``-fa off``) and one KV cache shared by every
-slot (``--no-kv-unified`` gives each slot its own). This benchmark measures which
-configurations make a request's result independent of its neighbours.
+matmul at 8 rows or more (env ``GGML_CPU_TILED_MM=0``), llamafile's tinyBLAS, which
+declines one token row (a build whose tinyBLAS takes every batch size: ``make
+llama-server-invariant``, or one without llamafile), CPU flash attention's paths (``-fa
+off``) and one KV cache shared by every slot (``--no-kv-unified`` gives each slot its own).
+This benchmark measures which configurations make a request's result independent of its
+neighbours (``--server`` names the binary).
 
 Per model and configuration: a reference server (``-np 1``) runs each prompt alone, fresh
 (``cache_prompt: false``); a two-slot server of the same configuration then runs it alone

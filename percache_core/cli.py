@@ -190,9 +190,9 @@ def _add_serve_parser(commands: Any) -> None:
                        help="slots of the server this command starts (default 4, as llama-server's; each its own "
                             "KV cache of the context size)")
     serve.add_argument("--batch-invariant", action="store_true",
-                       help="start the build without llamafile (make llama-server-invariant) so that a request computes "
-                            "as alone beside others (-nr -fa off, GGML_CPU_TILED_MM=0): batched runs' states and answers "
-                            "are kept; prefill alone 0.41-0.49x on Gemma 3, 0.67-0.90x on SmolLM2 (docs/engines.md)")
+                       help="start the build whose llamafile kernels take every batch size (make llama-server-invariant) "
+                            "so that a request computes as alone beside others (-nr -fa off, GGML_CPU_TILED_MM=0): batched "
+                            "runs' states and answers are kept; it costs speed alone, by model (docs/engines.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     serve.add_argument("--api-key", help="key clients must send (required off loopback; or $PERCACHE_API_KEY)")

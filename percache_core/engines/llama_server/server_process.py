@@ -24,15 +24,15 @@ from typing import Any
 from .server_http import ServerError, ServerHTTP
 
 BINARY_ENV = "PERCACHE_LLAMA_SERVER"
-INVARIANT_BINARY_ENV = "PERCACHE_LLAMA_SERVER_INVARIANT"  # a build without llamafile (ServerLaunch.batch_invariant)
+INVARIANT_BINARY_ENV = "PERCACHE_LLAMA_SERVER_INVARIANT"  # the tinyBLAS-for-every-batch build (ServerLaunch.batch_invariant)
 DEFAULT_SLOTS = 4  # llama-server's slots when started with no -np (it says "n_parallel is set to auto")
 
 
 def find_server_binary(*, batch_invariant: bool = False) -> Path:
     """The llama-server to start: ``$PERCACHE_LLAMA_SERVER``, the one ``make llama-server``
     installed beside this Python (``.venv/bin``), or one on ``PATH``. With *batch_invariant*,
-    the build without llamafile's kernels: ``$PERCACHE_LLAMA_SERVER_INVARIANT`` or the one
-    ``make llama-server-invariant`` installed (``.venv/bin/llama-server-invariant``)."""
+    the build whose llamafile kernels take every batch size: ``$PERCACHE_LLAMA_SERVER_INVARIANT``
+    or the one ``make llama-server-invariant`` installed (``.venv/bin/llama-server-invariant``)."""
     env, name = (INVARIANT_BINARY_ENV, "llama-server-invariant") if batch_invariant else (BINARY_ENV, "llama-server")
     named = os.environ.get(env)
     candidates = [Path(named)] if named else []
@@ -101,15 +101,16 @@ class ServerLaunch:
         slot_save_path: where it saves slot files (None: a temporary folder).
         batch_invariant: run every request as it runs alone, whatever runs beside it, so that
             what a run batched with another computes is kept and reused as a lone run's: the
-            build without llamafile's kernels (``make llama-server-invariant``), weight
-            repacking off ``-nr``, flash attention off ``-fa off``, the tiled K-quant matmul
-            off ``GGML_CPU_TILED_MM=0``, with the KV cache per slot. Measured on 2 cores
-            (``benchmarks.batch_invariance --load 4``, 4 clients x 6 RAG prompts at once, each
-            against the same prompt alone): 24 of 24 texts and first-token log-probabilities
-            bit for bit on Gemma 3 270M and on SmolLM2-135M (the default build with the same
-            switches: 22 and 23 of 24). It costs prefill speed alone, by model: Gemma 3 (most
-            of its weights Q5_0/Q8_0, llamafile's types) 0.41-0.49x a started server's,
-            SmolLM2 (Q4_1) 0.67-0.90x; off by default (one client gains nothing from it).
+            build whose llamafile kernels take every batch size, one token included (``make
+            llama-server-invariant``), weight repacking off ``-nr``, flash attention off
+            ``-fa off``, the tiled K-quant matmul off ``GGML_CPU_TILED_MM=0``, with the KV
+            cache per slot. Measured on 2 cores (``benchmarks.batch_invariance --load 8``, 8
+            clients x 6 RAG prompts at once, each against the same prompt alone): 48 of 48
+            texts and first-token log-probabilities bit for bit on Gemma 3 270M and on
+            SmolLM2-135M (the default build with the same switches, 4 clients: 22 and 23 of
+            24). It costs speed alone (the switches: flash attention and repacking off), by
+            model and prompt length; off by default (one client gains nothing from it). See
+            docs/engines.md, "Batch invariance".
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
