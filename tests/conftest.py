@@ -13,11 +13,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from collections.abc import Callable, Iterator  # noqa: E402
+import threading  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from percache_core import PerCache, PerCacheConfig  # noqa: E402
@@ -57,9 +60,33 @@ def engine(model_path: Path) -> Iterator[LlamaEngine]:
     engine.close()
 
 
+class SuiteEmbedder(BertEmbedder):
+    """The real embedder, each batch of texts encoded once per suite run: a batch's rows are
+    what encoding it again computes (the same texts, the same padding, the same products),
+    so the caches that load the demo corpus test after test, and the documents two caches of
+    one test each add, do not encode them again (about a minute of the suite's encoding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._batches: OrderedDict[tuple[str, ...], np.ndarray] = OrderedDict()
+        self._batches_lock = threading.Lock()
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        key = tuple(texts)
+        with self._batches_lock:
+            rows = self._batches.get(key)
+        if rows is None:
+            rows = super()._encode(texts)
+            with self._batches_lock:
+                self._batches[key] = rows
+                while len(self._batches) > 512:
+                    self._batches.popitem(last=False)
+        return rows.copy()
+
+
 @pytest.fixture(scope="session")
 def embedder() -> BertEmbedder:
-    embedder = BertEmbedder()
+    embedder = SuiteEmbedder()
     embedder.embed(["load"])
     return embedder
 
