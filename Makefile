@@ -65,11 +65,13 @@ $(LLAMA_SERVER): scripts/build_llama_server.sh | $(STAMP)
 
 llama-server: $(LLAMA_SERVER)
 
-# the same sources with one line of llamafile's sgemm.cpp changed (tinyBLAS for every batch
-# size: upstream, a product of one token row takes ggml's vec_dot kernels instead, which round
-# otherwise), for a server started batch-invariant (ServerLaunch.batch_invariant, percache serve
-# --batch-invariant): with it a lone decode step and the same step batched with another slot's
-# compute alike, so under load a request's result does not depend on its neighbours
+# the same sources with three lines changed: llamafile's sgemm.cpp takes every batch size
+# (upstream, a product of one token row takes ggml's vec_dot kernels instead, which round
+# otherwise) and ops.cpp's CPU flash attention computes each query row on its own path
+# (upstream: a split-KV path for a lone decode step, a tiled one for many rows), for a server
+# started batch-invariant (ServerLaunch.batch_invariant, percache serve --batch-invariant):
+# with them a lone decode step and the same step batched with another slot's compute alike,
+# so under load a request's result does not depend on its neighbours
 # (docs/engines.md, "Batch invariance"); a copy of the sources, another 4 minutes or so, built
 # once and kept as .venv/bin/llama-server-invariant
 LLAMA_SERVER_INVARIANT := $(BIN)/llama-server-invariant

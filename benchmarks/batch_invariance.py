@@ -61,9 +61,10 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "tiled matmul off": ((), {"GGML_CPU_TILED_MM": "0"}),
     "no unified KV": (("--no-kv-unified",), {}),
     "all four": (("-nr", "-fa", "off", "--no-kv-unified"), {"GGML_CPU_TILED_MM": "0"}),
-    # what LlamaServer.start runs (ServerLaunch), without and with the four switches
+    # what LlamaServer.start runs (ServerLaunch), without and with the invariant launch's switches (its flash
+    # attention on: invariant only on the build make llama-server-invariant makes)
     "PerCache's launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu"), {}),
-    "PerCache's invariant launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "off"),
+    "PerCache's invariant launch": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "on"),
                                     {"GGML_CPU_TILED_MM": "0"}),
 }
 PROMPT_SENTENCES = {"short": 6, "past 512": 45, "past 2048": 160}  # 146, 1,040 and 3,731 tokens on Gemma 3

@@ -3,12 +3,14 @@
 # sdist that the in-process engine uses (same version, so the same llama.cpp commit), and
 # installs the binary as $VENV/bin/llama-server. Run once by `make llama-server`; the result
 # is kept (about 4 minutes on 2 cores). With a second argument `invariant` (`make
-# llama-server-invariant`): the same sources with one line changed, so that llamafile's
+# llama-server-invariant`): the same sources with three lines changed, so that llamafile's
 # tinyBLAS multiplies every batch, one token included (upstream it declines fewer than 2
 # tokens, which then take ggml's vec_dot kernels: a lone decode step and the same step
-# batched with another slot's rounded differently), whose results do not depend on what a
-# request is batched with (ServerLaunch.batch_invariant): a copy of the sources and a build
-# folder of their own, installed as $VENV/bin/llama-server-invariant.
+# batched with another slot's rounded differently), and CPU flash attention computes every
+# query row on its own (upstream it takes a split-KV path for a lone decode step and a tiled
+# one for many rows), whose results do not depend on what a request is batched with
+# (ServerLaunch.batch_invariant): a copy of the sources and a build folder of their own,
+# installed as $VENV/bin/llama-server-invariant.
 #   cmake: the server on, the prebuilt web UI off (it would be downloaded), OpenSSL off
 #   (loopback HTTP only), static libraries (one self-contained binary), Ninja, and no AMX
 #   kernels (NO_AMX).
@@ -17,7 +19,7 @@ VENV=${1:-.venv}
 VARIANT=${2:-}
 case "$VARIANT" in
     "") BUILD=build; NAME=llama-server ;;
-    invariant) BUILD=invariant-src/build; NAME=llama-server-invariant ;;
+    invariant) BUILD=batch-invariant-src/build; NAME=llama-server-invariant ;;
     *) echo "unknown variant: $VARIANT (none, or invariant)" >&2; exit 2 ;;
 esac
 VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
@@ -31,21 +33,33 @@ fi
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$WORK"
 if [ "$VARIANT" = invariant ]; then
-    # the sources again, in a folder of their own, with tinyBLAS taken for every batch size
-    COPY="$WORK/invariant-src"
+    # the sources again, in a folder of their own, with tinyBLAS taken for every batch size and
+    # CPU flash attention on one path for every batch (its per-row kernel)
+    COPY="$WORK/batch-invariant-src"
     if [ ! -d "$COPY" ]; then
         rm -rf "$COPY.partial" && mkdir -p "$COPY.partial"
         tar -xzf "$SDIST" -C "$COPY.partial"
-        "$VENV/bin/python" - "$COPY.partial/llama_cpp_python-$VERSION/vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp" <<'PY'
+        "$VENV/bin/python" - "$COPY.partial/llama_cpp_python-$VERSION/vendor/llama.cpp/ggml/src/ggml-cpu" <<'PY'
 import sys
 from pathlib import Path
-path = Path(sys.argv[1])
-before = "    // only enable sgemm for prompt processing\n#if !defined(__MMA__)\n    if (n < 2)\n"
-after = "    // every batch size, one token included: batch-invariant (PerCache)\n#if !defined(__MMA__)\n    if (n < 1)\n"
-text = path.read_text()
-if text.count(before) != 1:
-    sys.exit(f"{path}: the line to change is not there once (another llama.cpp version?)")
-path.write_text(text.replace(before, after))
+cpu = Path(sys.argv[1])
+CHANGES = [  # (file, the text upstream, the text here)
+    ("llamafile/sgemm.cpp",  # tinyBLAS for one token row too, not ggml's vec_dot
+     "    // only enable sgemm for prompt processing\n#if !defined(__MMA__)\n    if (n < 2)\n",
+     "    // every batch size, one token included: batch-invariant (PerCache)\n#if !defined(__MMA__)\n    if (n < 1)\n"),
+    ("ops.cpp",  # flash attention: no split-KV path for a lone decode step
+     "const bool use_split_kv_path = !use_ref && ",
+     "const bool use_split_kv_path = false && !use_ref && "),
+    ("ops.cpp",  # flash attention: no tiled path for many query rows (each row on its own)
+     "        bool use_tiled = !use_ref &&\n",
+     "        bool use_tiled = false && !use_ref &&\n"),
+]
+for name, before, after in CHANGES:
+    path = cpu / name
+    text = path.read_text()
+    if text.count(before) != 1:
+        sys.exit(f"{path}: the text to change is not there once (another llama.cpp version?)")
+    path.write_text(text.replace(before, after))
 PY
         mv "$COPY.partial" "$COPY"
     fi

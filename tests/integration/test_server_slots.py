@@ -83,7 +83,7 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
 def test_a_batch_invariant_server_keeps_what_a_run_beside_another_computes(
     tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
 ) -> None:
-    launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True)  # tinyBLAS for every batch, -nr -fa off, no tiled matmul
+    launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True)  # the batch-invariant build, -nr -fa on, no tiled matmul
     with LlamaServer.start(model_path, launch) as invariant:
         assert invariant.batch_invariant and "-nr" in invariant.launch_flags
         pc = open_on(tmp_path / "cache", invariant, embedder, corpus)

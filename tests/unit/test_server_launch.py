@@ -22,7 +22,7 @@ def test_the_invariant_launch_turns_the_batch_dependent_paths_off_and_the_defaul
     plain, invariant = ServerLaunch(n_slots=2), ServerLaunch(n_slots=2, batch_invariant=True)
     assert "-nr" not in plain.flags() and plain.environment() == {}
     flags = invariant.flags()
-    assert "-nr" in flags and flags[flags.index("-fa") + 1] == "off" and "-no-kvu" in flags
+    assert "-nr" in flags and flags[flags.index("-fa") + 1] == "on" and "-no-kvu" in flags
     assert invariant.environment() == {"GGML_CPU_TILED_MM": "0"}
     assert flags[: len(plain.flags())] == plain.flags()  # the same slots, context and batches, then the switches
 

@@ -309,7 +309,7 @@ class LlamaServer:
             stat = f"{info.st_size}:{info.st_mtime_ns}"
         record = json.dumps(
             [props.get("build_info"), model, stat, self.n_ctx, props.get("total_slots"), self.launch_flags, extra]
-            + ["batch-invariant: tinyBLAS for every batch"] * self.batch_invariant,  # (not the earlier build's)
+            + ["batch-invariant: tinyBLAS for every batch, per-row flash attention"] * self.batch_invariant,  # (not the earlier build's)
             default=str,
         )
         return hashlib.sha256(record.encode()).hexdigest()[:32]

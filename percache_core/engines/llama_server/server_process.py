@@ -78,7 +78,7 @@ def free_port(host: str) -> int:
 
 # what makes a request's arithmetic independent of the requests batched with it (on the CPU
 # backend: benchmarks.batch_invariance; the KV cache per slot comes with every launch)
-INVARIANT_FLAGS = ("-nr", "-fa", "off")
+INVARIANT_FLAGS = ("-nr", "-fa", "on")  # flash attention on its per-row path in that build
 INVARIANT_ENVIRONMENT = {"GGML_CPU_TILED_MM": "0"}
 
 
@@ -101,15 +101,15 @@ class ServerLaunch:
         slot_save_path: where it saves slot files (None: a temporary folder).
         batch_invariant: run every request as it runs alone, whatever runs beside it, so that
             what a run batched with another computes is kept and reused as a lone run's: the
-            build whose llamafile kernels take every batch size, one token included (``make
-            llama-server-invariant``), weight repacking off ``-nr``, flash attention off
-            ``-fa off``, the tiled K-quant matmul off ``GGML_CPU_TILED_MM=0``, with the KV
-            cache per slot. Measured on 2 cores (``benchmarks.batch_invariance --load 8``, 8
+            build whose llamafile kernels take every batch size, one token included, and whose
+            CPU flash attention computes each query row on its own path (``make
+            llama-server-invariant``), weight repacking off ``-nr``, flash attention on ``-fa
+            on``, the tiled K-quant matmul off ``GGML_CPU_TILED_MM=0``, with the KV cache per
+            slot. Measured on 2 cores (``benchmarks.batch_invariance --load 8``, 8
             clients x 6 RAG prompts at once, each against the same prompt alone): 48 of 48
             texts and first-token log-probabilities bit for bit on Gemma 3 270M and on
             SmolLM2-135M (the default build with the same switches, 4 clients: 22 and 23 of
-            24). It costs speed alone (the switches: flash attention and repacking off), by
-            model and prompt length; off by default (one client gains nothing from it). See
+            24). It costs prefill speed alone, by model and prompt length; off by default (one client gains nothing from it). See
             docs/engines.md, "Batch invariance".
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
