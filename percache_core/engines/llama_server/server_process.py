@@ -105,12 +105,14 @@ class ServerLaunch:
             CPU flash attention computes each query row on its own path (``make
             llama-server-invariant``), weight repacking off ``-nr``, flash attention on ``-fa
             on``, the tiled K-quant matmul off ``GGML_CPU_TILED_MM=0``, with the KV cache per
-            slot. Measured on 2 cores (``benchmarks.batch_invariance --load 8``, 8
-            clients x 6 RAG prompts at once, each against the same prompt alone): 48 of 48
-            texts and first-token log-probabilities bit for bit on Gemma 3 270M and on
-            SmolLM2-135M (the default build with the same switches, 4 clients: 22 and 23 of
-            24). It costs prefill speed alone, by model and prompt length; off by default (one client gains nothing from it). See
-            docs/engines.md, "Batch invariance".
+            slot. Measured on 2 cores through ``percache serve``
+            (``benchmarks.load_exactness --batch-invariant``, 8 clients x 13 RAG prompts at
+            once, then each asked again alone): 104 of 104 replies under load the fresh text
+            and 0 of 104 asked again different, on Gemma 3 270M and on SmolLM2-135M (the
+            default build with such switches, ``benchmarks.batch_invariance --load 4``: 22
+            and 23 of 24 texts). It costs prefill speed alone, by model and prompt length;
+            off by default (one client gains nothing from it). See docs/engines.md, "Batch
+            invariance".
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
