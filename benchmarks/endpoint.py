@@ -330,7 +330,9 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
                         pc.preload()
                         measured["percache"].append(load_side(url, asks))
                         row["slots_used"] = attached.leases.count
-                        row["batched_runs"] = row.get("batched_runs", 0) + internals(pc).runtime.runner.batched_runs
+                        runner = internals(pc).runtime.runner
+                        row["batched_runs"] = row.get("batched_runs", 0) + runner.batched_runs
+                        row["prefix_waits"] = row.get("prefix_waits", 0) + runner.prefix_waits
             finally:
                 server.close()
     for name, runs in measured.items():

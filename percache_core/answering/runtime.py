@@ -377,6 +377,7 @@ class ModelRuntime:
             "evictions_per_state": self._states.evictions / max(1, len(nodes) + self._states.evictions),
             "restore_failures": self._runner.restore_failures,
             "batched_runs": self._runner.batched_runs,
+            "prefix_waits": self._runner.prefix_waits,
             "storage_failures": self._runner.storage_failures,
             "corrupt_dropped": self._states.local.corrupt_dropped,
         }

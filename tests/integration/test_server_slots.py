@@ -4,6 +4,7 @@ slot, and nothing kept of a run that shared the server's batches with another.""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,39 +81,76 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
         pc.close()
 
 
-def test_a_batch_invariant_server_keeps_what_a_run_beside_another_computes(
-    tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
-) -> None:
+@pytest.fixture(scope="module")
+def invariant(model_path: Path) -> Iterator[LlamaServer]:
     launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True)  # the batch-invariant build, -nr -fa on, no tiled matmul
-    with LlamaServer.start(model_path, launch) as invariant:
-        assert invariant.batch_invariant and "-nr" in invariant.launch_flags
-        pc = open_on(tmp_path / "cache", invariant, embedder, corpus)
-        pc.preload()  # the server's cut rule, measured on the whole server: before the other client comes
-        decoding, question = Decoding(max_new_tokens=16), "Who brings the projector?"
-        decoding_now = threading.Event()
+    with LlamaServer.start(model_path, launch) as started:
+        yield started
 
-        def another_client() -> None:  # decodes in the other slot while the cache's run prefills and decodes
-            with invariant.leases.one(lambda free: free[0]) as (slot, _):
-                tokens = invariant.tokenize("Count from one to two hundred: one, two,", True)
-                for _ in invariant.complete(tokens, Decoding(300), cache_prompt=False, slot=InSlot(slot)):
-                    decoding_now.set()
-            decoding_now.set()
 
-        try:
-            other = threading.Thread(target=another_client)
-            other.start()
-            assert decoding_now.wait(60)
-            beside = pc.caller.complete(prompt(question), documents=NOTES, decoding=decoding)
-            still_decoding = other.is_alive()
-            other.join(120)
-            runner = internals(pc).runtime.runner
-            assert still_decoding and runner.batched_runs == 0  # it computed as alone: kept as a lone run's
-            assert beside.text == fresh_of(pc, invariant, prompt(question))
-            assert pc.stats()["chunk_states"]["nodes"] > 0
-            again = pc.caller.complete(prompt(question), documents=NOTES, decoding=decoding)
-            assert again.source == "prompt_answer" and again.text == beside.text
-        finally:
-            pc.close()
+def test_a_batch_invariant_server_keeps_what_a_run_beside_another_computes(
+    tmp_path: Path, invariant: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    assert invariant.batch_invariant and "-nr" in invariant.launch_flags
+    pc = open_on(tmp_path / "cache", invariant, embedder, corpus)
+    pc.preload()  # the server's cut rule, measured on the whole server: before the other client comes
+    decoding, question = Decoding(max_new_tokens=16), "Who brings the projector?"
+    decoding_now = threading.Event()
+
+    def another_client() -> None:  # decodes in the other slot while the cache's run prefills and decodes
+        with invariant.leases.one(lambda free: free[0]) as (slot, _):
+            tokens = invariant.tokenize("Count from one to two hundred: one, two,", True)
+            for _ in invariant.complete(tokens, Decoding(300), cache_prompt=False, slot=InSlot(slot)):
+                decoding_now.set()
+        decoding_now.set()
+
+    try:
+        other = threading.Thread(target=another_client)
+        other.start()
+        assert decoding_now.wait(60)
+        beside = pc.caller.complete(prompt(question), documents=NOTES, decoding=decoding)
+        still_decoding = other.is_alive()
+        other.join(120)
+        runner = internals(pc).runtime.runner
+        assert still_decoding and runner.batched_runs == 0  # it computed as alone: kept as a lone run's
+        assert beside.text == fresh_of(pc, invariant, prompt(question))
+        assert pc.stats()["chunk_states"]["nodes"] > 0
+        again = pc.caller.complete(prompt(question), documents=NOTES, decoding=decoding)
+        assert again.source == "prompt_answer" and again.text == beside.text
+    finally:
+        pc.close()
+
+
+def test_on_a_batch_invariant_server_a_run_waits_for_the_prefix_another_computes_and_restores_it(
+    tmp_path: Path, invariant: LlamaServer, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    """Prefix-aware order: two clients whose prompts share the notes, the second arriving
+    while the first prefills them, compute the notes once; both get the fresh text."""
+    pc = open_on(tmp_path / "cache", invariant, embedder, corpus)
+    notes = [document["text"] for document in corpus["documents"][:3]]  # long enough to be worth waiting for
+    pc.preload()  # the server's cut rule, on the whole server
+    runner = internals(pc).runtime.runner
+    replies: dict[str, Any] = {}
+
+    def ask(question: str) -> None:
+        replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=Decoding(max_new_tokens=16))
+
+    try:
+        first = threading.Thread(target=ask, args=("When is the rehearsal?",))
+        first.start()
+        while not runner.starts.claims.lengths() and first.is_alive():  # the first run claims the notes' state
+            time.sleep(0.002)
+        claimed = runner.starts.claims.lengths()
+        ask("How much did finance approve?")  # arrives while the first prefills the notes
+        first.join(120)
+        assert claimed and runner.prefix_waits == 1
+        second = replies["How much did finance approve?"]
+        assert second.reused_tokens >= claimed[-1] - 16  # it restored the first run's state (or one nearly as long)
+        for question, answer in replies.items():
+            assert answer.text == fresh_of(pc, invariant, prompt(question, notes), notes)
+        assert runner.unexpected_reuse == 0 and runner.restore_failures == 0
+    finally:
+        pc.close()
 
 
 def test_a_state_restores_into_whichever_slot_is_free(

@@ -30,7 +30,8 @@ leaves nothing: no stored answer (:attr:`RunResult.batched`), no state, nothing 
 kept for the next request. Only what a request computed alone is stored or reused. On a
 server started batch-invariant (:class:`~percache_core.engines.llama_server.server_process.ServerLaunch`'s
 ``batch_invariant``) every request computes as alone, so no run is marked batched and each
-is kept as a lone run's.
+is kept as a lone run's; there a run whose prompt starts with a prefix another run is
+computing waits for that state and restores it (:mod:`~percache_core.engines.llama_server.run_start`).
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ from ...kv.cuts import CutRule
 from ...kv.engine import Decoding
 from ...kv.stopping import StopStringFilter, stop_strings
 from ...kv.tiers import TieredStateStore
-from ...kv.tree import StateNode, prefix_keys
 from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
 from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
 from ...serving.text_stream import close_source, shown_text
 from ...types import Chunk
+from .run_start import RunStarts, StartOptions, stored_starts
 from .server import Completion, InSlot, LlamaServer, UnexpectedReuse
 from .slot import NO_WINDOW, ServerCuts, SlotContent
 from .slot_pool import SlotPool, SlotRun
@@ -61,7 +62,6 @@ from .states import EarlySave
 
 logger = logging.getLogger(__name__)
 
-LIVE_CUT_GAIN = 128  # the slot is cut back (a save and a restore) only to keep this many more tokens
 
 
 class ServerRunner(StateRunner):
@@ -88,6 +88,7 @@ class ServerRunner(StateRunner):
         self.store_lock = threading.RLock()  # the stored states, shared by runs in several slots and the writer
         self.pool = SlotPool(self, server, self.cuts, self.store_lock)  # every slot, and the states taken from each
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
+        self.starts = RunStarts(self, self.cuts, self.store_lock)  # where each run starts (and what it waits for)
 
     @property
     def rule(self) -> CutRule | None:
@@ -186,18 +187,22 @@ class ServerRunner(StateRunner):
         tokens = layout.tokens
         clock = time.perf_counter()
         fresh = options.restore_depth is not None or not self.config.tiers.chunk_states  # caches off: nothing reused
-        with self.store_lock:
-            point, depth = self._start(run, layout, keys, end, fresh=fresh)
-        result.depth, result.reused_tokens = depth, point
-        if self.states is not None and self.rule is not None and layout.caller_prompt and options.decode:
-            layout = result.layout = self.cuts.with_tail_cut(layout, point)
-            keys = self._keys(layout, self.states)
+        shares = self.pool.leases.invariant and options.decode and not options.idle and not fresh
+        saves_early = self.states is not None and self.rule is not None and (shares or _window_may_pass(self.window, end, options))
+        tail_cut = self.states is not None and self.rule is not None and layout.caller_prompt and options.decode
+        begun = self.starts.begin(run, layout, keys, end, StartOptions(fresh, shares, tail_cut, should_stop))
+        point, layout, keys = begun.point, begun.layout, begun.keys
+        result.depth, result.reused_tokens, result.layout = begun.depth, point, layout
         result.timings["restore"] = time.perf_counter() - clock
         clock = time.perf_counter()
         complete = False
         early = EarlySave()
-        if self.states is not None and self.rule is not None and _window_may_pass(self.window, end, options):
-            point = self._save_early(run, result, (layout, keys), (point, end), early, should_stop)
+        try:
+            if saves_early:
+                point = self._save_early(run, result, (layout, keys), (point, end), early, should_stop)
+        finally:  # saved states stored now: a run in another slot may wait for them
+            if shares:
+                self.starts.publish(run, layout, keys, early, begun, options.idle)
         start = point  # where the last request's prefill started (0 where it was run again)
         span = (start, end)  # the prefill whose cells states are taken from
         try:
@@ -281,31 +286,6 @@ class ServerRunner(StateRunner):
             result.reused_tokens = result.depth = 0
             run.slot.prefill(tokens, 0, should_stop)
             return 0
-
-    def _start(self, run: SlotRun, layout: PromptLayout, keys: list[str], end: int, *, fresh: bool) -> tuple[int, int]:
-        """Bring the run's slot to the deepest allowed start: a stored state restored, or
-        the slot's own prefix when it reaches further (kept as is), else nothing (the next
-        request prefills from 0). Returns (tokens in place, segments they end). The caller
-        holds the store lock."""
-        slot = run.slot
-        live = 0 if fresh else slot.live_reuse(layout.tokens[:end])
-        stored = stored_starts(self.states, self.budget_bytes, layout, keys, end) if self.states is not None else []
-        usable = [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end, past_window=True)]
-        deepest = usable[0].n_tokens if usable else 0
-        if live < 0 and not fresh:  # the slot holds more than may be kept: cut it back
-            kept = slot.cut_back(layout.tokens[:end], deepest + LIVE_CUT_GAIN)
-            if kept:
-                return kept, _depth(layout, kept)
-        for node in usable:
-            if live > 0 and live >= node.n_tokens:
-                break
-            if slot.restore(node, layout.tokens, self.states):
-                return node.n_tokens, _depth(layout, node.n_tokens)
-            self.restore_failures += 1  # (the state dropped)
-        if live > 0:
-            return live, _depth(layout, live)
-        slot.content = None  # whatever it holds, the next request is fresh
-        return 0, 0
 
     def _complete(
         self, run: SlotRun, result: RunResult, point: int, options: RunOptions, how: tuple[StopCheck | None, float],
@@ -416,27 +396,6 @@ class ServerRunner(StateRunner):
             return run.slot.complete_plain(prompt, decoding, chat=chat, should_stop=should_stop)
 
 
-def stored_starts(states: TieredStateStore, budget_bytes: int, layout: PromptLayout, keys: list[str], end: int) -> list[StateNode]:
-    """The states in *states* a run of *layout* (prefilled to *end*) may start from, deepest
-    first: those of its *keys* at their state points, and for a caller's prompt any stored
-    state of its leading tokens (keyed by leading tokens, wherever the earlier prompt's cuts
-    were: which of them the prompt may go on from is ``cut_allowed``'s, since a batch
-    boundary may be a few tokens before its end). The caller holds the store lock."""
-    if not keys:
-        return []
-    stored = [
-        node for node in states.candidates(keys, budget_bytes=budget_bytes)
-        if layout.state_point(keys.index(node.key)) == node.n_tokens
-    ]
-    if not layout.caller_prompt:
-        return stored
-    lengths = sorted({n.n_tokens for n in states.tree.nodes if n.label == "text" and n.n_tokens < end})
-    prefixes = prefix_keys(states.root_key, layout.tokens, lengths) if lengths else []
-    found = {node.key: node for node in stored}
-    found.update((key, node) for key in prefixes if key in states and (node := states.tree.get(key)) is not None)
-    return sorted(found.values(), key=lambda node: -node.n_tokens)
-
-
 def _window_may_pass(window: int, end: int, options: RunOptions) -> bool:
     """Whether a sliding *window* may pass the first cells of a prompt of *end* tokens
     before the request ends (the prompt and the most tokens it may generate are longer
@@ -449,11 +408,6 @@ def _window_may_pass(window: int, end: int, options: RunOptions) -> bool:
         return end > window
     most = options.relay.most_new_tokens if options.relay is not None else options.max_new_tokens
     return most is None or end + most > window
-
-
-def _depth(layout: PromptLayout, point: int) -> int:
-    """The segments whose state points lie within the first *point* tokens."""
-    return sum(1 for i in range(len(layout.segments) - 1) if 0 < layout.state_point(i) <= point)
 
 
 @contextmanager

@@ -74,7 +74,7 @@ class SlotStates:
         Returns where the slot's prefill ends. Raises ``UnexpectedReuse`` when the server
         reused otherwise."""
         point, end = span
-        for target in self._early_targets(layout, keys, point, end):
+        for target in self.early_targets(layout, keys, point, end):
             try:
                 self.slot.prefill(layout.tokens[:target], point, should_stop)
                 saved = self.slot.save()
@@ -88,7 +88,7 @@ class SlotStates:
             point = target  # cut to each state off the answer's time
         return point
 
-    def _early_targets(self, layout: PromptLayout, keys: list[str], point: int, end: int) -> list[int]:
+    def early_targets(self, layout: PromptLayout, keys: list[str], point: int, end: int) -> list[int]:
         """Where :meth:`save_early` saves the slot, in order (see there)."""
         cuts = self.slot.cuts
         points = [layout.state_point(index) for index in self._unstored(layout, keys, point)]
@@ -181,11 +181,31 @@ class SlotStates:
                 wanted = []
         if not wanted and not early.saves:
             return
+        self._submit(layout, keys, [*early.saves, (start, saved, wanted)], idle)
 
-        def store() -> None:  # save by save, so that each finds the one before as its parent
-            with self.store_lock:
-                for first, file, indices in [*early.saves, (start, saved, wanted)]:
-                    if indices:
-                        self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
+    def store_early(self, layout: PromptLayout, keys: list[str], early: EarlySave, idle: bool, then: Callable[[], None]) -> None:
+        """Cut and store the states :meth:`save_early` saved now, in the writer thread,
+        rather than after the answer (*early* is emptied), and call *then* once they are
+        stored or failed: a run in another slot may be waiting for them."""
+        saves, early.saves = list(early.saves), []
+        self._submit(layout, keys, saves, idle, then)
+
+    def _submit(
+        self, layout: PromptLayout, keys: list[str], saves: list[tuple[int, bytes, list[int]]], idle: bool,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Cut the states of each of *saves* (where its prefill started, the slot file, the
+        segments) and store them in the writer thread, save by save, so that each finds the
+        one before as its parent; then *then*."""
+
+        def store() -> None:
+            try:
+                with self.store_lock:
+                    for first, file, indices in saves:
+                        if indices:
+                            self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
+            finally:
+                if then is not None:
+                    then()
 
         self.runner.writer.submit(store)
