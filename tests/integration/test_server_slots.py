@@ -83,7 +83,7 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
 
 @pytest.fixture(scope="module")
 def invariant(model_path: Path) -> Iterator[LlamaServer]:
-    launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True)  # the batch-invariant build, -nr -fa on, no tiled matmul
+    launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True)  # the batch-invariant build, -nr, no tiled matmul, -fa measured
     with LlamaServer.start(model_path, launch) as started:
         yield started
 

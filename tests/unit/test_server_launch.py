@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from percache_core import ServerLaunch
+from percache_core import LlamaServer, ServerLaunch
 from percache_core.cli import main
+from percache_core.engines.llama_server import launch_choice
+from percache_core.engines.llama_server.launch_choice import with_attention_chosen
 from percache_core.engines.llama_server.server_http import ServerError
 from percache_core.engines.llama_server.server_process import (
     BINARY_ENV,
@@ -22,7 +24,9 @@ def test_the_invariant_launch_turns_the_batch_dependent_paths_off_and_the_defaul
     plain, invariant = ServerLaunch(n_slots=2), ServerLaunch(n_slots=2, batch_invariant=True)
     assert "-nr" not in plain.flags() and plain.environment() == {}
     flags = invariant.flags()
-    assert "-nr" in flags and flags[flags.index("-fa") + 1] == "on" and "-no-kvu" in flags
+    assert "-nr" in flags and flags[flags.index("-fa") + 1] == "on" and "-no-kvu" in flags  # (until measured)
+    off = ServerLaunch(n_slots=2, batch_invariant=True, flash_attention="off").flags()
+    assert off[off.index("-fa") + 1] == "off" and "-fa" not in ServerLaunch(flash_attention="off").flags()
     assert invariant.environment() == {"GGML_CPU_TILED_MM": "0"}
     assert flags[: len(plain.flags())] == plain.flags()  # the same slots, context and batches, then the switches
 
@@ -48,3 +52,29 @@ def test_the_invariant_launch_runs_its_own_build(tmp_path: Path, monkeypatch: py
 def test_serve_refuses_batch_invariant_for_a_server_it_does_not_start(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--upstream", "http://127.0.0.1:1", "--batch-invariant"]) == 2
     assert "--batch-invariant" in capsys.readouterr().err
+
+
+def test_an_invariant_launch_takes_the_flash_attention_switch_measured_faster_once_per_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PERCACHE_HOME", str(tmp_path / "home"))
+    model, binary = tmp_path / "model.gguf", tmp_path / "llama-server-invariant"
+    model.write_bytes(b"GGUF")
+    binary.write_text("#!/bin/sh\n")
+    measured: list[str | None] = []
+
+    def request_seconds(_model: Path, launch: ServerLaunch) -> float:
+        measured.append(launch.flash_attention)
+        return {"on": 2.0, "off": 1.0}[launch.flash_attention or ""]
+
+    monkeypatch.setattr(launch_choice, "_request_seconds", request_seconds)
+    launch = ServerLaunch(batch_invariant=True, binary=binary)
+    assert with_attention_chosen(model, launch).flash_attention == "off" and measured == ["on", "off"]
+    assert with_attention_chosen(model, launch).flash_attention == "off" and len(measured) == 2  # kept on disk
+    assert with_attention_chosen(model, ServerLaunch(batch_invariant=True, binary=binary, flash_attention="on")).flash_attention == "on"
+    assert with_attention_chosen(model, ServerLaunch()) == ServerLaunch() and len(measured) == 2  # not invariant: nothing
+    model.write_bytes(b"GGUF, another model")  # another model file: measured again
+    with_attention_chosen(model, launch)
+    assert len(measured) == 4
+    with pytest.raises(ValueError, match="flash_attention"):
+        LlamaServer.start(model, ServerLaunch(batch_invariant=True, binary=binary, flash_attention="yes"))

@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ...kv.engine import ChatPrompt, Decoding, EngineFeatures, Sampling
+from .launch_choice import with_attention_chosen
 from .server_http import ServerError, ServerHTTP, ServerUnreachable
 from .server_process import ServerLaunch, ServerProcess, find_server_binary, free_port
 from .server_streams import Completion, InSlot, UnexpectedReuse, completion_events, relay_events
@@ -144,18 +145,16 @@ class LlamaServer:
         """Start a llama-server on *model_path* and wait until it answers. It runs with the
         launch's slots (default: llama-server's 4, each with a KV cache of its own: see
         :class:`ServerLaunch`), ``-b``/``-ub`` ``n_batch``, ``--swa-full``, ``--cache-ram 0``
-        and ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`).
+        and ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`); a
+        batch-invariant launch's ``-fa`` measured for the model once (:mod:`.launch_choice`).
+        Returns the started server (close it, or use it as a context manager).
 
         Args:
             model_path: a GGUF file (None: the bundled model).
-            launch: the context, batch, threads, address, slot folder and extra flags
-                (default: :class:`ServerLaunch`'s).
-
-        Returns:
-            The started server (close it, or use it as a context manager).
+            launch: the context, batch, threads, address, slot folder and flags (default: :class:`ServerLaunch`'s).
 
         Raises:
-            ValueError: a context under 64 tokens or a batch under 32.
+            ValueError: a context under 64 tokens, a batch under 32, or an unknown ``flash_attention``.
             ServerError: no binary, or the server exited or did not answer in time.
 
         >>> server = LlamaServer.start(None, ServerLaunch(n_ctx=2048))   # doctest: +SKIP
@@ -164,12 +163,13 @@ class LlamaServer:
         from ...models import resolve_model_path
 
         model = Path(resolve_model_path(None if model_path is None else str(model_path)))
-        process = ServerProcess(model, launch or ServerLaunch())
+        launch = with_attention_chosen(model, launch or ServerLaunch())
+        process = ServerProcess(model, launch)
         server = cls(process.url, slot_save_path=process.slot_save_path)
         server._process, server.launch_flags, server.model_path = process, process.flags, model
-        server._n_ubatch, server.batch_invariant = (launch or ServerLaunch()).n_batch, (launch or ServerLaunch()).batch_invariant
+        server._n_ubatch, server.batch_invariant = launch.n_batch, launch.batch_invariant
         try:
-            process.wait_until_ready(server.http, (launch or ServerLaunch()).startup_timeout_s)
+            process.wait_until_ready(server.http, launch.startup_timeout_s)
         except BaseException:
             server.close()
             raise

@@ -78,7 +78,7 @@ def free_port(host: str) -> int:
 
 # what makes a request's arithmetic independent of the requests batched with it (on the CPU
 # backend: benchmarks.batch_invariance; the KV cache per slot comes with every launch)
-INVARIANT_FLAGS = ("-nr", "-fa", "on")  # flash attention on its per-row path in that build
+INVARIANT_FLAGS = ("-nr",)  # and -fa on or off, the model's faster (launch_choice); in that build both hold
 INVARIANT_ENVIRONMENT = {"GGML_CPU_TILED_MM": "0"}
 
 
@@ -103,9 +103,9 @@ class ServerLaunch:
             what a run batched with another computes is kept and reused as a lone run's: the
             build whose llamafile kernels take every batch size, one token included, and whose
             CPU flash attention computes each query row on its own path (``make
-            llama-server-invariant``), weight repacking off ``-nr``, flash attention on ``-fa
-            on``, the tiled K-quant matmul off ``GGML_CPU_TILED_MM=0``, with the KV cache per
-            slot. Measured on 2 cores through ``percache serve``
+            llama-server-invariant``), weight repacking off ``-nr``, the tiled K-quant matmul
+            off ``GGML_CPU_TILED_MM=0``, with the KV cache per slot, and flash attention as
+            *flash_attention* says. Measured on 2 cores through ``percache serve``
             (``benchmarks.load_exactness --batch-invariant``, 8 clients x 13 RAG prompts at
             once, then each asked again alone): 104 of 104 replies under load the fresh text
             and 0 of 104 asked again different, on Gemma 3 270M and on SmolLM2-135M (the
@@ -113,6 +113,12 @@ class ServerLaunch:
             and 23 of 24 texts). It costs prefill speed alone, by model and prompt length;
             off by default (one client gains nothing from it). See docs/engines.md, "Batch
             invariance".
+        flash_attention: a batch-invariant launch's ``-fa``, ``"on"`` or ``"off"`` (both hold
+            on that build); None: the faster for the model, measured by
+            :meth:`LlamaServer.start` the first time (about 10-20 s) and kept
+            (:mod:`~percache_core.engines.llama_server.launch_choice`; measured: on for Gemma 3
+            270M, off for SmolLM2-135M, whose prefill it halves). Ignored without
+            *batch_invariant*.
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
@@ -126,6 +132,7 @@ class ServerLaunch:
     port: int | None = None
     slot_save_path: str | os.PathLike[str] | None = None
     batch_invariant: bool = False
+    flash_attention: str | None = None
     extra_args: Sequence[str] = ()
     binary: str | os.PathLike[str] | None = None
     startup_timeout_s: float = 180.0
@@ -135,14 +142,21 @@ class ServerLaunch:
         """The slots the server runs (``n_slots``, or llama-server's default 4)."""
         return DEFAULT_SLOTS if self.n_slots is None else self.n_slots
 
+    @property
+    def threads(self) -> int:
+        """The threads it runs with (``n_threads``, or every core)."""
+        return self.n_threads or max(1, os.cpu_count() or 1)
+
     def flags(self) -> tuple[str, ...]:
-        """The arithmetic and slot flags the server runs with (where it listens aside)."""
-        threads = self.n_threads or max(1, os.cpu_count() or 1)
-        slots = self.slot_count
+        """The arithmetic and slot flags the server runs with (where it listens aside); a
+        batch-invariant launch's ``-fa`` as ``flash_attention`` says (``on`` while it is None:
+        :meth:`LlamaServer.start` sets it first)."""
+        threads, slots = self.threads, self.slot_count
+        invariant = (*INVARIANT_FLAGS, "-fa", self.flash_attention or "on") if self.batch_invariant else ()
         return (
             "-c", str(self.n_ctx * slots), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", str(slots), "-no-kvu",
             "-t", str(threads), "-tb", str(threads),
-            "--swa-full", "--cache-ram", "0", "--no-webui", *INVARIANT_FLAGS * self.batch_invariant, *self.extra_args,
+            "--swa-full", "--cache-ram", "0", "--no-webui", *invariant, *self.extra_args,
         )  # fmt: skip
 
     def environment(self) -> dict[str, str]:
@@ -186,6 +200,8 @@ class ServerProcess:
             raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
         if launch.n_slots is not None and launch.n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, or None for llama-server's default (got {launch.n_slots})")
+        if launch.flash_attention not in (None, "on", "off"):
+            raise ValueError(f"flash_attention is 'on', 'off' or None (measured) (got {launch.flash_attention!r})")
         executable = Path(launch.binary) if launch.binary is not None else find_server_binary(batch_invariant=launch.batch_invariant)
         self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
         slot_save_path = launch.slot_save_path

@@ -1,0 +1,84 @@
+"""Which flash-attention switch a batch-invariant launch runs with: measured once per build,
+model, threads and context, and kept in the self-check memo.
+
+On the build ``make llama-server-invariant`` makes, both switches compute a request as alone
+whatever runs beside it (with ``-fa off`` attention takes the matrix products whose kernels
+that build makes batch-independent; with ``-fa on``, flash attention's per-row kernel, the
+only path that build leaves it). Which one is faster is the model's (2 cores, a one-slot
+server, medians of two rounds): Gemma 3 270M prefilled 3,731 tokens at 421 tok/s with
+``-fa on`` against 338 with ``-fa off`` and decoded at 39.6 against 26.8 tok/s; SmolLM2-135M
+prefilled 1,040 tokens at 112 tok/s with ``-fa on`` against 246 with ``-fa off``. So the
+first start of such a server for a model times one RAG-sized request (a probe prompt of
+about 560 tokens, 32 tokens decoded, nothing reused) on a one-slot server with each switch,
+one after the other, and keeps the faster; later starts read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ...kv.engine import SELF_CHECK_MEMO
+from ...kv.probe_text import probe_sentences
+from ...memo import Memo
+from .server_http import ServerHTTP
+from .server_process import ServerLaunch, ServerProcess, find_server_binary
+
+logger = logging.getLogger(__name__)
+
+SWITCHES = ("on", "off")
+PROBE_SENTENCES = 24  # about 560 tokens on Gemma 3: a RAG prompt's size
+PROBE_DECODE = 32
+
+
+def with_attention_chosen(model: Path, launch: ServerLaunch) -> ServerLaunch:
+    """*launch* with its ``flash_attention`` set: as given, or (a batch-invariant launch
+    that leaves it None) the switch measured faster for *model* (see the module), read from
+    the memo when measured before. Other launches are returned as they are."""
+    if not launch.batch_invariant or launch.flash_attention is not None:
+        return launch
+    key = _memo_key(model, launch)
+    kept = Memo(SELF_CHECK_MEMO).get(key)
+    if kept in SWITCHES:
+        return replace(launch, flash_attention=kept)
+    started = time.perf_counter()
+    seconds = {switch: _request_seconds(model, replace(launch, flash_attention=switch)) for switch in SWITCHES}
+    choice = min(SWITCHES, key=lambda switch: seconds[switch])
+    logger.info("batch-invariant launch: -fa %s (a probe request took %s; measured in %.1f s, kept for this model)",
+                choice, ", ".join(f"{s:.2f} s with -fa {w}" for w, s in seconds.items()), time.perf_counter() - started)
+    Memo(SELF_CHECK_MEMO).put(key, choice)
+    return replace(launch, flash_attention=choice)
+
+
+def _request_seconds(model: Path, launch: ServerLaunch) -> float:
+    """The server's own time (prefill and decode) for the probe request on a one-slot
+    server of *launch* (the faster of two, after a warm-up request)."""
+    one = replace(launch, n_slots=1, port=None, slot_save_path=None)
+    process = ServerProcess(model, one)
+    try:
+        http = ServerHTTP(one.host, int(process.url.rsplit(":", 1)[1]), api_key=None, timeout_s=600.0)
+        process.wait_until_ready(http, one.startup_timeout_s)
+        prompt = " ".join(probe_sentences(PROBE_SENTENCES)) + "\nQuestion: who said the van is late?\nAnswer:"
+        body = {"prompt": prompt, "n_predict": PROBE_DECODE, "temperature": 0, "cache_prompt": False}
+        http.call("POST", "/completion", {**body, "n_predict": 1})  # warm-up
+        times = []
+        for _ in range(2):
+            timings = http.call("POST", "/completion", body)["timings"]
+            times.append((float(timings["prompt_ms"]) + float(timings["predicted_ms"])) / 1000)
+        return min(times)
+    finally:
+        process.stop()
+
+
+def _memo_key(model: Path, launch: ServerLaunch) -> str:
+    """What decides the choice: the binary and the model (path, size, modification
+    time), the threads and the context."""
+    binary = Path(launch.binary) if launch.binary is not None else find_server_binary(batch_invariant=True)
+
+    def stamp(path: Path) -> str:
+        info = path.stat()
+        return f"{path.resolve()}:{info.st_size}:{info.st_mtime_ns}"
+
+    return f"invariant-attention|{stamp(binary)}|{stamp(model)}|t={launch.threads}|c={launch.n_ctx}"
