@@ -9,8 +9,9 @@ server, medians of two rounds): Gemma 3 270M prefilled 3,731 tokens at 421 tok/s
 ``-fa on`` against 338 with ``-fa off`` and decoded at 39.6 against 26.8 tok/s; SmolLM2-135M
 prefilled 1,040 tokens at 112 tok/s with ``-fa on`` against 246 with ``-fa off``. So the
 first start of such a server for a model times one RAG-sized request (a probe prompt of
-about 560 tokens, 32 tokens decoded, nothing reused) on a one-slot server with each switch,
-one after the other, and keeps the faster; later starts read it.
+about 560 tokens, 32 tokens decoded, nothing reused, the faster of two after a short
+warm-up) on a one-slot server with each switch, one after the other, and keeps the faster;
+later starts read it.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def with_attention_chosen(model: Path, launch: ServerLaunch) -> ServerLaunch:
 
 def _request_seconds(model: Path, launch: ServerLaunch) -> float:
     """The server's own time (prefill and decode) for the probe request on a one-slot
-    server of *launch* (the faster of two, after a warm-up request)."""
+    server of *launch* (the faster of two, after a short warm-up request)."""
     one = replace(launch, n_slots=1, port=None, slot_save_path=None)
     process = ServerProcess(model, one)
     try:
@@ -62,7 +63,7 @@ def _request_seconds(model: Path, launch: ServerLaunch) -> float:
         process.wait_until_ready(http, one.startup_timeout_s)
         prompt = " ".join(probe_sentences(PROBE_SENTENCES)) + "\nQuestion: who said the van is late?\nAnswer:"
         body = {"prompt": prompt, "n_predict": PROBE_DECODE, "temperature": 0, "cache_prompt": False}
-        http.call("POST", "/completion", {**body, "n_predict": 1})  # warm-up
+        http.call("POST", "/completion", {**body, "prompt": prompt[:200], "n_predict": 1})  # warm-up: the weights paged in
         times = []
         for _ in range(2):
             timings = http.call("POST", "/completion", body)["timings"]

@@ -115,7 +115,7 @@ class ServerLaunch:
             invariance".
         flash_attention: a batch-invariant launch's ``-fa``, ``"on"`` or ``"off"`` (both hold
             on that build); None: the faster for the model, measured by
-            :meth:`LlamaServer.start` the first time (about 10-20 s) and kept
+            :meth:`LlamaServer.start` the first time (about 9-14 s here) and kept
             (:mod:`~percache_core.engines.llama_server.launch_choice`; measured: on for Gemma 3
             270M, off for SmolLM2-135M, whose prefill it halves). Ignored without
             *batch_invariant*.
