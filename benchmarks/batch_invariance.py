@@ -68,6 +68,10 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
                                     {"GGML_CPU_TILED_MM": "0"}),
     "PerCache's invariant launch with -fa off": (("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "off"),
                                                  {"GGML_CPU_TILED_MM": "0"}),  # (the launch a model faster without it gets)
+    "PerCache's invariant launch with the tiled matmul forced": (
+        ("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "on"), {"GGML_CPU_TILED_MM_FORCE": "1"}),
+    "PerCache's invariant launch with -fa off and the tiled matmul forced": (
+        ("-b", "512", "-ub", "512", "--swa-full", "-no-kvu", "-nr", "-fa", "off"), {"GGML_CPU_TILED_MM_FORCE": "1"}),
 }
 PROMPT_SENTENCES = {"short": 6, "past 512": 45, "past 2048": 160}  # 146, 1,040 and 3,731 tokens on Gemma 3
 GREEDY_TOKENS = 64

@@ -191,8 +191,8 @@ def _add_serve_parser(commands: Any) -> None:
                             "KV cache of the context size)")
     serve.add_argument("--batch-invariant", action="store_true",
                        help="start the build whose llamafile kernels take every batch size (make llama-server-invariant) "
-                            "so that a request computes as alone beside others (-nr, GGML_CPU_TILED_MM=0, -fa on or off: "
-                            "the model's faster, measured at its first start): batched runs' states and answers are kept, "
+                            "so that a request computes as alone beside others (-nr; flash attention and the tiled matmul "
+                            "as the model runs faster, measured at its first start): batched runs' states and answers are kept, "
                             "and requests sharing a prefix compute it once; it costs speed alone, by model (docs/engines.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")

@@ -4,6 +4,7 @@ environment and binary, and the CLI's refusal of it for a server it does not sta
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from percache_core import LlamaServer, ServerLaunch
 from percache_core.cli import main
 from percache_core.engines.llama_server import launch_choice
-from percache_core.engines.llama_server.launch_choice import with_attention_chosen
+from percache_core.engines.llama_server.launch_choice import with_kernels_chosen
 from percache_core.engines.llama_server.server_http import ServerError
 from percache_core.engines.llama_server.server_process import (
     BINARY_ENV,
@@ -27,7 +28,7 @@ def test_the_invariant_launch_turns_the_batch_dependent_paths_off_and_the_defaul
     assert "-nr" in flags and flags[flags.index("-fa") + 1] == "on" and "-no-kvu" in flags  # (until measured)
     off = ServerLaunch(n_slots=2, batch_invariant=True, flash_attention="off").flags()
     assert off[off.index("-fa") + 1] == "off" and "-fa" not in ServerLaunch(flash_attention="off").flags()
-    assert invariant.environment() == {"GGML_CPU_TILED_MM": "0"}
+    assert invariant.environment() == {"GGML_CPU_TILED_MM": "0"}  # (until measured)
     assert flags[: len(plain.flags())] == plain.flags()  # the same slots, context and batches, then the switches
 
 
@@ -54,27 +55,35 @@ def test_serve_refuses_batch_invariant_for_a_server_it_does_not_start(capsys: py
     assert "--batch-invariant" in capsys.readouterr().err
 
 
-def test_an_invariant_launch_takes_the_flash_attention_switch_measured_faster_once_per_model(
+def test_an_invariant_launch_takes_the_kernels_measured_fastest_once_per_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PERCACHE_HOME", str(tmp_path / "home"))
     model, binary = tmp_path / "model.gguf", tmp_path / "llama-server-invariant"
     model.write_bytes(b"GGUF")
     binary.write_text("#!/bin/sh\n")
-    measured: list[str | None] = []
+    measured: list[tuple[str | None, str | None]] = []
+    seconds = {("on", "on"): 2.0, ("on", "off"): 3.0, ("off", "on"): 1.5, ("off", "off"): 1.0}
 
     def request_seconds(_model: Path, launch: ServerLaunch) -> float:
-        measured.append(launch.flash_attention)
-        return {"on": 2.0, "off": 1.0}[launch.flash_attention or ""]
+        measured.append((launch.flash_attention, launch.tiled_matmul))
+        return seconds[(launch.flash_attention or "", launch.tiled_matmul or "")]
 
     monkeypatch.setattr(launch_choice, "_request_seconds", request_seconds)
     launch = ServerLaunch(batch_invariant=True, binary=binary)
-    assert with_attention_chosen(model, launch).flash_attention == "off" and measured == ["on", "off"]
-    assert with_attention_chosen(model, launch).flash_attention == "off" and len(measured) == 2  # kept on disk
-    assert with_attention_chosen(model, ServerLaunch(batch_invariant=True, binary=binary, flash_attention="on")).flash_attention == "on"
-    assert with_attention_chosen(model, ServerLaunch()) == ServerLaunch() and len(measured) == 2  # not invariant: nothing
+    chosen = with_kernels_chosen(model, launch)
+    assert (chosen.flash_attention, chosen.tiled_matmul) == ("off", "off") and len(measured) == 4
+    assert chosen.environment() == {"GGML_CPU_TILED_MM": "0"}
+    assert with_kernels_chosen(model, launch) == chosen and len(measured) == 4  # kept on disk
+    pinned = with_kernels_chosen(model, replace(launch, flash_attention="on"))  # the other one measured
+    assert (pinned.flash_attention, pinned.tiled_matmul) == ("on", "on") and measured[4:] == [("on", "on"), ("on", "off")]
+    assert pinned.environment() == {"GGML_CPU_TILED_MM_FORCE": "1"}
+    fixed = replace(launch, flash_attention="on", tiled_matmul="off")
+    assert with_kernels_chosen(model, fixed) == fixed and with_kernels_chosen(model, ServerLaunch()) == ServerLaunch()
+    assert len(measured) == 6  # given, or not invariant: nothing measured
     model.write_bytes(b"GGUF, another model")  # another model file: measured again
-    with_attention_chosen(model, launch)
-    assert len(measured) == 4
-    with pytest.raises(ValueError, match="flash_attention"):
-        LlamaServer.start(model, ServerLaunch(batch_invariant=True, binary=binary, flash_attention="yes"))
+    with_kernels_chosen(model, launch)
+    assert len(measured) == 10
+    for name in ("flash_attention", "tiled_matmul"):
+        with pytest.raises(ValueError, match=name):
+            LlamaServer.start(model, replace(fixed, **{name: "yes"}))

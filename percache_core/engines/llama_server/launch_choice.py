@@ -1,21 +1,26 @@
-"""Which flash-attention switch a batch-invariant launch runs with: measured once per build,
-model, threads and context, and kept in the self-check memo.
+"""Which kernels a batch-invariant launch runs with, flash attention on or off and the tiled
+K-quant matmul for every batch size or for none: measured once per build, model, threads and
+context, and kept in the self-check memo.
 
-On the build ``make llama-server-invariant`` makes, both switches compute a request as alone
-whatever runs beside it (with ``-fa off`` attention takes the matrix products whose kernels
-that build makes batch-independent; with ``-fa on``, flash attention's per-row kernel, the
-only path that build leaves it). Which one is faster is the model's (2 cores, a one-slot
-server, medians of two rounds): Gemma 3 270M prefilled 3,731 tokens at 421 tok/s with
-``-fa on`` against 338 with ``-fa off`` and decoded at 39.6 against 26.8 tok/s; SmolLM2-135M
-prefilled 1,040 tokens at 112 tok/s with ``-fa on`` against 246 with ``-fa off``. So the
-first start of such a server for a model times one RAG-sized request (a probe prompt of
+On the build ``make llama-server-invariant`` makes, every pair computes a request as alone
+whatever runs beside it (``benchmarks.batch_invariance --load 8``: 48/48 texts and first
+log-probabilities; with ``-fa off`` attention takes the matrix products whose kernels that
+build makes batch-independent, with ``-fa on`` flash attention's per-row kernel, the only path
+that build leaves it; the tiled matmul adds each 256-value slab into an output in the same
+order whatever the batch, so forced for every batch size it holds too, while as shipped it
+takes only batches of 8 rows or more). Which pair is faster is the model's (2 cores, a
+one-slot server, medians of two rounds): SmolLM2-135M prefilled 1,040 tokens at 112 tok/s
+with ``-fa on`` against 246 with ``-fa off``; Gemma 3 270M prefilled them at 654 tok/s with
+the tiled matmul forced against 536 without it, but decoded at 34.7 against 40.2 tok/s. So
+the first start of such a server for a model times one RAG-sized request (a probe prompt of
 about 560 tokens, 32 tokens decoded, nothing reused, the faster of two after a short
-warm-up) on a one-slot server with each switch, one after the other, and keeps the faster;
+warm-up) on a one-slot server of each pair, one after the other, and keeps the fastest;
 later starts read it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import replace
@@ -34,23 +39,37 @@ PROBE_SENTENCES = 24  # about 560 tokens on Gemma 3: a RAG prompt's size
 PROBE_DECODE = 32
 
 
-def with_attention_chosen(model: Path, launch: ServerLaunch) -> ServerLaunch:
-    """*launch* with its ``flash_attention`` set: as given, or (a batch-invariant launch
-    that leaves it None) the switch measured faster for *model* (see the module), read from
-    the memo when measured before. Other launches are returned as they are."""
-    if not launch.batch_invariant or launch.flash_attention is not None:
+def with_kernels_chosen(model: Path, launch: ServerLaunch) -> ServerLaunch:
+    """*launch* with its ``flash_attention`` and ``tiled_matmul`` set: as given, or (a
+    batch-invariant launch that leaves either None) the pair measured fastest for *model*
+    (see the module), read from the memo when measured before. Other launches are returned
+    as they are."""
+    if not launch.batch_invariant or None not in (launch.flash_attention, launch.tiled_matmul):
         return launch
+    candidates = [
+        replace(launch, flash_attention=attention, tiled_matmul=tiled)
+        for attention, tiled in itertools.product(
+            [launch.flash_attention] if launch.flash_attention else SWITCHES,
+            [launch.tiled_matmul] if launch.tiled_matmul else SWITCHES,
+        )
+    ]
     key = _memo_key(model, launch)
     kept = Memo(SELF_CHECK_MEMO).get(key)
-    if kept in SWITCHES:
-        return replace(launch, flash_attention=kept)
+    for candidate in candidates:
+        if kept == _name(candidate):
+            return candidate
     started = time.perf_counter()
-    seconds = {switch: _request_seconds(model, replace(launch, flash_attention=switch)) for switch in SWITCHES}
-    choice = min(SWITCHES, key=lambda switch: seconds[switch])
-    logger.info("batch-invariant launch: -fa %s (a probe request took %s; measured in %.1f s, kept for this model)",
-                choice, ", ".join(f"{s:.2f} s with -fa {w}" for w, s in seconds.items()), time.perf_counter() - started)
-    Memo(SELF_CHECK_MEMO).put(key, choice)
-    return replace(launch, flash_attention=choice)
+    seconds = {_name(candidate): _request_seconds(model, candidate) for candidate in candidates}
+    chosen = min(candidates, key=lambda candidate: seconds[_name(candidate)])
+    logger.info("batch-invariant launch: %s (a probe request took %s; measured in %.1f s, kept for this model)",
+                _name(chosen), ", ".join(f"{s:.2f} s with {n}" for n, s in seconds.items()), time.perf_counter() - started)
+    Memo(SELF_CHECK_MEMO).put(key, _name(chosen))
+    return chosen
+
+
+def _name(launch: ServerLaunch) -> str:
+    """A pair as the memo and the log name it: ``-fa on, tiled matmul off``."""
+    return f"-fa {launch.flash_attention}, tiled matmul {launch.tiled_matmul}"
 
 
 def _request_seconds(model: Path, launch: ServerLaunch) -> float:
@@ -82,4 +101,4 @@ def _memo_key(model: Path, launch: ServerLaunch) -> str:
         info = path.stat()
         return f"{path.resolve()}:{info.st_size}:{info.st_mtime_ns}"
 
-    return f"invariant-attention|{stamp(binary)}|{stamp(model)}|t={launch.threads}|c={launch.n_ctx}"
+    return f"invariant-kernels|{stamp(binary)}|{stamp(model)}|t={launch.threads}|c={launch.n_ctx}"

@@ -39,7 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ...kv.engine import ChatPrompt, Decoding, EngineFeatures, Sampling
-from .launch_choice import with_attention_chosen
+from .launch_choice import with_kernels_chosen
 from .server_http import ServerError, ServerHTTP, ServerUnreachable
 from .server_process import ServerLaunch, ServerProcess, find_server_binary, free_port
 from .server_streams import Completion, InSlot, UnexpectedReuse, completion_events, relay_events
@@ -131,7 +131,7 @@ class LlamaServer:
         self._pieces: dict[int, bytes] = {}  # token id -> bytes, from /tokenize
         self._sliding_window: int | None = None
         self._process: ServerProcess | None = None  # a started server's
-        self.launch_flags: tuple[str, ...] = ()  # the flags a started server runs with (but where)
+        self.launch_flags: tuple[str, ...] = ()  # the flags (and VAR=value environment) a started server runs with (but where)
         self.model_path: Path | None = None  # the GGUF (a started server's, or /props' when readable)
         self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
@@ -146,7 +146,7 @@ class LlamaServer:
         launch's slots (default: llama-server's 4, each with a KV cache of its own: see
         :class:`ServerLaunch`), ``-b``/``-ub`` ``n_batch``, ``--swa-full``, ``--cache-ram 0``
         and ``--slot-save-path`` (the launch's, or a temporary folder removed on :meth:`close`); a
-        batch-invariant launch's ``-fa`` measured for the model once (:mod:`.launch_choice`).
+        batch-invariant launch's kernels measured for the model once (:mod:`.launch_choice`).
         Returns the started server (close it, or use it as a context manager).
 
         Args:
@@ -154,7 +154,7 @@ class LlamaServer:
             launch: the context, batch, threads, address, slot folder and flags (default: :class:`ServerLaunch`'s).
 
         Raises:
-            ValueError: a context under 64 tokens, a batch under 32, or an unknown ``flash_attention``.
+            ValueError: a context under 64 tokens, a batch under 32, or an unknown kernel switch.
             ServerError: no binary, or the server exited or did not answer in time.
 
         >>> server = LlamaServer.start(None, ServerLaunch(n_ctx=2048))   # doctest: +SKIP
@@ -163,10 +163,11 @@ class LlamaServer:
         from ...models import resolve_model_path
 
         model = Path(resolve_model_path(None if model_path is None else str(model_path)))
-        launch = with_attention_chosen(model, launch or ServerLaunch())
+        launch = with_kernels_chosen(model, launch or ServerLaunch())
         process = ServerProcess(model, launch)
         server = cls(process.url, slot_save_path=process.slot_save_path)
-        server._process, server.launch_flags, server.model_path = process, process.flags, model
+        server._process, server.model_path = process, model
+        server.launch_flags = (*process.flags, *(f"{k}={v}" for k, v in sorted(launch.environment().items())))
         server._n_ubatch, server.batch_invariant = launch.n_batch, launch.batch_invariant
         try:
             process.wait_until_ready(server.http, launch.startup_timeout_s)

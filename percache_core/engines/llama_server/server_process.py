@@ -79,7 +79,10 @@ def free_port(host: str) -> int:
 # what makes a request's arithmetic independent of the requests batched with it (on the CPU
 # backend: benchmarks.batch_invariance; the KV cache per slot comes with every launch)
 INVARIANT_FLAGS = ("-nr",)  # and -fa on or off, the model's faster (launch_choice); in that build both hold
-INVARIANT_ENVIRONMENT = {"GGML_CPU_TILED_MM": "0"}
+TILED_MATMUL_ENVIRONMENT = {  # the tiled K-quant matmul: for every batch size, or for none (vec_dot)
+    "on": {"GGML_CPU_TILED_MM_FORCE": "1"},
+    "off": {"GGML_CPU_TILED_MM": "0"},
+}
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,9 @@ class ServerLaunch:
             what a run batched with another computes is kept and reused as a lone run's: the
             build whose llamafile kernels take every batch size, one token included, and whose
             CPU flash attention computes each query row on its own path (``make
-            llama-server-invariant``), weight repacking off ``-nr``, the tiled K-quant matmul
-            off ``GGML_CPU_TILED_MM=0``, with the KV cache per slot, and flash attention as
-            *flash_attention* says. Measured on 2 cores through ``percache serve``
+            llama-server-invariant``), weight repacking off ``-nr``, with the KV cache per
+            slot, and flash attention and the tiled K-quant matmul as *flash_attention* and
+            *tiled_matmul* say. Measured on 2 cores through ``percache serve``
             (``benchmarks.load_exactness --batch-invariant``, 8 clients x 13 RAG prompts at
             once, then each asked again alone): 104 of 104 replies under load the fresh text
             and 0 of 104 asked again different, on Gemma 3 270M and on SmolLM2-135M (the
@@ -114,11 +117,17 @@ class ServerLaunch:
             off by default (one client gains nothing from it). See docs/engines.md, "Batch
             invariance".
         flash_attention: a batch-invariant launch's ``-fa``, ``"on"`` or ``"off"`` (both hold
-            on that build); None: the faster for the model, measured by
-            :meth:`LlamaServer.start` the first time (about 9-14 s here) and kept
+            on that build); None: measured with *tiled_matmul*, the fastest pair for the
+            model, by :meth:`LlamaServer.start` the first time (about 18-27 s here) and kept
             (:mod:`~percache_core.engines.llama_server.launch_choice`; measured: on for Gemma 3
             270M, off for SmolLM2-135M, whose prefill it halves). Ignored without
             *batch_invariant*.
+        tiled_matmul: a batch-invariant launch's tiled K-quant matmul, ``"on"`` for every
+            batch size (``GGML_CPU_TILED_MM_FORCE=1``) or ``"off"`` for none
+            (``GGML_CPU_TILED_MM=0``): as llama.cpp ships it, it takes batches of 8 rows or
+            more only. Both hold (``benchmarks.batch_invariance --load 8``, 48/48 on both
+            models); on prefills faster and decodes slower. None: measured with
+            *flash_attention*, the faster pair for the model. Ignored without *batch_invariant*.
         extra_args: more flags, added as given.
         binary: the llama-server executable (None: found as :func:`find_server_binary` does).
         startup_timeout_s: how long to wait for it to answer.
@@ -133,6 +142,7 @@ class ServerLaunch:
     slot_save_path: str | os.PathLike[str] | None = None
     batch_invariant: bool = False
     flash_attention: str | None = None
+    tiled_matmul: str | None = None
     extra_args: Sequence[str] = ()
     binary: str | os.PathLike[str] | None = None
     startup_timeout_s: float = 180.0
@@ -161,7 +171,7 @@ class ServerLaunch:
 
     def environment(self) -> dict[str, str]:
         """The environment variables the server runs with beside this process's."""
-        return dict(INVARIANT_ENVIRONMENT) if self.batch_invariant else {}
+        return dict(TILED_MATMUL_ENVIRONMENT[self.tiled_matmul or "off"]) if self.batch_invariant else {}
 
 
 def wait_until_ready(http: ServerHTTP, timeout_s: float, process: ServerProcess | None = None) -> None:
@@ -200,8 +210,9 @@ class ServerProcess:
             raise ValueError(f"n_ctx must be >= 64 and n_batch >= 32 (got {launch.n_ctx}, {launch.n_batch})")
         if launch.n_slots is not None and launch.n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, or None for llama-server's default (got {launch.n_slots})")
-        if launch.flash_attention not in (None, "on", "off"):
-            raise ValueError(f"flash_attention is 'on', 'off' or None (measured) (got {launch.flash_attention!r})")
+        for name in ("flash_attention", "tiled_matmul"):
+            if getattr(launch, name) not in (None, "on", "off"):
+                raise ValueError(f"{name} is 'on', 'off' or None (measured) (got {getattr(launch, name)!r})")
         executable = Path(launch.binary) if launch.binary is not None else find_server_binary(batch_invariant=launch.batch_invariant)
         self._owned_folder: tempfile.TemporaryDirectory[str] | None = None
         slot_save_path = launch.slot_save_path
