@@ -78,7 +78,7 @@ def _request_seconds(model: Path, launch: ServerLaunch) -> float:
     one = replace(launch, n_slots=1, port=None, slot_save_path=None)
     process = ServerProcess(model, one)
     try:
-        http = ServerHTTP(one.host, int(process.url.rsplit(":", 1)[1]), api_key=None, timeout_s=600.0)
+        http = ServerHTTP(one.host, process.port, api_key=None, timeout_s=600.0)
         process.wait_until_ready(http, one.startup_timeout_s)
         prompt = " ".join(probe_sentences(PROBE_SENTENCES)) + "\nQuestion: who said the van is late?\nAnswer:"
         body = {"prompt": prompt, "n_predict": PROBE_DECODE, "temperature": 0, "cache_prompt": False}

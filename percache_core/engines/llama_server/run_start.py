@@ -96,8 +96,7 @@ class RunStarts:
         holds the store lock."""
         slot, states = run.slot, self.runner.states
         live = 0 if fresh else slot.live_reuse(layout.tokens[:end])
-        stored = stored_starts(states, self.runner.budget_bytes, layout, keys, end) if states is not None else []
-        usable = [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end, past_window=True)]
+        usable = self._usable(layout, keys, end)
         deepest = usable[0].n_tokens if usable else 0
         if live < 0 and not fresh:  # the slot holds more than may be kept: cut it back
             kept = slot.cut_back(layout.tokens[:end], deepest + LIVE_CUT_GAIN)
@@ -143,9 +142,15 @@ class RunStarts:
             fitting = [n for n in lengths if n < end]
             candidates.update(zip(prefix_keys(states.root_key, layout.tokens, fitting), fitting))
         allowed = {key: n for key, n in candidates.items() if self.cuts.cut_allowed(n, end, past_window=True)}
-        stored = stored_starts(states, self.runner.budget_bytes, layout, keys, end)
-        deepest = max((n.n_tokens for n in stored if self.cuts.cut_allowed(n.n_tokens, end, past_window=True)), default=0)
+        usable = self._usable(layout, keys, end)
+        deepest = usable[0].n_tokens if usable else 0
         return self.claims.awaited(allowed, deeper_than=deepest + LIVE_CUT_GAIN - 1)
+
+    def _usable(self, layout: PromptLayout, keys: list[str], end: int) -> list[StateNode]:
+        """The stored states a prefill of *layout* to *end* may go on from, deepest first."""
+        states = self.runner.states
+        stored = stored_starts(states, self.runner.budget_bytes, layout, keys, end) if states is not None else []
+        return [node for node in stored if self.cuts.cut_allowed(node.n_tokens, end, past_window=True)]
 
     def _claim(self, run: SlotRun, layout: PromptLayout, keys: list[str], span: tuple[int, int]) -> list[str]:
         """Claim the states *run* saves on the way from *span* (:meth:`SlotStates.early_targets`);

@@ -184,12 +184,12 @@ class ServerRunner(StateRunner):
         """:meth:`run` in *run*'s slot; *how*: the stop check, when the request started,
         and where the prompt's prefill ends."""
         should_stop, started, end = how
-        tokens = layout.tokens
-        clock = time.perf_counter()
+        tokens, clock = layout.tokens, time.perf_counter()
         fresh = options.restore_depth is not None or not self.config.tiers.chunk_states  # caches off: nothing reused
-        shares = self.pool.leases.invariant and options.decode and not options.idle and not fresh
-        saves_early = self.states is not None and self.rule is not None and (shares or _window_may_pass(self.window, end, options))
-        tail_cut = self.states is not None and self.rule is not None and layout.caller_prompt and options.decode
+        keeps = self.states is not None and self.rule is not None  # states are taken at all
+        shares = keeps and self.pool.leases.invariant and options.decode and not options.idle and not fresh
+        saves_early = shares or (keeps and _window_may_pass(self.window, end, options))
+        tail_cut = keeps and layout.caller_prompt and options.decode
         begun = self.starts.begin(run, layout, keys, end, StartOptions(fresh, shares, tail_cut, should_stop))
         point, layout, keys = begun.point, begun.layout, begun.keys
         result.depth, result.reused_tokens, result.layout = begun.depth, point, layout

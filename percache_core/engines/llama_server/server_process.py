@@ -200,6 +200,7 @@ class ServerProcess:
 
     Attributes:
         popen: the process.
+        port: the port it listens on.
         url: where it listens.
         slot_save_path: its slot-save folder.
         flags: the flags it runs with (but where).
@@ -221,10 +222,10 @@ class ServerProcess:
             slot_save_path = self._owned_folder.name
         Path(slot_save_path).mkdir(parents=True, exist_ok=True)
         self.slot_save_path = Path(slot_save_path)
-        port = launch.port or free_port(launch.host)
-        self.url = f"http://{launch.host}:{port}"
+        self.port = launch.port or free_port(launch.host)
+        self.url = f"http://{launch.host}:{self.port}"
         self.flags = launch.flags()
-        where = ("-m", str(model), "--host", launch.host, "--port", str(port), "--slot-save-path", str(slot_save_path))
+        where = ("-m", str(model), "--host", launch.host, "--port", str(self.port), "--slot-save-path", str(slot_save_path))
         self._log: Any = tempfile.TemporaryFile(prefix="percache-llama-server-")
         self.popen = subprocess.Popen(
             [str(executable), *where, *self.flags], stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent,
