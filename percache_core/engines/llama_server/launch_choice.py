@@ -58,8 +58,12 @@ def with_kernels_chosen(model: Path, launch: ServerLaunch) -> ServerLaunch:
     for candidate in candidates:
         if kept == _name(candidate):
             return candidate
+    from tqdm.auto import tqdm
+
     started = time.perf_counter()
-    seconds = {_name(candidate): _request_seconds(model, candidate) for candidate in candidates}
+    measuring = tqdm(candidates, desc="batch-invariant launch: timing its kernels, once for this model",
+                     unit="launch", leave=False)
+    seconds = {_name(candidate): _request_seconds(model, candidate) for candidate in measuring}
     chosen = min(candidates, key=lambda candidate: seconds[_name(candidate)])
     logger.info("batch-invariant launch: %s (a probe request took %s; measured in %.1f s, kept for this model)",
                 _name(chosen), ", ".join(f"{s:.2f} s with {n}" for n, s in seconds.items()), time.perf_counter() - started)

@@ -137,6 +137,7 @@ class LlamaServer:
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
         self.slots_shared = False  # one KV cache: a run alone erases the other free slots first (slot_probe)
         self.batch_invariant = False  # started so that a batched run computes as alone (ServerLaunch.batch_invariant)
+        self.binary_digest: str | None = None  # a started batch-invariant server's binary's sha256 (its kernels' changes are not in build_info)
 
     # -- starting and stopping --------------------------------------------------------------
 
@@ -160,7 +161,7 @@ class LlamaServer:
         >>> server = LlamaServer.start(None, ServerLaunch(n_ctx=2048))   # doctest: +SKIP
         >>> server.close()                                               # doctest: +SKIP
         """
-        from ...models import resolve_model_path
+        from ...models import file_sha256, resolve_model_path
 
         model = Path(resolve_model_path(None if model_path is None else str(model_path)))
         launch = with_kernels_chosen(model, launch or ServerLaunch())
@@ -169,6 +170,7 @@ class LlamaServer:
         server._process, server.model_path = process, model
         server.launch_flags = (*process.flags, *(f"{k}={v}" for k, v in sorted(launch.environment().items())))
         server._n_ubatch, server.batch_invariant = launch.n_batch, launch.batch_invariant
+        server.binary_digest = file_sha256(process.executable) if launch.batch_invariant else None
         try:
             process.wait_until_ready(server.http, launch.startup_timeout_s)
         except BaseException:
@@ -301,16 +303,13 @@ class LlamaServer:
 
     def fingerprint(self, extra: str = "") -> str:
         """A digest of what decides the server's output and its slot files' bytes: its build, model (path, size
-        and mtime where readable), context size, a started server's flags and build kind; plus *extra*."""
+        and mtime where readable), context size, a started server's flags (and a batch-invariant one's binary,
+        whose changed kernels ``build_info`` does not name); plus *extra*."""
         props = self.props
-        model = str(props.get("model_path", ""))
-        stat = ""
-        if self.model_path is not None:
-            info = self.model_path.stat()
-            stat = f"{info.st_size}:{info.st_mtime_ns}"
+        model, stat = str(props.get("model_path", "")), _size_and_mtime(self.model_path)
         record = json.dumps(
             [props.get("build_info"), model, stat, self.n_ctx, props.get("total_slots"), self.launch_flags, extra]
-            + ["batch-invariant: tinyBLAS for every batch, per-row flash attention"] * self.batch_invariant,  # (not the earlier build's)
+            + [self.binary_digest] * self.batch_invariant,
             default=str,
         )
         return hashlib.sha256(record.encode()).hexdigest()[:32]
@@ -448,3 +447,11 @@ class LlamaServer:
 
     def erase_slot(self, slot: int = 0) -> None:
         self.http.call("POST", f"/slots/{slot}?action=erase", {})
+
+
+def _size_and_mtime(path: Path | None) -> str:
+    """``size:mtime_ns`` of a readable file ("" for None): it changes when the file is replaced."""
+    if path is None:
+        return ""
+    info = path.stat()
+    return f"{info.st_size}:{info.st_mtime_ns}"

@@ -200,6 +200,7 @@ class ServerProcess:
 
     Attributes:
         popen: the process.
+        executable: the llama-server binary it runs.
         port: the port it listens on.
         url: where it listens.
         slot_save_path: its slot-save folder.
@@ -222,6 +223,7 @@ class ServerProcess:
             slot_save_path = self._owned_folder.name
         Path(slot_save_path).mkdir(parents=True, exist_ok=True)
         self.slot_save_path = Path(slot_save_path)
+        self.executable = executable
         self.port = launch.port or free_port(launch.host)
         self.url = f"http://{launch.host}:{self.port}"
         self.flags = launch.flags()
