@@ -303,7 +303,8 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
     batch-invariant, ``ServerLaunch(batch_invariant=True)``), each on fresh servers, *rounds*
     times with the order of the sides alternating (alone first, then PerCache first: this
     machine's speed drifts); the sides' wall times summed. With one client (every request
-    alone) the replies are compared with the fresh text."""
+    alone) the replies are compared with the fresh text (and, on the invariant launch, with
+    that launch's own: a one-slot server of it, nothing reused)."""
     clients, requests = shape
     asks = load_asks(sessions, clients, requests)
     row: dict[str, Any] = {"workload": "load", "clients": clients, "requests": clients * requests, "rounds": rounds,
@@ -346,6 +347,12 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
         references = [str(fresh.invoke(lc_messages(m)).content) for m in asks[0]]
         for name, runs in measured.items():
             row[f"{name}_identical_to_fresh"] = sum(a == b for _, _, _, texts in runs for a, b in zip(texts[0], references))
+        if invariant:  # that launch's own fresh text: a one-slot server of it, nothing reused
+            with LlamaServer.start(model_path, ServerLaunch(n_slots=1, n_threads=threads, batch_invariant=True)) as own:
+                own_fresh = client(own.url + "/v1", extra_body={"cache_prompt": False})
+                references = [str(own_fresh.invoke(lc_messages(m)).content) for m in asks[0]]
+            row["percache_identical_to_launch_fresh"] = sum(
+                a == b for _, _, _, texts in measured["percache"] for a, b in zip(texts[0], references))
     print(f"  load {clients} clients: PerCache {row['percache_s']:.1f} s, alone {row['server_alone_s']:.1f} s, "
           f"ratio {row['ratio']}, errors {row['percache_errors']}/{row['server_alone_errors']}", flush=True)
     return row

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .output import quoted
-from .report_rows import ROWS, Measured, Row, first_model_rows, read_result, runs
+from .report_rows import ROWS, Measured, Row, clients_at_once, first_model_rows, read_result, runs
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -83,7 +83,8 @@ def replace_between_markers(text: str, body: str, where: str) -> str:
 
 def plot(folder: Path, path: Path) -> Path | None:
     """Per app and engine, the mean seconds per question before and after the swap; for
-    the server, wall time by number of clients. None without matplotlib."""
+    the server, wall time over the server alone's by number of clients (a default server's
+    run and the batch-invariant launch's). None without matplotlib."""
     try:
         import matplotlib
 
@@ -92,8 +93,12 @@ def plot(folder: Path, path: Path) -> Path | None:
     except ImportError:
         return None
     rows = [(row, m) for row, m, _ in measured_rows(folder) if m is not None and m.before_s is not None]
-    load = read_result(folder, next(r for r in ROWS if r.module == "benchmarks.endpoint"))
-    clients = [r for r in first_model_rows(load) if r["workload"] == "load"] if load else []
+    loads = {}  # the several-clients rows' ratios by clients: a default server's, the batch-invariant launch's
+    for row in (r for r in ROWS if r.read is clients_at_once):
+        result = read_result(folder, row)
+        if result is not None:
+            loads[row.what.replace("`", "").split(", ")[0]] = [
+                r for r in first_model_rows(result) if r["workload"] == "load"]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1.2]})
     names = [row.what.replace("`", "").replace(", swapped", "") for row, _ in rows]
     y = range(len(rows))
@@ -103,14 +108,15 @@ def plot(folder: Path, path: Path) -> Path | None:
     axes[0].invert_yaxis()
     axes[0].set_xlabel("seconds per question (mean)")
     axes[0].legend(fontsize=8)
-    if clients:
-        counts = [r["clients"] for r in clients]
-        axes[1].plot(counts, [r["server_alone_s"] for r in clients], "o-", color="#999999", label="server alone")
-        axes[1].plot(counts, [r["percache_s"] for r in clients], "o-", color="#2a7ab9", label="percache serve")
+    if loads:
+        counts = sorted({r["clients"] for clients in loads.values() for r in clients})
+        axes[1].axhline(1.0, color="#999999", linestyle="--", label="the server alone")
+        for (name, clients), colour in zip(loads.items(), ("#2a7ab9", "#d9822b")):
+            axes[1].plot([r["clients"] for r in clients], [r["ratio"] for r in clients], "o-", color=colour, label=name)
         axes[1].set_xticks(counts)
         axes[1].set_xlabel("clients at once")
-        axes[1].set_ylabel("wall seconds")
-        axes[1].legend(fontsize=8)
+        axes[1].set_ylabel("wall time / the server alone's")
+        axes[1].legend(fontsize=7)
     else:
         axes[1].axis("off")
     figure.tight_layout()

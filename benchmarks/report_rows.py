@@ -125,15 +125,17 @@ def _endpoint(workload: str) -> Callable[[dict[str, Any]], Measured]:
     return read
 
 
-def _load(result: dict[str, Any]) -> Measured:
+def clients_at_once(result: dict[str, Any]) -> Measured:
     """``benchmarks.endpoint --workloads load``: wall time of several clients at once."""
     rows = [r for r in first_model_rows(result) if r["workload"] == "load"]
     several = [r for r in rows if r["clients"] > 1]
     one = next((r for r in rows if r["clients"] == 1), None)
-    figure = ", ".join(f"{r['clients']} clients **{r['ratio']:.2f}x**" for r in several) + " the wall time"
+    figure = ", ".join(f"{r['clients']} client{'s' * (r['clients'] > 1)} **{r['ratio']:.2f}x**" for r in rows) + " the wall time"
     errors = sum(r["percache_errors"] for r in rows)
     compared = one["requests"] * one.get("rounds", 1) if one else 0
     same = f"{one['percache_identical_to_fresh']}/{compared} (one client)" if one else "not compared"
+    if one and "percache_identical_to_launch_fresh" in one:  # a batch-invariant launch: its own fresh text
+        same = f"{one['percache_identical_to_launch_fresh']}/{compared} (one client, that launch's fresh text)"
     scale = f"{several[0]['requests'] // several[0]['clients']} requests per client, {errors} errors" if several else ""
     return Measured(several[-1]["ratio"] if several else None, figure, same, scale)
 
@@ -183,7 +185,7 @@ ROWS: tuple[Row, ...] = (
     Row("`percache serve`, a chat's next turns", "the llama-server alone", "endpoint.json",
         _endpoint("chat turns"), "benchmarks.endpoint", (), ()),
     Row("`percache serve`, several clients at once", "a default llama-server alone (4 slots)", "endpoint.json",
-        _load, "benchmarks.endpoint", (), ()),
+        clients_at_once, "benchmarks.endpoint", (), ()),
     Row("`percache serve` after server and cache restarted", "the llama-server alone, restarted", "endpoint.json",
         _endpoint("restart"), "benchmarks.endpoint", (), ()),
     Row("`percache ask` in a new process", "stock llama.cpp starting and answering", "cold_start.json",

@@ -114,8 +114,10 @@ class ServerLaunch:
             and 0 of 104 asked again different, on Gemma 3 270M and on SmolLM2-135M (the
             default build with such switches, ``benchmarks.batch_invariance --load 4``: 22
             and 23 of 24 texts). It costs prefill speed alone, by model and prompt length;
-            off by default (one client gains nothing from it). See docs/engines.md, "Batch
-            invariance".
+            off by default: one client alone pays (``benchmarks.endpoint --load-clients 1
+            --batch-invariant``: Gemma 3 1.14x, SmolLM2 1.00x a default server's time) and gets
+            that launch's own text, while clients at once gain (4 and 8 clients: 0.78x-0.93x on
+            Gemma 3, 0.69x-0.72x on SmolLM2). See docs/engines.md, "Batch invariance".
         flash_attention: a batch-invariant launch's ``-fa``, ``"on"`` or ``"off"`` (both hold
             on that build); None: measured with *tiled_matmul*, the fastest pair for the
             model, by :meth:`LlamaServer.start` the first time (about 18-27 s here) and kept
