@@ -85,7 +85,7 @@ def test_a_run_beside_another_keeps_nothing_and_a_lone_run_is_the_fresh_text(
 def invariant(model_path: Path) -> Iterator[LlamaServer]:
     # The batch-invariant build and launch with the kernels it chooses for Gemma 3 on this
     # machine kind pinned (flash attention on, the tiled K-quant matmul forced; both held
-    # under load, docs/evaluation.md): measuring them takes about 18 s a fresh machine,
+    # under load, docs/evaluation.md): measuring them takes about 18 s on a fresh machine,
     # and which pair is faster is not what these tests check (tests/unit/test_server_launch.py).
     launch = ServerLaunch(n_ctx=2048, n_slots=2, batch_invariant=True, flash_attention="on", tiled_matmul="on")
     with LlamaServer.start(model_path, launch) as started:

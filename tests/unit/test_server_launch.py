@@ -87,3 +87,18 @@ def test_an_invariant_launch_takes_the_kernels_measured_fastest_once_per_model(
     for name in ("flash_attention", "tiled_matmul"):
         with pytest.raises(ValueError, match=name):
             LlamaServer.start(model, replace(fixed, **{name: "yes"}))
+
+
+def test_an_invariant_servers_states_are_keyed_by_its_binary_not_only_by_its_build_info() -> None:
+    def server(invariant: bool, digest: str | None) -> LlamaServer:
+        attached = LlamaServer(url="http://127.0.0.1:9")  # nothing is sent: /props is given
+        attached._props = {"build_info": "b1-same-commit", "model_path": "", "total_slots": 2,
+                           "default_generation_settings": {"n_ctx": 2048}}
+        attached.batch_invariant, attached.binary_digest = invariant, digest
+        return attached
+
+    # every build of one commit reports the same build_info: a rebuilt invariant binary
+    # (other kernels) must not restore the states an older one kept
+    assert server(True, "a" * 64).fingerprint("x") != server(True, "b" * 64).fingerprint("x")
+    assert server(True, "a" * 64).fingerprint("x") == server(True, "a" * 64).fingerprint("x")
+    assert server(False, None).fingerprint("x") != server(True, "a" * 64).fingerprint("x")

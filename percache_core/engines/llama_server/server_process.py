@@ -113,7 +113,7 @@ class ServerLaunch:
             once, then each asked again alone): 104 of 104 replies under load the fresh text
             and 0 of 104 asked again different, on Gemma 3 270M and on SmolLM2-135M (the
             default build with such switches, ``benchmarks.batch_invariance --load 4``: 22
-            and 23 of 24 texts). It costs prefill speed alone, by model and prompt length;
+            and 23 of 24 texts). It costs speed alone, by model (Gemma 3 decodes slower);
             off by default: one client alone pays (``benchmarks.endpoint --load-clients 1
             --batch-invariant``: Gemma 3 1.14x, SmolLM2 1.00x a default server's time) and gets
             that launch's own text, while clients at once gain (4 and 8 clients: 0.78x-0.93x on
