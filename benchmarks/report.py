@@ -83,8 +83,8 @@ def replace_between_markers(text: str, body: str, where: str) -> str:
 
 def plot(folder: Path, path: Path) -> Path | None:
     """Per app and engine, the mean seconds per question before and after the swap; for
-    the server, wall time over the server alone's by number of clients (a default server's
-    run and the batch-invariant launch's). None without matplotlib."""
+    the server, wall time over the server alone's by number of clients. None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -93,12 +93,8 @@ def plot(folder: Path, path: Path) -> Path | None:
     except ImportError:
         return None
     rows = [(row, m) for row, m, _ in measured_rows(folder) if m is not None and m.before_s is not None]
-    loads = {}  # the several-clients rows' ratios by clients: a default server's, the batch-invariant launch's
-    for row in (r for r in ROWS if r.read is clients_at_once):
-        result = read_result(folder, row)
-        if result is not None:
-            loads[row.what.replace("`", "").split(", ")[0]] = [
-                r for r in first_model_rows(result) if r["workload"] == "load"]
+    load = read_result(folder, next(r for r in ROWS if r.read is clients_at_once))
+    clients = [r for r in first_model_rows(load) if r["workload"] == "load"] if load else []
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1.2]})
     names = [row.what.replace("`", "").replace(", swapped", "") for row, _ in rows]
     y = range(len(rows))
@@ -108,15 +104,14 @@ def plot(folder: Path, path: Path) -> Path | None:
     axes[0].invert_yaxis()
     axes[0].set_xlabel("seconds per question (mean)")
     axes[0].legend(fontsize=8)
-    if loads:
-        counts = sorted({r["clients"] for clients in loads.values() for r in clients})
+    if clients:
+        counts = [r["clients"] for r in clients]
         axes[1].axhline(1.0, color="#999999", linestyle="--", label="the server alone")
-        for (name, clients), colour in zip(loads.items(), ("#2a7ab9", "#d9822b")):
-            axes[1].plot([r["clients"] for r in clients], [r["ratio"] for r in clients], "o-", color=colour, label=name)
+        axes[1].plot(counts, [r["ratio"] for r in clients], "o-", color="#2a7ab9", label="percache serve")
         axes[1].set_xticks(counts)
         axes[1].set_xlabel("clients at once")
         axes[1].set_ylabel("wall time / the server alone's")
-        axes[1].legend(fontsize=7)
+        axes[1].legend(fontsize=8)
     else:
         axes[1].axis("off")
     figure.tight_layout()

@@ -29,6 +29,7 @@ from pathlib import Path
 from ...kv.engine import SELF_CHECK_MEMO
 from ...kv.probe_text import probe_sentences
 from ...memo import Memo
+from ...models import file_identity
 from .server_http import ServerHTTP
 from .server_process import ServerLaunch, ServerProcess, find_server_binary
 
@@ -100,9 +101,4 @@ def _memo_key(model: Path, launch: ServerLaunch) -> str:
     """What decides the choice: the binary and the model (path, size, modification
     time), the threads and the context."""
     binary = Path(launch.binary) if launch.binary is not None else find_server_binary(batch_invariant=True)
-
-    def stamp(path: Path) -> str:
-        info = path.stat()
-        return f"{path.resolve()}:{info.st_size}:{info.st_mtime_ns}"
-
-    return f"invariant-kernels|{stamp(binary)}|{stamp(model)}|t={launch.threads}|c={launch.n_ctx}"
+    return f"invariant-kernels|{file_identity(binary)}|{file_identity(model)}|t={launch.threads}|c={launch.n_ctx}"
