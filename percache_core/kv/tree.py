@@ -40,7 +40,7 @@ def node_key(parent_key: str, tokens: Sequence[int]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent_key.encode("ascii"))
     digest.update(b"|")
-    digest.update(b",".join(str(int(t)).encode("ascii") for t in tokens))
+    digest.update(",".join(map(str, map(int, tokens))).encode("ascii"))
     return digest.hexdigest()
 
 
@@ -69,7 +69,7 @@ def prefix_keys(root_key: str, tokens: Sequence[int], ends: Sequence[int]) -> li
     position = 0
     for end in ends:
         if position < end:
-            text = b",".join(str(int(t)).encode("ascii") for t in tokens[position:end])
+            text = ",".join(map(str, map(int, tokens[position:end]))).encode("ascii")
             digest.update(b"," + text if position else text)
             position = end
         keys.append(digest.copy().hexdigest())

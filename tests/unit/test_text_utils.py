@@ -86,6 +86,31 @@ def test_text_prompts_are_cut_only_after_documents_into_pieces_of_the_exact_size
     assert [t for s in aligned.segments for t in s.tokens] == engine.tokenize_chat(prompt)
 
 
+def test_text_prompts_find_the_tokens_the_tokenizer_added_from_their_bytes():
+    from percache_core.kv.cuts import CutRule
+    from percache_core.serving.prompting import TextPrompt, lay_out_text
+    from tests.fake_engine import BOS, FakeEngine
+
+    engine = FakeEngine()  # one token per byte: "é" is two
+    documents = ("Le déjeuner est à midi.", "Les billets coûtent 20 euros.")
+    text = "Contexte :\nLe déjeuner est à midi.\n\nLes billets coûtent 20 euros.\nQ : Quand ?\nR :"
+    for prompt, add_bos in ((text, True), ("<bos>" + text, True), (text, False)):
+        layout = lay_out_text(TextPrompt(prompt, documents, add_bos=add_bos), engine, max_prompt_tokens=1000, rule=CutRule(8))
+        tokens = [t for s in layout.segments for t in s.tokens]
+        assert tokens == engine.tokenize(prompt, add_bos, special=True)
+        assert tokens.count(BOS) == add_bos + prompt.startswith("<bos>")
+        # cut after each document (the text of each piece is the prompt's, in order)
+        assert "".join(s.text for s in layout.segments) == prompt
+        assert [s.text.endswith(("midi.\n\n", "euros.\n")) for s in layout.segments] == [True, True, False]
+
+    class Misspelled(FakeEngine):  # pieces that do not spell the text: the prompt stays whole
+        def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+            return b"?" if token == engine.tokenize("L")[0] else super().token_bytes(token, special=special)
+
+    layout = lay_out_text(TextPrompt(text, documents, add_bos=True), Misspelled(), max_prompt_tokens=1000, rule=CutRule(8))
+    assert len(layout.segments) == 1
+
+
 def test_text_prompts_stay_whole_without_a_safe_cut():
     from percache_core.errors import ContextOverflowError
     from percache_core.serving.prompting import TextPrompt, lay_out_text

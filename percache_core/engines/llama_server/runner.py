@@ -49,12 +49,12 @@ from ...kv.cuts import CutRule
 from ...kv.engine import Decoding
 from ...kv.stopping import StopStringFilter, stop_strings
 from ...kv.tiers import TieredStateStore
-from ...serving.live_prefix import common_prefix
 from ...serving.prompting import PromptLayout, PromptSpec, TextPrompt, lay_out, lay_out_text, rag_prompt
 from ...serving.state_runner import RelayedRequest, RunOptions, RunResult, StateRunner, StopCheck
 from ...serving.text_stream import close_source, shown_text
 from ...types import Chunk
-from .run_start import RunStarts, StartOptions, stored_starts
+from .batched_runs import BatchedRuns
+from .run_start import RunStarts, StartOptions
 from .server import Completion, InSlot, LlamaServer, UnexpectedReuse
 from .slot import NO_WINDOW, ServerCuts, SlotContent
 from .slot_pool import SlotPool, SlotRun
@@ -89,6 +89,7 @@ class ServerRunner(StateRunner):
         self.pool = SlotPool(self, server, self.cuts, self.store_lock)  # every slot, and the states taken from each
         self.unexpected_reuse = 0  # requests the server reused otherwise than planned (run again)
         self.starts = RunStarts(self, self.cuts, self.store_lock)  # where each run starts (and what it waits for)
+        self.batched = BatchedRuns(self)  # where a run batched from its start begins
 
     @property
     def rule(self) -> CutRule | None:
@@ -155,8 +156,8 @@ class ServerRunner(StateRunner):
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
             alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
-            if not alone and options.decode and not options.idle and self._loose_reaches_further(run, layout):
-                return (yield from self._run_batched(run, RunResult(layout), options, (should_stop, started)))
+            if not alone and options.decode and not options.idle and self.batched.takes(run, layout, options):
+                return (yield from self.batched.run(run, RunResult(layout), options, (should_stop, started)))
             if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server
                 self.pool.clear_others(run)
             if states is not None and states.bytes > self.budget_bytes:
@@ -195,8 +196,7 @@ class ServerRunner(StateRunner):
         result.depth, result.reused_tokens, result.layout = begun.depth, point, layout
         result.timings["restore"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        complete = False
-        early = EarlySave()
+        complete, early = False, EarlySave()
         try:
             if saves_early:
                 point = self._save_early(run, result, (layout, keys), (point, end), early, should_stop)
@@ -228,33 +228,10 @@ class ServerRunner(StateRunner):
                 run.slot.keep_loose(layout.tokens)
             result.timings["prefill"] = result.timings.get("prefill", time.perf_counter() - clock)
             clock = time.perf_counter()
-            if complete and self.states is not None and self.rule is not None:
-                after_reply = options.relay is not None and not options.idle  # the client's reply first
-                run.taking.store_later(layout, keys, early, span, options.idle, after_reply=after_reply)
+            if complete and keeps:  # (a relayed client's reply first)
+                run.taking.store_later(layout, keys, early, span, options.idle, after_reply=options.relay is not None and not options.idle)
+            early.discard()  # the files of early saves not stored (store_later took those it stores)
             result.timings["store_states"] = time.perf_counter() - clock
-
-    def _loose_reaches_further(self, run: SlotRun, layout: PromptLayout) -> bool:
-        """Whether a batched run's cells in *run*'s slot hold more of *layout* than any stored state."""
-        held = common_prefix(run.slot.loose, layout.tokens) if run.slot.content is None else 0
-        if not held or self.states is None or self.rule is None:
-            return held > 0
-        with self.store_lock:
-            stored = stored_starts(self.states, self.budget_bytes, layout, self._keys(layout, self.states), len(layout.tokens))
-        return held > (stored[0].n_tokens if stored else 0)
-
-    def _run_batched(
-        self, run: SlotRun, result: RunResult, options: RunOptions, how: tuple[StopCheck | None, float]
-    ) -> Generator[str, None, RunResult]:
-        """A run batched from its start whose slot holds more of its prompt from an earlier such run than any
-        stored state: its text is the server's under batching, so it goes on from those cells; keeps nothing."""
-        try:
-            yield from self._complete(run, result, 0, options, how, checked=False)
-        finally:
-            self.pool.leases.done_computing(run.mark)
-            result.batched, self.batched_runs = True, self.batched_runs + 1
-            run.slot.keep_loose(result.layout.tokens)
-            result.prefilled_tokens = max(0, len(result.layout.tokens) - result.reused_tokens)
-        return result
 
     def _save_early(
         self, run: SlotRun, result: RunResult, prompt: tuple[PromptLayout, list[str]], span: tuple[int, int],
@@ -289,12 +266,12 @@ class ServerRunner(StateRunner):
 
     def _complete(
         self, run: SlotRun, result: RunResult, point: int, options: RunOptions, how: tuple[StopCheck | None, float],
-        *, checked: bool = True,
+        *, checked: bool = True, placed: bool = False,
     ) -> Generator[str, None, int]:
         """Complete the prompt from *point* in *run*'s slot; on a reuse other than planned,
         from 0 (*how*: the stop check and when the request started). Not *checked*: from
-        whatever the server reuses of its slot (a batched run's, noted in *result*). Returns
-        where its prefill started."""
+        whatever the server reuses of its slot (a batched run's, noted in *result*), or with
+        *placed* of the slot it picks. Returns where its prefill started."""
         assert options.sampling is not None
         should_stop, started = how
         tokens, relay = result.layout.tokens, options.relay
@@ -305,7 +282,7 @@ class ServerRunner(StateRunner):
         for attempt in (0, 1):
             run.slot.content = None
             completion = Completion()
-            request = self._request(run, tokens, point if checked else None, options, (stops, completion))
+            request = self._request(run, tokens, point if checked else None, options, (stops, completion), placed)
             pieces = _timed(request, result, started, clock)
             try:
                 yield from shown_text(pieces, stop, should_stop)
@@ -325,16 +302,16 @@ class ServerRunner(StateRunner):
 
     def _request(
         self, run: SlotRun, tokens: Sequence[int], point: int | None, options: RunOptions,
-        into: tuple[Sequence[str], Completion],
+        into: tuple[Sequence[str], Completion], placed: bool = False,
     ) -> Iterator[str]:
         """The request that completes *tokens* from *point* in the run's slot (None: from
-        whatever the server reuses of it, unchecked): the
+        whatever the server reuses of it, unchecked; *placed*: in the slot the server picks): the
         server's completion with PerCache's decoding and the stop strings of *into*, or a
         relayed client's request on the server's own endpoint (which lays out, stops and
         parses the reply); its :class:`Completion` is *into*'s."""
         relay, server = options.relay, self.engine
         stops, completion = into
-        slot = InSlot(run.slot.index, completion)
+        slot = InSlot(-1 if placed else run.slot.index, completion)  # -1: the slot the server picks
         reuse = point is None or point > 0
         if relay is None:
             decoding = Decoding(options.max_new_tokens, options.sampling, list(stops))
@@ -364,6 +341,13 @@ class ServerRunner(StateRunner):
     def settle(self) -> None:
         """The slot saves relayed replies left (:meth:`SlotPool.settle`)."""
         self.pool.settle()
+
+    def close(self) -> None:
+        """Store what is pending; slot saves left for after a reply are dropped (the server
+        may be gone), with the files they would have read."""
+        for taking in self.pool.takings:
+            taking.drop_pending()
+        super().close()
 
     def evict_to_budget(self) -> None:
         self.flush()

@@ -33,6 +33,29 @@ _slices_verdicts: EngineVerdicts[bool] = EngineVerdicts("server_slot_slices_stre
 
 
 @dataclass
+class SavedSlot:
+    """A slot file the server saved, read once (then removed) or discarded.
+
+    >>> import tempfile; folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "s.bin").write_bytes(b"cells")
+    >>> saved = SavedSlot(folder / "s.bin")
+    >>> saved.read(), (folder / "s.bin").exists()
+    (b'cells', False)
+    """
+
+    path: Path
+
+    def read(self) -> bytes:
+        try:
+            return self.path.read_bytes()
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
 class ServerCuts:
     """Where a server's prefill may start and its states be taken.
 
@@ -239,9 +262,20 @@ class ServerSlot:
 
     def save(self) -> bytes:
         """The slot's state as a slot file's bytes (saved by the server, read, removed)."""
-        with self._file() as (name, path):
+        return self.save_file().read()
+
+    def save_file(self) -> SavedSlot:
+        """The slot saved by the server as a file left in the slot-save folder, to be read
+        (or discarded) later, off a request's time."""
+        folder = self.server.slot_save_path
+        assert folder is not None  # chunk states are on only with a slot-save folder
+        name = f"percache-{uuid.uuid4().hex}.bin"
+        try:
             self.server.save_slot(name, self.index)
-            return path.read_bytes()
+        except BaseException:
+            (folder / name).unlink(missing_ok=True)
+            raise
+        return SavedSlot(folder / name)
 
     def load(self, data: bytes) -> int:
         """Load the slot file *data* into the slot; the tokens the server restored."""

@@ -142,6 +142,18 @@ class SlotLeases:
         with self._cond:
             mark.computing = False
 
+    def wait_until_no_saves(self, mark: RunMark) -> None:
+        """Wait until every lease other than *mark*'s computes or shares batches (a run that
+        computed alone and is done computing may still save its slot; a save's lease too)."""
+        with self._cond:
+            self._cond.wait_for(lambda: all(other.computing or other.batched for other, _ in self._leased.values() if other is not mark))
+
+    def wait_while_ending(self, mark: RunMark) -> None:
+        """Wait while a lease other than *mark*'s is held by a run that is done computing
+        (it ends at once; a computing one makes *mark*'s run batched instead)."""
+        with self._cond:
+            self._cond.wait_for(lambda: all(other.computing for other, _ in self._leased.values() if other is not mark))
+
     def alone_now(self, mark: RunMark) -> bool:
         """For a run that has sent the server nothing yet: whether no other lease computes
         now; if so it runs alone, and a batched mark that an overlap now ended set is

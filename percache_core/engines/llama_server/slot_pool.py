@@ -83,7 +83,10 @@ class SlotPool:
         """Erase every other free slot's cells (their pending saves made first), for a run
         on a server whose slots share one KV cache: a run computes as on an empty server
         only so (:mod:`~percache_core.engines.llama_server.slot_probe`). Slots erased
-        before and not leased since are left alone."""
+        before and not leased since are left alone. A slot still leased by a run that is
+        done computing (ending) is waited for: its cells would otherwise stay beside this
+        run's."""
+        self.leases.wait_while_ending(run.mark)
         for index, slot in enumerate(self.slots):
             if slot is run.slot or index in self._erased:
                 continue
@@ -94,9 +97,19 @@ class SlotPool:
                     slot.content = None
                     self._erased.add(index)
 
-    def forget_contents(self) -> None:
-        """Mark every slot's content unknown (a request PerCache did not run may have
-        changed any of them)."""
-        self._erased.clear()
-        for slot in self.slots:
-            slot.content = None
+    def quiet_for(self, run: SlotRun) -> None:
+        """Before *run* sends a request that the server places in a slot of its choice: wait
+        until no other lease may still save its slot (each other run is computing, or shares
+        batches and so keeps nothing), then make the slot saves that relayed replies left in
+        the free slots; otherwise the request could land in a slot before its save, and the
+        save would take its cells."""
+        self.leases.wait_until_no_saves(run.mark)
+        self.settle()
+
+    def forget_contents(self, *, but: SlotRun | None = None) -> None:
+        """Mark every slot's content unknown (a request PerCache did not run, or one the
+        server placed, may have changed any of them), *but*'s own slot aside."""
+        for index, slot in enumerate(self.slots):
+            if but is None or slot is not but.slot:
+                slot.content = None
+                self._erased.discard(index)

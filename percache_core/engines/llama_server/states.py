@@ -17,7 +17,7 @@ from typing import Any
 from ...serving.prompting import PromptLayout
 from ...serving.state_runner import NewState, StateRunner, StopCheck
 from .server import ServerError, UnexpectedReuse
-from .slot import ServerSlot
+from .slot import SavedSlot, ServerSlot
 from .slot_files import slot_file_slice, slot_file_tokens
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,16 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EarlySave:
     """States a sliding-window model's prefill saved on the way: per save, where the prefill
-    before it started, the slot file saved, and the segments whose states are cut from it
-    after the answer."""
+    before it started, the slot file saved (left on disk: it is read after the answer, in
+    the writer thread), and the segments whose states are cut from it then."""
 
-    saves: list[tuple[int, bytes, list[int]]] = field(default_factory=list)
+    saves: list[tuple[int, SavedSlot, list[int]]] = field(default_factory=list)
+
+    def discard(self) -> None:
+        """Remove the files of saves that will not be stored (a run that did not finish)."""
+        for _, saved, _ in self.saves:
+            saved.discard()
+        self.saves = []
 
 
 class SlotStates:
@@ -41,6 +47,7 @@ class SlotStates:
         self.slot = slot
         self.store_lock = store_lock or nullcontext()  # the stored states' lock (runs in other slots read them)
         self._pending: Callable[[], None] | None = None  # a slot save left for after a reply (settle)
+        self._pending_early = EarlySave()  # the early saves that save goes with
 
     def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int, *, past_window: bool = False) -> list[int]:
         """The segments whose states are wanted, not stored, and may be taken from the slot
@@ -77,7 +84,7 @@ class SlotStates:
         for target in self.early_targets(layout, keys, point, end):
             try:
                 self.slot.prefill(layout.tokens[:target], point, should_stop)
-                saved = self.slot.save()
+                saved = self.slot.save_file()
             except UnexpectedReuse:
                 raise
             except (OSError, ServerError) as error:
@@ -143,7 +150,9 @@ class SlotStates:
         request, whose reply waits for the run's end), the slot is saved by :meth:`settle`
         instead: once the reply is sent, or by whatever uses the server next, first."""
         if after_reply:
-            self._pending = lambda: self._save_and_store(layout, keys, early, span, idle)
+            owned = self._pending_early = EarlySave(early.saves)
+            early.saves = []
+            self._pending = lambda: self._save_and_store(layout, keys, owned, span, idle)
             return
         self._save_and_store(layout, keys, early, span, idle)
 
@@ -160,6 +169,12 @@ class SlotStates:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending()
+
+    def drop_pending(self) -> None:
+        """Forget the slot save left for after a reply (the cache closes), removing the
+        files its early saves left."""
+        self._pending = None
+        self._pending_early.discard()
 
     def _save_and_store(
         self, layout: PromptLayout, keys: list[str], early: EarlySave, span: tuple[int, int], idle: bool
@@ -181,7 +196,8 @@ class SlotStates:
                 wanted = []
         if not wanted and not early.saves:
             return
-        self._submit(layout, keys, [*early.saves, (start, saved, wanted)], idle)
+        saves, early.saves = [*early.saves, (start, saved, wanted)], []
+        self._submit(layout, keys, saves, idle)
 
     def store_early(self, layout: PromptLayout, keys: list[str], early: EarlySave, idle: bool, then: Callable[[], None]) -> None:
         """Cut and store the states :meth:`save_early` saved now, in the writer thread,
@@ -191,21 +207,36 @@ class SlotStates:
         self._submit(layout, keys, saves, idle, then)
 
     def _submit(
-        self, layout: PromptLayout, keys: list[str], saves: list[tuple[int, bytes, list[int]]], idle: bool,
+        self, layout: PromptLayout, keys: list[str], saves: list[tuple[int, bytes | SavedSlot, list[int]]], idle: bool,
         then: Callable[[], None] | None = None,
     ) -> None:
-        """Cut the states of each of *saves* (where its prefill started, the slot file, the
-        segments) and store them in the writer thread, save by save, so that each finds the
-        one before as its parent; then *then*."""
+        """Cut the states of each of *saves* (where its prefill started, the slot file or
+        its bytes, the segments) and store them in the writer thread, save by save, so that
+        each finds the one before as its parent; then *then*."""
 
         def store() -> None:
             try:
                 with self.store_lock:
                     for first, file, indices in saves:
-                        if indices:
-                            self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, file), idle=idle)
+                        data = self._read(file) if indices else b""
+                        if data:
+                            self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, data), idle=idle)
             finally:
+                for _, file, _ in saves:
+                    if isinstance(file, SavedSlot):
+                        file.discard()
                 if then is not None:
                     then()
 
         self.runner.writer.submit(store)
+
+    def _read(self, file: bytes | SavedSlot) -> bytes:
+        """A save's bytes (an early save's file read now); b"" when it cannot be read."""
+        if isinstance(file, bytes):
+            return file
+        try:
+            return file.read()
+        except OSError as error:
+            logger.warning("a saved slot file could not be read (%s): no chunk state kept", error)
+            self.runner.storage_failures += 1
+            return b""

@@ -1,0 +1,115 @@
+"""Runs that share a llama-server's batches with another request from their start.
+
+On a server that is not batch-invariant, such a run's text is the server's under that
+batching whatever it starts from, and nothing it computes is kept (no answer, no state):
+so it starts where the server alone would start the same request.
+
+- On a model whose every layer attends to the whole context (no sliding window), the
+  request goes to the slot the server picks (``id_slot: -1``, ``cache_prompt``, unchecked),
+  after the deepest stored state is restored into the run's slot: the server reuses what it
+  holds for it as for its own clients, its RAM prompt cache (``--cache-ram``) included. A
+  later run that starts alone is still computed as on an empty server, whatever such a
+  request left: it erases the other slots first (``SlotPool.clear_others``), and in one
+  shared KV cache without a sliding window every cell below the cache's head is occupied
+  (placement takes each empty cell it passes, freeing moves the head down to the lowest
+  freed cell; read in ``llama-kv-cache.cpp``), so a cache whose cells are all free has its
+  head at cell 0, where an empty server's is.
+- On a sliding-window model that does not hold: the window's layers overwrite cells the
+  window has passed and purge the sequence's older ones, so where a lone run's cells go
+  depends on what ran before (measured on Gemma 3 through a default server: 28-32 of 104
+  lone replies after such requests were not the fresh text). There a batched run stays in
+  its own slot and goes on from the cells an earlier batched run left there, where those
+  reach further than any stored state (:attr:`ServerSlot.loose`); else it runs as a lone
+  run would, and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Any, Protocol
+
+from ...config import LiveConfig, PerCacheConfig
+from ...kv.cuts import CutRule
+from ...kv.tiers import TieredStateStore
+from ...serving.live_prefix import common_prefix
+from ...serving.prompting import PromptLayout
+from ...serving.state_runner import RunOptions, RunResult, StopCheck
+from .run_start import RunStarts, stored_starts
+from .server import LlamaServer
+from .slot_pool import SlotPool, SlotRun
+
+
+class Runner(Protocol):
+    """What :class:`BatchedRuns` uses of its :class:`~percache_core.engines.llama_server.runner.ServerRunner`."""
+
+    engine: LlamaServer
+    config: PerCacheConfig | LiveConfig
+    states: TieredStateStore | None
+    store_lock: threading.RLock
+    starts: RunStarts
+    pool: SlotPool
+    batched_runs: int
+
+    @property
+    def rule(self) -> CutRule | None: ...
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    def _keys(self, layout: PromptLayout, states: TieredStateStore | None) -> list[str]: ...
+
+    def _complete(self, run: SlotRun, result: RunResult, point: int, options: RunOptions, how: Any, *,
+                  checked: bool = True, placed: bool = False) -> Generator[str, None, int]: ...
+
+
+class BatchedRuns:
+    """Where *runner*'s runs batched from their start begin (see the module)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        server = runner.engine
+        # the server's own placement is safe only where no layer has a sliding window (read from the model file)
+        self.server_places = server.model_path is not None and server.sliding_window == 0
+
+    def takes(self, run: SlotRun, layout: PromptLayout, options: RunOptions) -> bool:
+        """Whether a run batched from its start, of *layout* with *options*, starts here
+        rather than as a lone run does (one that reuses nothing never does)."""
+        runner = self.runner
+        if options.restore_depth is not None or not runner.config.tiers.chunk_states:
+            return False
+        if self.server_places:
+            return True
+        held = common_prefix(run.slot.loose, layout.tokens) if run.slot.content is None else 0
+        if not held or runner.states is None or runner.rule is None:
+            return held > 0
+        with runner.store_lock:
+            keys = runner._keys(layout, runner.states)
+            stored = stored_starts(runner.states, runner.budget_bytes, layout, keys, len(layout.tokens))
+        return held > (stored[0].n_tokens if stored else 0)
+
+    def run(
+        self, run: SlotRun, result: RunResult, options: RunOptions, how: tuple[StopCheck | None, float]
+    ) -> Generator[str, None, RunResult]:
+        """Run it (*how*: the stop check and when the request started); keeps nothing."""
+        runner, layout = self.runner, result.layout
+        try:
+            if self.server_places:
+                if runner.states is not None and runner.rule is not None:
+                    with runner.store_lock:
+                        keys = runner._keys(layout, runner.states)
+                        result.reused_tokens, result.depth = runner.starts.start(run, layout, keys, len(layout.tokens), fresh=False)
+                runner.pool.quiet_for(run)  # no slot save of PerCache's left where the server may place it
+                yield from runner._complete(run, result, result.reused_tokens, options, how, checked=False, placed=True)
+            else:
+                yield from runner._complete(run, result, 0, options, how, checked=False)
+        finally:
+            runner.pool.leases.done_computing(run.mark)
+            result.batched, runner.batched_runs = True, runner.batched_runs + 1
+            if self.server_places:
+                runner.pool.forget_contents(but=run)
+                run.slot.content = None
+            else:
+                run.slot.keep_loose(layout.tokens)
+            result.prefilled_tokens = max(0, len(layout.tokens) - result.reused_tokens)
+        return result
