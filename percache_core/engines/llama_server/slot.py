@@ -251,10 +251,7 @@ class ServerSlot:
     @contextmanager
     def _file(self) -> Iterator[tuple[str, Path]]:
         """A fresh file name in the slot-save folder and its path (removed afterwards)."""
-        folder = self.server.slot_save_path
-        assert folder is not None  # chunk states are on only with a slot-save folder
-        name = f"percache-{uuid.uuid4().hex}.bin"
-        path = folder / name
+        name, path = self._fresh_file()
         try:
             yield name, path
         finally:
@@ -267,15 +264,20 @@ class ServerSlot:
     def save_file(self) -> SavedSlot:
         """The slot saved by the server as a file left in the slot-save folder, to be read
         (or discarded) later, off a request's time."""
-        folder = self.server.slot_save_path
-        assert folder is not None  # chunk states are on only with a slot-save folder
-        name = f"percache-{uuid.uuid4().hex}.bin"
+        name, path = self._fresh_file()
         try:
             self.server.save_slot(name, self.index)
         except BaseException:
-            (folder / name).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             raise
-        return SavedSlot(folder / name)
+        return SavedSlot(path)
+
+    def _fresh_file(self) -> tuple[str, Path]:
+        """A fresh file name in the slot-save folder, and its path."""
+        folder = self.server.slot_save_path
+        assert folder is not None  # chunk states are on only with a slot-save folder
+        name = f"percache-{uuid.uuid4().hex}.bin"
+        return name, folder / name
 
     def load(self, data: bytes) -> int:
         """Load the slot file *data* into the slot; the tokens the server restored."""

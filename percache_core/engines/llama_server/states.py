@@ -46,8 +46,8 @@ class SlotStates:
         self.runner = runner
         self.slot = slot
         self.store_lock = store_lock or nullcontext()  # the stored states' lock (runs in other slots read them)
-        self._pending: Callable[[], None] | None = None  # a slot save left for after a reply (settle)
-        self._pending_early = EarlySave()  # the early saves that save goes with
+        # a slot save left for after a reply (settle): _save_and_store's arguments
+        self._pending: tuple[PromptLayout, list[str], EarlySave, tuple[int, int], bool] | None = None
 
     def wanted(self, layout: PromptLayout, keys: list[str], start: int, end: int, *, past_window: bool = False) -> list[int]:
         """The segments whose states are wanted, not stored, and may be taken from the slot
@@ -150,9 +150,8 @@ class SlotStates:
         request, whose reply waits for the run's end), the slot is saved by :meth:`settle`
         instead: once the reply is sent, or by whatever uses the server next, first."""
         if after_reply:
-            owned = self._pending_early = EarlySave(early.saves)
-            early.saves = []
-            self._pending = lambda: self._save_and_store(layout, keys, owned, span, idle)
+            owned, early.saves = EarlySave(early.saves), []
+            self._pending = (layout, keys, owned, span, idle)
             return
         self._save_and_store(layout, keys, early, span, idle)
 
@@ -168,13 +167,14 @@ class SlotStates:
         state: the slices check the tokens they are cut from)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending()
+            self._save_and_store(*pending)
 
     def drop_pending(self) -> None:
         """Forget the slot save left for after a reply (the cache closes), removing the
         files its early saves left."""
-        self._pending = None
-        self._pending_early.discard()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[2].discard()
 
     def _save_and_store(
         self, layout: PromptLayout, keys: list[str], early: EarlySave, span: tuple[int, int], idle: bool
@@ -216,9 +216,9 @@ class SlotStates:
 
         def store() -> None:
             try:
-                with self.store_lock:
-                    for first, file, indices in saves:
-                        data = self._read(file) if indices else b""
+                read = [(first, self._read(file) if indices else b"", indices) for first, file, indices in saves]
+                with self.store_lock:  # (the files read first: runs in other slots wait for this lock)
+                    for first, data, indices in read:
                         if data:
                             self.runner._keep_states(layout, keys, self._taken(layout, keys, indices, first, data), idle=idle)
             finally:
