@@ -585,9 +585,12 @@ class StoreFiles:
             raise ValueError(f"bad file name {name!r}")
         return self.folder / f"{name}.bin"
 
-    def write(self, name: str, data: bytes | Callable[[BinaryIO], None]) -> None:
+    def write(self, name: str, data: bytes | Callable[[BinaryIO], None], *, durable: bool = True) -> None:
         """Write *data* to file *name* whole or not at all (temporary file, then rename);
-        *data* may be a function that writes into the open file (large files)."""
+        *data* may be a function that writes into the open file (large files). *durable*:
+        on disk before the rename (fsync); a file whose reader checks a digest (a chunk
+        state) may skip it: after a power cut it is caught as damaged and dropped, and the
+        next request, which would otherwise wait for the disk, does not."""
         path = self.path(name)
         temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -598,8 +601,9 @@ class StoreFiles:
                     data(handle)
                 else:
                     handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             os.replace(temporary, path)
         except OSError as error:
             temporary.unlink(missing_ok=True)

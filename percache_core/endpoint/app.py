@@ -173,7 +173,10 @@ class Endpoint:
         except (ServerError, ContextOverflowError) as error:
             raise _server_fault(error) from None
         assert isinstance(answer, Answer)
-        reply = whole_reply(kind, answer.text, relay.reply.finish_reason, model, relay.reply.usage, relay.chunks)
+        whole = relay.reply.whole  # the server's own reply, where the server ran it (asked whole)
+        reply = dict(whole) if whole is not None else whole_reply(
+            kind, answer.text, relay.reply.finish_reason, model, relay.reply.usage, relay.chunks
+        )
         reply["percache"] = _about(answer)
         # the request's states are stored once the reply is sent (the slot saved, off its time)
         stored = BackgroundTask(self.pc.caller.finish_relay)

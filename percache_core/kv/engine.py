@@ -280,6 +280,7 @@ class Completion:
     finish_reason: str = ""  # a relayed OpenAI request's: "stop" or "length"
     usage: dict[str, Any] = field(default_factory=dict)  # a relayed OpenAI request's, as the server sent it
     plain: bool = True  # a relayed chat's deltas held nothing but its text (no reasoning, no tool calls)
+    whole: dict[str, Any] | None = None  # a relayed request asked whole: the server's reply as it sent it
 
 
 @runtime_checkable

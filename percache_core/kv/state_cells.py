@@ -51,6 +51,24 @@ class Rows:
                 out += [self.data[base + i * self.size : base + (i + 1) * self.size] for i in keep]
         return out
 
+    def pieces(self) -> list[bytes | memoryview]:
+        """Its row bytes as written after the header."""
+        return [self.data]
+
+
+@dataclass(frozen=True)
+class JoinedRows:
+    """One layer's K or V rows joined from several caches' (:func:`join_cells`), kept as
+    the *runs* to write one after another: a restore copies them once, into the file or
+    state it writes, not once per layer first."""
+
+    header: bytes
+    runs: tuple[bytes | memoryview, ...]
+
+    def pieces(self) -> list[bytes | memoryview]:
+        """Its row bytes as written after the header."""
+        return list(self.runs)
+
 
 @dataclass(frozen=True)
 class CacheCells:
@@ -59,7 +77,7 @@ class CacheCells:
 
     cells: list[tuple[int, int]]
     v_trans: int
-    layers: list[Rows]  # K of every layer, then V of every layer
+    layers: Sequence[Rows | JoinedRows]  # K of every layer, then V of every layer (read: Rows)
     streams: int = 1  # the cache's stream count (written back with the cells in the first)
 
 
@@ -133,7 +151,8 @@ def write_caches(caches: Sequence[CacheCells]) -> list[bytes | memoryview]:
         out += [struct.pack("<iIi", pos, 1, seq) for pos, seq in cache.cells]
         out.append(struct.pack("<II", cache.v_trans, len(cache.layers) // 2))
         for block in cache.layers:
-            out += [block.header, block.data]
+            out.append(block.header)
+            out += block.pieces()
         out += [struct.pack("<I", 0)] * (cache.streams - 1)  # the other streams: empty
     return out
 
@@ -149,7 +168,7 @@ def select_cells(cache: CacheCells, start: int, end: int, window: int) -> CacheC
     count = len(cache.cells)
     layers = [
         Rows(block.header, block.size, block.groups, memoryview(b"".join(block.rows(count, keep))))
-        for block in cache.layers
+        for block in map(_as_read, cache.layers)
     ]
     return CacheCells([cache.cells[i] for i in keep], cache.v_trans, layers, cache.streams)
 
@@ -180,8 +199,8 @@ def join_cells(parts: list[CacheCells], end: int, window: int, start: int = 0) -
         cells += part.cells
     if len(cells) != end - start:
         return None
-    layers = []
-    for index, block in enumerate(first.layers):
+    layers: list[Rows | JoinedRows] = []
+    for index, block in enumerate(map(_as_read, first.layers)):
         runs: list[bytes | memoryview] = []
         for group in range(block.groups):
             for zeros, part in pieces:
@@ -189,9 +208,16 @@ def join_cells(parts: list[CacheCells], end: int, window: int, start: int = 0) -
                     runs.append(bytes(zeros * block.size))
                     continue
                 size = len(part.cells) * block.size
-                runs.append(part.layers[index].data[group * size : (group + 1) * size])
-        layers.append(Rows(block.header, block.size, block.groups, memoryview(b"".join(runs))))
+                runs.append(_as_read(part.layers[index]).data[group * size : (group + 1) * size])
+        layers.append(JoinedRows(block.header, tuple(runs)))
     return CacheCells(cells, first.v_trans, layers, first.streams)
+
+
+def _as_read(block: Rows | JoinedRows) -> Rows:
+    """*block* as read from a state (cut and joined only so; a joined one is only written)."""
+    if not isinstance(block, Rows):
+        raise TypeError("joined rows are written, not cut or joined again")
+    return block
 
 
 def laid_out_as_prefill(state: bytes, header: int, start: int, end: int, window: int) -> tuple[bytes, int] | None:

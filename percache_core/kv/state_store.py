@@ -114,7 +114,7 @@ class StateStore:
             raise StorageWriteError(
                 f"not storing a {len(data):,}-byte chunk state: {free:,} bytes free, reserve {min_free:,}"
             )
-        self._store.files.write(node.key, data)
+        self._store.files.write(node.key, data, durable=False)  # its digest is checked on each read
         value = {
             "key": node.key,
             "parent_key": node.parent_key,

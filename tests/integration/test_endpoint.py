@@ -138,6 +138,8 @@ def test_the_reply_comes_before_the_slot_save_and_the_next_request_restores_its_
                 assert reply.choices[0].message.content == alone_text(alone, chat(question))
                 if turn:  # the states saved after the first reply, restored
                     assert reply.percache["source"] == "chunk_states" and reply.percache["reused_tokens"] > 0
+                # asked whole, as the client asked: the server's own reply, its reuse shown in its timings
+                assert reply.model_extra["timings"]["cache_n"] == reply.percache["reused_tokens"]
                 pc.caller.finish_relay()  # (waits for the reply's background save)
                 replied.clear()
         assert saves and all(saves)

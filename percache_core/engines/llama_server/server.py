@@ -42,7 +42,7 @@ from ...kv.engine import ChatPrompt, Decoding, EngineFeatures, Sampling
 from .launch_choice import with_kernels_chosen
 from .server_http import ServerError, ServerHTTP, ServerUnreachable
 from .server_process import ServerLaunch, ServerProcess, find_server_binary, free_port
-from .server_streams import Completion, InSlot, UnexpectedReuse, completion_events, relay_events
+from .server_streams import Completion, InSlot, Relays, UnexpectedReuse, completion_events
 from .slot_leases import SlotLeases
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class LlamaServer:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"give the server's http:// address, e.g. http://127.0.0.1:8080 (got {url!r})")
         self.http = ServerHTTP(parts.hostname, parts.port or 80, api_key=api_key, timeout_s=timeout_s)
+        self._relays = Relays(self.http)
         self.url = self.http.url
         self.slot_save_path = Path(slot_save_path) if slot_save_path is not None else None
         self._leases: SlotLeases | None = None  # made on first use (the slot count is in /props)
@@ -415,25 +416,21 @@ class LlamaServer:
         slot: InSlot | None = None,
     ) -> Iterator[str]:
         """Run a client's OpenAI request *body* on the server's own endpoint *path*
-        (``/v1/chat/completions`` or ``/v1/completions``) in *slot* (default: slot 0), streamed: the server
+        (``/v1/chat/completions`` or ``/v1/completions``) in *slot* (default: slot 0): the server
         lays out the prompt, samples, stops and parses the reply as it does for the client
-        alone. Appends each chunk the client would get to *chunks* as it arrives (the
-        server's progress events left out) and yields the text each adds; the request's
-        :class:`Completion` is the slot's ``completion`` and :attr:`last`.
+        alone. Streamed as the client streams it (:class:`Relays`): appends each chunk the
+        client would get to *chunks* as it arrives (the server's progress events left out)
+        and yields the text each adds; asked whole, the server's reply is *chunks*' one item
+        and the completion's ``whole``. The request's :class:`Completion` is the slot's
+        ``completion`` and :attr:`last`.
 
-        Before any text, the server's progress event must show *expected* = (tokens reused,
-        prompt tokens) (the prompt PerCache laid out; None: not checked):
-        otherwise the request is cancelled and :class:`UnexpectedReuse` raised."""
-        request, slot = dict(body), slot or InSlot()
-        request.update(
-            stream=True,
-            stream_options={"include_usage": True},
-            cache_prompt=cache_prompt,
-            id_slot=slot.index,
-            return_progress=True,
-        )
-        completion = self.last = slot.completion
-        yield from relay_events(self.http, path, request, completion, expected, chunks)
+        Before any text, the server must show *expected* = (tokens reused, prompt tokens)
+        (the prompt PerCache laid out; None: not checked): otherwise
+        :class:`UnexpectedReuse` is raised (a streamed request is cancelled)."""
+        slot = slot or InSlot()
+        self.last = slot.completion
+        settings = {"cache_prompt": cache_prompt, "id_slot": slot.index}
+        yield from self._relays.run(path, body, settings, expected, slot, chunks)
 
     def save_slot(self, filename: str, slot: int = 0) -> int:
         """Save slot *slot*'s tokens and KV cells as *filename* in the slot-save folder; the

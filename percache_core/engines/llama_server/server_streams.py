@@ -1,7 +1,7 @@
-"""What a llama-server's streamed requests return: :class:`Completion` (filled in as a
-request streams), :func:`completion_events` (``/completion``) and :func:`relay_events` (a
-client's OpenAI request), each checking before any text that the server reused what was
-planned (:class:`UnexpectedReuse`).
+"""What a llama-server's requests return: :class:`Completion` (filled in as a request
+streams), :func:`completion_events` (``/completion``) and :class:`Relays` (a client's
+OpenAI request, streamed or asked whole), each checking before any text that the server
+reused what was planned (:class:`UnexpectedReuse`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ class UnexpectedReuse(ServerError):
         other_prompt = f" of a {total}-token prompt, not {expected_total}" if total != expected_total else ""
         super().__init__(f"the server reused {cached} prompt tokens{other_prompt}, not {expected}")
         self.expected, self.cached = expected, cached
+
+
+class ReuseNotShown(UnexpectedReuse):
+    """A whole reply without ``timings.cache_n`` (a server older than llama.cpp's September
+    2025 one): what it reused is unknown, so the request runs again, streamed."""
+
+    def __init__(self) -> None:
+        ServerError.__init__(self, "the server's whole reply does not show what it reused (no timings.cache_n)")
+        self.expected, self.cached = 0, -1
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,73 @@ def _absorb(event: dict[str, Any], completion: Completion) -> None:
             completion.cached = int(timings.get("cache_n", 0))
     if event.get("stop"):
         completion.stop_type = str(event.get("stop_type", ""))
+
+
+class Relays:
+    """A client's OpenAI requests run on the server's own endpoint (``LlamaServer.relay``)
+    over *http*: one the client streams is streamed, with progress events (its reuse is
+    checked before any text); one it asks whole (``stream`` off) is asked whole, as the
+    server alone would be asked, and checked by its reply's timings before its text is
+    passed on. A whole request reads no event per generated token (each costs a thread
+    wake-up and a JSON parse beside the server's decode), and the client gets the server's
+    own reply. A server whose whole replies do not show their reuse (no
+    ``timings.cache_n``) is asked streamed from then on, the request that found it run
+    again (:class:`ReuseNotShown`)."""
+
+    def __init__(self, http: ServerHTTP) -> None:
+        self.http = http
+        self.whole_shows_reuse = True  # until a whole reply lacks timings.cache_n
+
+    def run(
+        self, path: str, body: dict[str, Any], settings: dict[str, Any], expected: tuple[int, int] | None,
+        slot: InSlot, chunks: list[dict[str, Any]],
+    ) -> Iterator[str]:
+        """Run *body* with the server-side *settings* (``cache_prompt``, ``id_slot``) in
+        *slot*; see :class:`Relays` and :meth:`LlamaServer.relay`."""
+        request = {**body, **settings}
+        if body.get("stream") or not self.whole_shows_reuse:
+            request.update(stream=True, stream_options={"include_usage": True}, return_progress=True)
+            yield from relay_events(self.http, path, request, slot.completion, expected, chunks)
+            return
+        request.pop("stream_options", None)  # (streaming only)
+        try:
+            yield from _relay_whole(self.http, path, request, slot.completion, expected, chunks)
+        except ReuseNotShown:
+            self.whole_shows_reuse = False
+            raise
+
+
+def _relay_whole(
+    http: ServerHTTP, path: str, body: dict[str, Any], completion: Completion, expected: tuple[int, int] | None,
+    chunks: list[dict[str, Any]],
+) -> Iterator[str]:
+    """Ask *body* (``stream`` off) whole on *http*: its reply, checked to show *expected*
+    (tokens reused, prompt tokens) in its timings, is *completion*'s ``whole`` and *chunks*'
+    one item; yields its text once. Raises :class:`UnexpectedReuse` (before any text) on
+    another reuse, :class:`ReuseNotShown` where the timings do not say."""
+    reply = http.call("POST", path, {**body, "stream": False})
+    if not isinstance(reply, dict):
+        raise ServerError(f"llama-server {path}: not a JSON object")
+    timings = reply.get("timings") or {}
+    if "cache_n" not in timings:
+        raise ReuseNotShown()
+    completion.cached = int(timings["cache_n"])
+    total = completion.cached + int(timings.get("prompt_n", 0))
+    if expected is not None and (completion.cached, total) != expected:
+        raise UnexpectedReuse(expected[0], completion.cached, expected[1], total)
+    completion.usage = dict(reply.get("usage") or {})
+    completion.timings = {k: float(v) for k, v in timings.items() if isinstance(v, (int, float))}
+    completion.whole = reply
+    choice = (reply.get("choices") or [{}])[0]
+    completion.finish_reason = str(choice.get("finish_reason") or "")
+    message = choice.get("message")
+    text = str(choice.get("text") or "") if message is None else str(message.get("content") or "")
+    if message is not None and any(value for key, value in message.items() if key not in ("role", "content")):
+        completion.plain = False  # reasoning or tool calls: relayed, not kept as an answer
+    completion.text += text
+    chunks.append(reply)
+    if text:
+        yield text
 
 
 def relay_events(
