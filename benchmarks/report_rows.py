@@ -154,7 +154,7 @@ def _cold_start(result: dict[str, Any]) -> Measured:
 def _sweep(result: dict[str, Any]) -> Measured:
     """``benchmarks.exactness_sweep``: (prompt, restored state) pairs against a fresh prefill."""
     models = result.get("models") or [result]
-    names = ", ".join(m["model"].split(".")[0] for m in models)
+    names = ", ".join(dict.fromkeys(m["model"].split(".")[0] for m in models))  # each model once
     same = f"{result['pairs'] - result['differed']}/{result['pairs']}"
     return Measured(None, f"**{result['differed']} differed** of {result['pairs']} restores", same, names)
 
