@@ -69,6 +69,34 @@ PROBE_PROMPT = (
 )
 
 
+def short_call_start(n_tokens: int, n_batch: int, least: int) -> int | None:
+    """Where stock's last call of a prompt of *n_tokens* starts when that call is shorter
+    than *least* tokens (stock feeds ``n_batch`` at a time from position 0; a cut rule
+    makes pieces of at least *least* tokens round like its full calls, not like a short
+    one, so an engine makes that call as it is); None where stock's last call is not short.
+
+    >>> short_call_start(3079, 512, 8), short_call_start(3090, 512, 8), short_call_start(7, 512, 8)
+    (3072, None, None)
+    """
+    last = n_tokens % n_batch
+    return n_tokens - last if n_tokens > n_batch and 0 < last < least else None
+
+
+def prefill_start_allowed(start: int, n_tokens: int, n_batch: int, least: int) -> bool:
+    """Whether a prompt of *n_tokens* prefilled from *start* (a restored or kept prefix)
+    in pieces of at least *least* tokens can compute as stock's calls do: at least *least*
+    tokens after *start*, and stock's short last call (:func:`short_call_start`) left whole
+    after a piece of at least *least* tokens, or begun at *start* itself.
+
+    >>> prefill_start_allowed(2472, 3079, 512, 8), prefill_start_allowed(3068, 3079, 512, 8)
+    (True, False)
+    """
+    if n_tokens - start < least:
+        return False
+    short = short_call_start(n_tokens, n_batch, least)
+    return short is None or start == short or short - start >= least
+
+
 def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int, int]]:
     """(start, end) of the calls that feed *n_tokens* at most *n_batch* at a time: of
     nearly equal size, so that a long piece never ends in a short call, and cut at

@@ -24,6 +24,7 @@ from percache_core.engines.llama_cpp.engine import LlamaEngine
 from percache_core.engines.llama_cpp.runner import PromptRunner
 from percache_core.inspection import internals
 from percache_core.kv.cuts import measure_cut_rule
+from percache_core.kv.engine import Sampling
 from percache_core.serving.prompting import TextPrompt
 from percache_core.serving.state_runner import RunOptions
 from percache_core.serving.streaming import drain
@@ -153,3 +154,31 @@ def test_pc_answer_gives_stock_text_on_misses_hits_and_kept_contexts(model_path,
     rule = measure_cut_rule(internals(pc).engine)
     nodes = internals(pc).tree.nodes
     assert rule is not None and nodes and all(n.n_tokens % rule.multiple == 0 for n in nodes)  # at state points
+
+
+def test_a_prompt_whose_last_stock_call_is_short_gives_stock_text_fresh_and_restored(model_path, make_cache, engine):
+    """Stock feeds a prompt ``n_batch`` (512) tokens at a time from position 0, so a prompt of
+    512k + 1..7 tokens ends with a call shorter than the cut rule's least piece, whose kernels
+    round otherwise: the engine makes that call as it is, and restores and keeps only prefixes
+    that leave it whole (the exactness sweep's seed 23 found a 3,079-token prompt whose text
+    differed before). Asked three times: fresh, then after its own states were taken."""
+    stock = stock_llama(model_path, n_ctx=2048, threads=2)
+    pc = make_cache("short-last-call", qa_bank=False)
+    pc.preload()  # its self-checks (the cut rule, the states' reach), as an idle round runs them
+    runner = internals(pc).runner
+    passages = [" ".join(NOTES[i:] + NOTES[:i]) * 7 for i in range(3)]
+    question = "\nQuestion: When is the review?\nAnswer:"
+    for _ in range(3000):  # the last passage trimmed until stock's last call is 5 tokens
+        text = "Context:\n" + "\n\n".join(passages) + question
+        if len(engine.tokenize(text, True)) % 512 == 5:
+            break
+        passages[-1] = passages[-1][:-1]
+    assert len(engine.tokenize(text, True)) % 512 == 5 and len(engine.tokenize(text, True)) > 1024
+    layout = runner.lay_out("", [], spec=TextPrompt(text, tuple(passages)), max_new_tokens=24)
+    reference = stock.create_completion(text, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    options = RunOptions(max_new_tokens=24, stop=(), sampling=Sampling(), trim=False)
+    texts = []
+    for _ in range(3):
+        texts.append(drain(runner.run(layout, options)).text)
+        runner.flush()
+    assert texts == [reference] * 3

@@ -15,12 +15,20 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
 from ...config import LiveConfig, PerCacheConfig
 from ...errors import PerCacheError, Preempted
-from ...kv.cuts import NO_CUTS, batch_bounds, eval_or_stop, known_cut_rule
+from ...kv.cuts import (
+    NO_CUTS,
+    batch_bounds,
+    eval_or_stop,
+    known_cut_rule,
+    prefill_start_allowed,
+    short_call_start,
+)
 from ...kv.engine import Decoding, Engine
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode
@@ -344,21 +352,23 @@ class PromptRunner(StateRunner):
         ] if states is not None else []
         window = getattr(engine, "n_swa", 0)
         end_of_answer = len(prompt) + (options.max_new_tokens if options.decode else 0)
-        early: list[int] = []
-        last_cut = engine.n_past
+        early, last_cut = [], engine.n_past  # states saved on the way, and the last cut made
         assert layout.rule is not None  # stock_calls
         least = layout.rule.min_tokens
+        allowed = partial(prefill_start_allowed, n_tokens=len(prompt), n_batch=engine.n_batch, least=least)
         for index in wanted:
             point = layout.state_point(index)
-            if window and point < end_of_answer - window and point - last_cut >= least and len(prompt) - point >= least:
-                early.append(index)  # a cut there leaves pieces the rule allows
+            if window and point < end_of_answer - window and point - last_cut >= least and allowed(point):
+                early.append(index)  # a cut there leaves pieces the rule allows (stock's short last call kept)
                 last_cut = point
         parent = self.restorer.stored_parent(keys, result.depth)
         starts: list[int] = []
         for index in early:  # a cut at each (allowed by the rule), its state saved now
             starts += self._eval_to(prompt, layout.state_point(index), should_stop)
             parent = saved_now(self, index, keys[index], parent, new_states)
-        starts += self._eval_to(prompt, len(prompt), should_stop)
+        short = short_call_start(len(prompt), engine.n_batch, least)  # stock's short last call: made as it is
+        for end in ([short] if short is not None and short - engine.n_past >= least else []) + [len(prompt)]:
+            starts += self._eval_to(prompt, end, should_stop)
         return [i for i in wanted if i not in early], starts
 
     def _eval_to(self, prompt: list[int], end: int, should_stop: StopCheck | None) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ...kv.cuts import CutRule, known_cut_rule
+from ...kv.cuts import CutRule, known_cut_rule, prefill_start_allowed
 from ...kv.tiers import TieredStateStore
 from ...kv.tree import StateNode, path_keys, prefix_keys
 from ...serving.live_prefix import LiveContext, call_starts, segment_cut, text_cut
@@ -51,7 +51,8 @@ class StateRestorer:
             candidates = self.usable(layout, keys, candidates, end)
             depth = sum(1 for index in range(len(layout.segments) - 1) if 0 < layout.state_point(index) <= kept)
             stored = keys.index(candidates[0].key) + 1 if candidates else 0
-            keep = kept and end - kept >= layout.rule.min_tokens and (kept_wins(stored, depth) or not candidates)
+            keep = kept and prefill_start_allowed(kept, end, self.runner.engine.n_batch, layout.rule.min_tokens) \
+                and (kept_wins(stored, depth) or not candidates)
             if keep and live_ok and self.runner.engine.truncate(kept):
                 return depth, kept, not reinstated
         elif kept and kept in ends and live_ok:
@@ -61,17 +62,17 @@ class StateRestorer:
                 return depth, kept, not reinstated
         return (*self.restore_or_reset(keys, candidates), False)
 
-    @staticmethod
-    def usable(layout: PromptLayout, keys: list[str], candidates: list[StateNode], end: int) -> list[StateNode]:
+    def usable(self, layout: PromptLayout, keys: list[str], candidates: list[StateNode], end: int) -> list[StateNode]:
         """Of the stored prefixes *candidates* of a prompt in stock's calls,
-        those that end at their state point in *layout* and leave at least
-        ``rule.min_tokens`` to prefill before *end* (the cut a restore makes is then one the
-        rule allows)."""
+        those that end at their state point in *layout* and from which a prefill to *end*
+        computes as stock's calls do (:func:`~percache_core.kv.cuts.prefill_start_allowed`:
+        the cut a restore makes is then one the rule allows)."""
         assert layout.rule is not None
-        least = layout.rule.min_tokens
+        least, n_batch = layout.rule.min_tokens, self.runner.engine.n_batch
         return [
             node for node in candidates
-            if layout.state_point(keys.index(node.key)) == node.n_tokens and end - node.n_tokens >= least
+            if layout.state_point(keys.index(node.key)) == node.n_tokens
+            and prefill_start_allowed(node.n_tokens, end, n_batch, least)
         ]
 
     def restore_or_reset(self, keys: list[str], candidates: list[StateNode] | None = None) -> tuple[int, int]:
