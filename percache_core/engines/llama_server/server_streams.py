@@ -141,15 +141,9 @@ def _relay_whole(
     if expected is not None and (completion.cached, total) != expected:
         raise UnexpectedReuse(expected[0], completion.cached, expected[1], total)
     completion.usage = dict(reply.get("usage") or {})
-    completion.timings = {k: float(v) for k, v in timings.items() if isinstance(v, (int, float))}
+    completion.timings = _numbers(timings)
     completion.whole = reply
-    choice = (reply.get("choices") or [{}])[0]
-    completion.finish_reason = str(choice.get("finish_reason") or "")
-    message = choice.get("message")
-    text = str(choice.get("text") or "") if message is None else str(message.get("content") or "")
-    if message is not None and any(value for key, value in message.items() if key not in ("role", "content")):
-        completion.plain = False  # reasoning or tool calls: relayed, not kept as an answer
-    completion.text += text
+    text = _absorb_choice(reply, completion, part="message")
     chunks.append(reply)
     if text:
         yield text
@@ -179,7 +173,7 @@ def relay_events(
             if event.get("usage"):
                 completion.usage = dict(event["usage"])
             if event.get("timings"):
-                completion.timings = {k: float(v) for k, v in event["timings"].items() if isinstance(v, (int, float))}
+                completion.timings = _numbers(event["timings"])
                 event = {k: v for k, v in event.items() if k != "timings"}
             chunks.append(event)
             text = _absorb_choice(event, completion)
@@ -191,16 +185,22 @@ def relay_events(
             http.drop_connection()  # the server cancels the request when the client goes
 
 
-def _absorb_choice(event: dict[str, Any], completion: Completion) -> str:
-    """The text one OpenAI chunk adds (a chat delta's content, a completion's text); its
-    finish reason and whether it holds more than text are noted on *completion*."""
+def _numbers(timings: dict[str, Any]) -> dict[str, float]:
+    """The numeric fields of a server's ``timings``."""
+    return {k: float(v) for k, v in timings.items() if isinstance(v, (int, float))}
+
+
+def _absorb_choice(event: dict[str, Any], completion: Completion, part: str = "delta") -> str:
+    """The text one OpenAI chunk adds (a chat *part*'s content: a chunk's ``delta``, a
+    whole reply's ``message``; a completion's text); its finish reason and whether it
+    holds more than text are noted on *completion*."""
     choices = event.get("choices") or []
     if not choices:
         return ""
     choice = choices[0]
     if choice.get("finish_reason"):
         completion.finish_reason = str(choice["finish_reason"])
-    delta = choice.get("delta")
+    delta = choice.get(part)
     if delta is None:  # /v1/completions
         text = choice.get("text") or ""
     else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import Preempted
-from ...kv.cuts import CutRule
+from ...kv.cuts import CutRule, short_call_start
 from ...kv.engine import Decoding, EngineVerdicts
 from ...kv.stopping import StopStringFilter
 from ...kv.tiers import TieredStateStore
@@ -116,9 +116,8 @@ class ServerCuts:
             return False
         if cut > self.window and not past_window:
             return False
-        last = end % self.n_ubatch
-        if 0 < last < rule.min_tokens:
-            boundary = end - last
+        boundary = short_call_start(end, self.n_ubatch, rule.min_tokens)
+        if boundary is not None:
             return cut % self.n_ubatch == 0 or (cut < boundary and self.valid_end(cut, boundary) == boundary)
         return self.valid_end(cut, end) == end
 
@@ -132,11 +131,9 @@ class ServerCuts:
         >>> cuts.last_batch_start(128, 530), cuts.last_batch_start(512, 530), cuts.last_batch_start(128, 600)
         (512, None, None)
         """
-        rule, last = self.rule, end % self.n_ubatch
-        if rule is None or cut == 0 or not 0 < last < rule.min_tokens:
-            return None
-        boundary = end - last
-        return boundary if cut < boundary and cut % self.n_ubatch else None
+        rule = self.rule
+        boundary = None if rule is None or cut == 0 else short_call_start(end, self.n_ubatch, rule.min_tokens)
+        return boundary if boundary is not None and cut < boundary and cut % self.n_ubatch else None
 
     def with_tail_cut(self, layout: PromptLayout, start: int) -> PromptLayout:
         """A caller's prompt with states kept near its end, so that the next prompt that
