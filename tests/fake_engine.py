@@ -218,7 +218,9 @@ class FakeEngine(FakeTextModel):
             self._hashes.append(_roll(self._hashes[-1] if self._hashes else 0, int(token)))
         self.n_past = len(self._hashes)
 
-    def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
+    def eval(
+        self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None, *, ends_prompt: bool = False
+    ) -> None:
         self.calls["eval"] += 1
         if should_stop is not None and should_stop():
             return

@@ -58,6 +58,7 @@ CANDIDATES = (CutRule(8), CutRule(8, 4), CutRule(16, 4), CutRule(16, 16))
 # Before the engine's rule is measured: prompts in stock's calls, cut nowhere (no state kept);
 # the output of a prompt in stock's calls is the same under any rule that holds
 NO_CUTS = CutRule(min_tokens=1 << 30)
+_STRICTEST_LEAST = max(rule.min_tokens for rule in CANDIDATES)  # the least piece before a rule is measured
 _LENGTHS = (97, 102)  # prompt lengths checked (not multiples of 4: the one call's last rows)
 PROBE_PROMPT = (
     "Minutes of the planning call, Tuesday. Present: Lena Okafor, Priya Natarajan, Tom Weiss.\n"
@@ -118,6 +119,36 @@ def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int
     cuts = [n_tokens * i // calls // align * align for i in range(1, calls)]
     bounds = [0, *cuts, n_tokens]
     return list(zip(bounds, bounds[1:]))
+
+
+def feed_calls(engine: Engine, start: int, end: int, *, ends_prompt: bool = False) -> list[tuple[int, int]]:
+    """(start, end) of the calls in which *engine* feeds positions *start* .. *end* of its
+    sequence: nearly equal calls (:func:`batch_bounds`). Where *end* ends the prompt, its
+    last call is stock's as it is when stock's last call is short (:func:`short_call_start`,
+    under the engine's cut rule, or the strictest candidate's before that is measured; left
+    out where the calls before it would be shorter), and on a build where no rule holds the
+    calls are stock's own, ``n_batch`` at a time: the prompt then computes as stock's does.
+    The one place that decides an in-process prefill's calls (``LlamaEngine.eval``, and
+    where the runner records them).
+
+    >>> class Engine: n_batch = 512
+    >>> feed_calls(Engine(), 0, 1030)
+    [(0, 336), (336, 672), (672, 1030)]
+    >>> feed_calls(Engine(), 0, 3079, ends_prompt=True)[-2:]
+    [(2624, 3072), (3072, 3079)]
+    """
+    n_batch = engine.n_batch
+    even = [(start + a, start + b) for a, b in batch_bounds(end - start, n_batch)]
+    if not ends_prompt or end <= n_batch:
+        return even
+    measured, rule = known_cut_rule(engine)
+    if measured and rule is None:  # no cut is free on this build: stock's own calls
+        return [(s, min(s + n_batch, end)) for s in range(start, end, n_batch)]
+    least = rule.min_tokens if rule is not None else _STRICTEST_LEAST
+    short = short_call_start(end, n_batch, least)
+    if short is None or short - start < least:
+        return even
+    return [(start + a, start + b) for a, b in batch_bounds(short - start, n_batch)] + [(short, end)]
 
 
 _verdicts: EngineVerdicts[CutRule | None] = EngineVerdicts(
@@ -229,14 +260,16 @@ def _last_logits(engine: Engine, pieces: list[list[int]], should_stop: Callable[
     return np.array(engine.last_logits(), copy=True)
 
 
-def eval_or_stop(engine: Engine, tokens: Sequence[int], should_stop: Callable[[], bool] | None) -> None:
-    """``engine.eval(tokens)``, polled between its calls (idle work: a self-check's step, a
-    prefill), which raises :class:`~percache_core.errors.Preempted` when *should_stop()*
-    turns true (a user's question waits for the engine)."""
+def eval_or_stop(
+    engine: Engine, tokens: Sequence[int], should_stop: Callable[[], bool] | None, *, ends_prompt: bool = False
+) -> None:
+    """``engine.eval(tokens, ends_prompt=...)``, polled between its calls (idle work: a
+    self-check's step, a prefill), which raises :class:`~percache_core.errors.Preempted`
+    when *should_stop()* turns true (a user's question waits for the engine)."""
     expected = engine.n_past + len(tokens)
     if should_stop is not None and should_stop():
         raise Preempted("pre-empted by a user question")
-    engine.eval(tokens, should_stop)
+    engine.eval(tokens, should_stop, ends_prompt=ends_prompt)
     if engine.n_past != expected:
         raise Preempted("pre-empted by a user question")
 

@@ -361,8 +361,12 @@ class KVSequence(Protocol):
         begin at ``n_past``; False (sequence unchanged) if refused."""
         ...
 
-    def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
-        """Feed *tokens* after the current position (logits kept for the last)."""
+    def eval(
+        self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None, *, ends_prompt: bool = False
+    ) -> None:
+        """Feed *tokens* after the current position (logits kept for the last); with
+        *ends_prompt* they end a prompt (its last call may be stock's:
+        :func:`~percache_core.kv.cuts.feed_calls`)."""
         ...
 
     def eval_with_logits(self, tokens: Sequence[int]) -> np.ndarray:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kv.cuts import CutRule, batch_bounds
+from ..kv.cuts import CutRule, feed_calls, short_call_start
+from ..kv.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,19 @@ class LiveContext:
     reinstated: bool = False
 
 
-def call_starts(lengths: Sequence[int], n_batch: int) -> list[int]:
-    """Where the calls that prefill pieces of these *lengths*, one after another, start.
+def call_starts(engine: Engine, lengths: Sequence[int]) -> list[int]:
+    """Where *engine*'s calls that prefill a prompt in pieces of these *lengths*, one
+    after another, start (:func:`~percache_core.kv.cuts.feed_calls`).
 
-    >>> call_starts([5, 1030], 512)
-    [0, 5, 341, 677]
+    >>> class Engine: n_batch = 512
+    >>> call_starts(Engine(), [5, 1050]), call_starts(Engine(), [5, 1030])  # stock's last call: 11 tokens
+    ([0, 5, 341, 693], [0, 5, 341, 677, 1024])
     """
     starts: list[int] = []
     position = 0
-    for length in lengths:
-        starts.extend(position + start for start, _ in batch_bounds(length, n_batch))
+    for index, length in enumerate(lengths):
+        calls = feed_calls(engine, position, position + length, ends_prompt=index == len(lengths) - 1)
+        starts.extend(start for start, _ in calls)
         position += length
     return starts
 
@@ -71,18 +75,25 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def text_cut(live: LiveContext, tokens: Sequence[int], rule: CutRule) -> int:
+def text_cut(live: LiveContext, tokens: Sequence[int], rule: CutRule, n_batch: int) -> int:
     """How many leading *tokens* of a caller's prompt (prefilled as one call, cut only
     under *rule*) may be kept from *live* (0: none): the largest cut of *rule* within the
     common prefix that the live calls also allow, leaving at least ``rule.min_tokens`` to
-    prefill.
+    prefill, and stock's short last call (of ``n_batch``-token calls) whole after a piece
+    of at least that many (:func:`~percache_core.kv.cuts.prefill_start_allowed`).
 
     >>> live = LiveContext(tuple(range(40)), (0, 16), 0)
-    >>> text_cut(live, list(range(30)) + [99] * 20, CutRule(8, 4))
+    >>> text_cut(live, list(range(30)) + [99] * 20, CutRule(8, 4), 512)
     28
+    >>> live = LiveContext(tuple(range(1100)), (0, 512, 1024), 0)
+    >>> text_cut(live, list(range(1030)), CutRule(8, 4), 512)  # stock's last call: 6 tokens
+    1016
     """
     m, least = rule.multiple, rule.min_tokens
     limit = min(common_prefix(live.tokens, tokens), len(tokens) - least)
+    short = short_call_start(len(tokens), n_batch, least)
+    if short is not None:  # a cut inside the piece before stock's short last call would shorten it
+        limit = min(limit, short - least)
     cut = limit // m * m
     if cut < least:
         return 0

@@ -156,14 +156,28 @@ def test_pc_answer_gives_stock_text_on_misses_hits_and_kept_contexts(model_path,
     assert rule is not None and nodes and all(n.n_tokens % rule.multiple == 0 for n in nodes)  # at state points
 
 
-def test_a_prompt_whose_last_stock_call_is_short_gives_stock_text_fresh_and_restored(model_path, make_cache, engine):
+def stock_last_logits(stock, tokens: list[int]) -> np.ndarray:
+    """Stock ``Llama.eval``'s logits after *tokens* from an empty context (its calls:
+    ``n_batch`` tokens at a time from position 0)."""
+    stock.reset()
+    stock.eval(tokens)
+    return np.array(np.ctypeslib.as_array(stock._ctx.get_logits(), shape=(stock.n_vocab(),)), copy=True)
+
+
+@pytest.mark.parametrize("chunk_states", [True, False], ids=["chunk-states", "no-chunk-states"])
+def test_a_prompt_whose_last_stock_call_is_short_computes_stock_logits_fresh_kept_and_restored(
+    model_path, make_cache, engine, chunk_states
+):
     """Stock feeds a prompt ``n_batch`` (512) tokens at a time from position 0, so a prompt of
     512k + 1..7 tokens ends with a call shorter than the cut rule's least piece, whose kernels
     round otherwise: the engine makes that call as it is, and restores and keeps only prefixes
     that leave it whole (the exactness sweep's seed 23 found a 3,079-token prompt whose text
-    differed before). Asked three times: fresh, then after its own states were taken."""
+    differed before, with chunk states on and off). Asked three times (fresh, then from its
+    own states or the kept context), each time stock's logits bit for bit; fed in the even
+    calls of a piece that does not end a prompt, the same tokens give other logits (so the
+    prompt is one where the calls matter)."""
     stock = stock_llama(model_path, n_ctx=2048, threads=2)
-    pc = make_cache("short-last-call", qa_bank=False)
+    pc = make_cache(f"short-last-call-{chunk_states}", qa_bank=False, chunk_states=chunk_states)
     pc.preload()  # its self-checks (the cut rule, the states' reach), as an idle round runs them
     runner = internals(pc).runner
     passages = [" ".join(NOTES[i:] + NOTES[:i]) * 7 for i in range(3)]
@@ -173,12 +187,20 @@ def test_a_prompt_whose_last_stock_call_is_short_gives_stock_text_fresh_and_rest
         if len(engine.tokenize(text, True)) % 512 == 5:
             break
         passages[-1] = passages[-1][:-1]
-    assert len(engine.tokenize(text, True)) % 512 == 5 and len(engine.tokenize(text, True)) > 1024
+    tokens = engine.tokenize(text, True)
+    assert len(tokens) % 512 == 5 and len(tokens) > 1024
+    reference = stock_last_logits(stock, tokens)
+    with engine.lock:
+        engine.reset()
+        engine.eval(tokens)  # not ending a prompt: even calls, no 5-token call
+        assert not np.array_equal(np.array(engine.last_logits()), reference)
+        engine.reset()
     layout = runner.lay_out("", [], spec=TextPrompt(text, tuple(passages)), max_new_tokens=24)
-    reference = stock.create_completion(text, max_tokens=24, temperature=0.0)["choices"][0]["text"]
-    options = RunOptions(max_new_tokens=24, stop=(), sampling=Sampling(), trim=False)
-    texts = []
+    options = RunOptions(max_new_tokens=24, stop=(), sampling=Sampling(), trim=False, keep_logits=True)
+    reused = []
     for _ in range(3):
-        texts.append(drain(runner.run(layout, options)).text)
+        result = drain(runner.run(layout, options))
+        assert result.next_token_logits is not None and np.array_equal(result.next_token_logits, reference)
+        reused.append(result.reused_tokens)
         runner.flush()
-    assert texts == [reference] * 3
+    assert reused[0] == 0 and all(n > 0 for n in reused[1:])  # fresh, then from states or the context

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import EngineError, ModelNotFoundError, missing_dependency
-from ...kv.cuts import batch_bounds
+from ...kv.cuts import feed_calls
 from ...kv.engine import Sampling
 from ...kv.state_cells import laid_out_as_prefill
 from ...models import file_identity, file_sha256
@@ -168,7 +168,7 @@ def _state_settings(lc: Any, params: Any, repack_weights: bool, n_ctx: int) -> d
         "n_ctx": n_ctx,
         "n_batch": int(params.n_batch),
         "n_ubatch": int(params.n_ubatch),
-        "batch_split": "even, cut at multiples of 16",  # batch_bounds: calls decide logits
+        "batch_split": "even, cut at multiples of 16; stock's short last call",  # feed_calls: calls decide logits
     }
 
 
@@ -414,20 +414,21 @@ class LlamaEngine(LlamaTextModel):
     # -- evaluation -----------------------------------------------------------------------
 
     @on_compute_thread
-    def eval(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> None:
-        """Feed *tokens* after the current position, in as few calls of at most ``n_batch``
-        tokens as fit, of nearly equal size (:func:`batch_bounds`: no short tail call, whose
-        kernels would round differently).
-
-        Logits are kept for the last token only. ``should_stop`` is polled between
-        batches (for pre-emption); when it returns True, evaluation stops early.
-        """
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise EngineError(f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}")
-        for start, end in batch_bounds(len(tokens), self.n_batch):
+    def eval(
+        self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None, *, ends_prompt: bool = False
+    ) -> None:
+        """Feed *tokens* after the current position in the calls of :func:`feed_calls`:
+        nearly equal ones of at most ``n_batch`` tokens, and where they end a prompt
+        (*ends_prompt*), stock's last call as it is when that is short. Logits are kept for
+        the last token only. ``should_stop`` is polled between calls (for pre-emption); when
+        it returns True, evaluation stops early."""
+        base = self.n_past
+        if base + len(tokens) > self.n_ctx:
+            raise EngineError(f"{base + len(tokens)} tokens do not fit the context of {self.n_ctx}")
+        for start, end in feed_calls(self, base, base + len(tokens), ends_prompt=ends_prompt):
             if should_stop is not None and should_stop():
                 return
-            self._decode_piece(tokens[start:end], all_logits=False)
+            self._decode_piece(tokens[start - base : end - base], all_logits=False)
 
     def _decode_piece(self, piece: Sequence[int], *, all_logits: bool) -> None:
         """One ``llama_decode`` call for at most ``n_batch`` tokens after ``n_past``, with

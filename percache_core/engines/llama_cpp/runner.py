@@ -23,11 +23,10 @@ from ...config import LiveConfig, PerCacheConfig
 from ...errors import PerCacheError, Preempted
 from ...kv.cuts import (
     NO_CUTS,
-    batch_bounds,
     eval_or_stop,
+    feed_calls,
     known_cut_rule,
     prefill_start_allowed,
-    short_call_start,
 )
 from ...kv.engine import Decoding, Engine
 from ...kv.tiers import TieredStateStore
@@ -287,7 +286,7 @@ class PromptRunner(StateRunner):
             result.approximate = True  # not stock's calls, whatever was composed
         else:
             self._prefill(result, segments, keys, depth, options, should_stop, new_states)
-        return [], call_starts([len(segment) for segment in segments], engine.n_batch)
+        return [], call_starts(engine, [len(segment) for segment in segments])
 
     def _prefill(
         self,
@@ -317,7 +316,7 @@ class PromptRunner(StateRunner):
                 result.moved_tokens += moved
                 result.approximate = result.approximate or moved > 0
             else:
-                engine.eval(segments[index], should_stop)
+                engine.eval(segments[index], should_stop, ends_prompt=index == len(segments) - 1)
             if engine.n_past != expected:
                 raise Preempted("prefill pre-empted by a user question")
             keep = index < len(keys) and result.layout.segments[index].keep_state
@@ -366,18 +365,17 @@ class PromptRunner(StateRunner):
         for index in early:  # a cut at each (allowed by the rule), its state saved now
             starts += self._eval_to(prompt, layout.state_point(index), should_stop)
             parent = saved_now(self, index, keys[index], parent, new_states)
-        short = short_call_start(len(prompt), engine.n_batch, least)  # stock's short last call: made as it is
-        for end in ([short] if short is not None and short - engine.n_past >= least else []) + [len(prompt)]:
-            starts += self._eval_to(prompt, end, should_stop)
+        starts += self._eval_to(prompt, len(prompt), should_stop)  # stock's short last call made as it is
         return [i for i in wanted if i not in early], starts
 
     def _eval_to(self, prompt: list[int], end: int, should_stop: StopCheck | None) -> list[int]:
         """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`);
         where its calls started."""
         engine = self.engine
-        start = engine.n_past
-        eval_or_stop(engine, prompt[start:end], should_stop)
-        return [start + offset for offset, _ in batch_bounds(end - start, engine.n_batch)]
+        start, ends_prompt = engine.n_past, end == len(prompt)
+        calls = feed_calls(engine, start, end, ends_prompt=ends_prompt)
+        eval_or_stop(engine, prompt[start:end], should_stop, ends_prompt=ends_prompt)
+        return [call_start for call_start, _ in calls]
 
     def _rebuilder(
         self, result: RunResult, segments: list[list[int]], keys: list[str], options: RunOptions

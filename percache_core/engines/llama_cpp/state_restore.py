@@ -142,9 +142,9 @@ class StateRestorer:
         if rule is None:  # PerCache's own prompt on a build without a rule: same calls only
             if live is None:
                 return layout, 0
-            starts = call_starts([len(s.tokens) for s in layout.segments], engine.n_batch)
+            starts = call_starts(engine, [len(s.tokens) for s in layout.segments])
             return layout, segment_cut(live, tokens, starts, layout.ends[:-1])
-        kept = text_cut(live, tokens, rule) if live is not None else 0
+        kept = text_cut(live, tokens, rule, engine.n_batch) if live is not None else 0
         if not layout.caller_prompt:  # PerCache's own prompt: its states are at its state points
             return layout, kept
         stored = self._stored_text_prefix(tokens, rule) if states is not None else 0
