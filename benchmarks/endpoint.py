@@ -152,7 +152,7 @@ def chat_prompts(sessions: list[Messages], fresh: ChatOpenAI) -> list[Messages]:
 
 def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: int, requests: int,
           threads: int, workloads: set[str], load_clients: tuple[int, ...] = LOAD_CLIENTS,
-          invariant: bool = False) -> list[dict[str, Any]]:
+          invariant: bool = False, load_rounds: int = 2) -> list[dict[str, Any]]:
     chunks, questions = user_rows(data, "qmsum", QMSUM_USER)
     sessions = rag_chat_turns(chunks, questions, turns + 2 * restarts)
     # new chats that share no passage with each other or the chats above (every other turn of
@@ -189,7 +189,8 @@ def bench(model_path: Path, data: Path, *, turns: int, restarts: int, clients: i
         if "shared tier" in workloads:
             rows.append(shared_tier(model_path, Path(folder), prompts[:turns], fresh, threads, embedder, documents))
         if "load" in workloads:
-            rows += [load(model_path, Path(folder), sessions, (count, requests), threads, fresh, invariant=invariant)
+            rows += [load(model_path, Path(folder), sessions, (count, requests), threads, fresh, rounds=load_rounds,
+                          invariant=invariant)
                      for count in load_clients]
         reference.close()
     return rows
@@ -343,6 +344,7 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
                     f"{name}_p95_s": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 3),
                     f"{name}_errors": sum(errors for _, _, errors, _ in runs)})
     row["ratio"] = round(row["percache_s"] / row["server_alone_s"], 4)
+    row["round_ratios"] = [round(ours[0] / alone[0], 4) for ours, alone in zip(measured["percache"], measured["server_alone"])]
     if clients == 1:
         references = [str(fresh.invoke(lc_messages(m)).content) for m in asks[0]]
         for name, runs in measured.items():
@@ -354,7 +356,7 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
             row["percache_identical_to_launch_fresh"] = sum(
                 a == b for _, _, _, texts in measured["percache"] for a, b in zip(texts[0], references))
     print(f"  load {clients} clients: PerCache {row['percache_s']:.1f} s, alone {row['server_alone_s']:.1f} s, "
-          f"ratio {row['ratio']}, errors {row['percache_errors']}/{row['server_alone_errors']}", flush=True)
+          f"ratio {row['ratio']} (rounds {row['round_ratios']}), errors {row['percache_errors']}/{row['server_alone_errors']}", flush=True)
     return row
 
 
@@ -430,7 +432,11 @@ def main() -> None:
                         help="the load workload's PerCache side on a server it starts batch-invariant "
                              "(make llama-server-invariant)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
+    parser.add_argument("--load-rounds", type=int, default=2,
+                        help="rounds of the load workload, each on fresh servers, the sides' order alternating")
     args = parser.parse_args()
+    if args.load_rounds < 1:
+        parser.error(f"--load-rounds takes 1 or more (got {args.load_rounds})")
     workloads = {name.strip() for name in args.workloads.split(",")}
     if workloads - set(WORKLOADS):
         parser.error(f"unknown workloads: {', '.join(sorted(workloads - set(WORKLOADS)))}")
@@ -447,7 +453,7 @@ def main() -> None:
         results["models"][path.name] = bench(path, args.data, turns=args.turns, restarts=args.restarts,
                                              clients=args.clients, requests=args.requests, threads=args.threads,
                                              workloads=workloads, load_clients=load_clients,
-                                             invariant=args.batch_invariant)
+                                             invariant=args.batch_invariant, load_rounds=args.load_rounds)
     write_json(results, args.out)
     plot(results, args.out.with_suffix(".png"))
 

@@ -123,28 +123,34 @@ def batch_bounds(n_tokens: int, n_batch: int, align: int = 16) -> list[tuple[int
 
 def feed_calls(engine: Engine, start: int, end: int, *, ends_prompt: bool = False) -> list[tuple[int, int]]:
     """(start, end) of the calls in which *engine* feeds positions *start* .. *end* of its
-    sequence: nearly equal calls (:func:`batch_bounds`). Where *end* ends the prompt, its
-    last call is stock's as it is when stock's last call is short (:func:`short_call_start`,
-    under the engine's cut rule, or the strictest candidate's before that is measured; left
-    out where the calls before it would be shorter), and on a build where no rule holds the
-    calls are stock's own, ``n_batch`` at a time: the prompt then computes as stock's does.
-    The one place that decides an in-process prefill's calls (``LlamaEngine.eval``, and
-    where the runner records them).
+    sequence. Where *end* ends the prompt: stock's calls (``n_batch`` tokens at a time from
+    position 0, its last call as it is, however short), from *start* on where the first of
+    them after *start* is no piece shorter than the engine's cut rule allows (from 0 always:
+    the prompt then computes as stock's does, with or without a rule); else nearly equal
+    calls (:func:`batch_bounds`) up to stock's last call, which is made as it is where it is
+    short (:func:`short_call_start`; under the engine's cut rule, or the strictest
+    candidate's before that is measured). Where *end* is a cut inside a prompt: nearly equal
+    calls, none short. The one place that decides an in-process prefill's calls
+    (``LlamaEngine.eval``, and where the runner records them).
 
     >>> class Engine: n_batch = 512
-    >>> feed_calls(Engine(), 0, 1030)
-    [(0, 336), (336, 672), (672, 1030)]
-    >>> feed_calls(Engine(), 0, 3079, ends_prompt=True)[-2:]
-    [(2624, 3072), (3072, 3079)]
+    >>> feed_calls(Engine(), 0, 1030), feed_calls(Engine(), 0, 1030, ends_prompt=True)
+    ([(0, 336), (336, 672), (672, 1030)], [(0, 512), (512, 1024), (1024, 1030)])
+    >>> feed_calls(Engine(), 480, 1030, ends_prompt=True), feed_calls(Engine(), 1020, 1030, ends_prompt=True)
+    ([(480, 512), (512, 1024), (1024, 1030)], [(1020, 1030)])
+    >>> feed_calls(Engine(), 1000, 3079, ends_prompt=True)[-2:]
+    [(2560, 3072), (3072, 3079)]
     """
     n_batch = engine.n_batch
     even = [(start + a, start + b) for a, b in batch_bounds(end - start, n_batch)]
-    if not ends_prompt or end <= n_batch:
+    if not ends_prompt or end - start <= 1:
         return even
     measured, rule = known_cut_rule(engine)
-    if measured and rule is None:  # no cut is free on this build: stock's own calls
-        return [(s, min(s + n_batch, end)) for s in range(start, end, n_batch)]
     least = rule.min_tokens if rule is not None else _STRICTEST_LEAST
+    first = min(end, (start // n_batch + 1) * n_batch)  # the end of stock's call that holds start
+    if start % n_batch == 0 or first - start >= least or (measured and rule is None):
+        bounds = [start, *range(first, end, n_batch), end]
+        return list(zip(bounds, bounds[1:]))
     short = short_call_start(end, n_batch, least)
     if short is None or short - start < least:
         return even

@@ -49,8 +49,8 @@ def call_starts(engine: Engine, lengths: Sequence[int]) -> list[int]:
     after another, start (:func:`~percache_core.kv.cuts.feed_calls`).
 
     >>> class Engine: n_batch = 512
-    >>> call_starts(Engine(), [5, 1050]), call_starts(Engine(), [5, 1030])  # stock's last call: 11 tokens
-    ([0, 5, 341, 693], [0, 5, 341, 677, 1024])
+    >>> call_starts(Engine(), [5, 1030]), call_starts(Engine(), [520, 1030])  # the last piece in stock's calls
+    ([0, 5, 512, 1024], [0, 256, 520, 1024, 1536])
     """
     starts: list[int] = []
     position = 0
