@@ -44,9 +44,10 @@ class LiveContext:
     reinstated: bool = False
 
 
-def call_starts(engine: Engine, lengths: Sequence[int]) -> list[int]:
+def call_starts(engine: Engine, lengths: Sequence[int], *, ends_prompt: bool = True) -> list[int]:
     """Where *engine*'s calls that prefill a prompt in pieces of these *lengths*, one
-    after another, start (:func:`~percache_core.kv.cuts.feed_calls`).
+    after another, start (:func:`~percache_core.kv.cuts.feed_calls`; the last piece ends
+    the prompt unless *ends_prompt* is false: a prefix with more to follow).
 
     >>> class Engine: n_batch = 512
     >>> call_starts(Engine(), [5, 1030]), call_starts(Engine(), [520, 1030])  # the last piece in stock's calls
@@ -55,7 +56,7 @@ def call_starts(engine: Engine, lengths: Sequence[int]) -> list[int]:
     starts: list[int] = []
     position = 0
     for index, length in enumerate(lengths):
-        calls = feed_calls(engine, position, position + length, ends_prompt=index == len(lengths) - 1)
+        calls = feed_calls(engine, position, position + length, ends_prompt=ends_prompt and index == len(lengths) - 1)
         starts.extend(start for start, _ in calls)
         position += length
     return starts

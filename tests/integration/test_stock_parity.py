@@ -204,3 +204,33 @@ def test_a_prompt_whose_last_stock_call_is_short_computes_stock_logits_fresh_kep
         reused.append(result.reused_tokens)
         runner.flush()
     assert reused[0] == 0 and all(n > 0 for n in reused[1:])  # fresh, then from states or the context
+
+
+def test_a_state_an_idle_prefix_run_keeps_before_a_short_piece_restores_to_stock_logits(model_path, make_cache, engine):
+    """An idle round's prefix run (``prefill_text``: the app's leading passages, no
+    question) ends at a cut, not at the prompt's end, so its calls are a cut's (nearly
+    equal), never a prompt's short last call: the state kept at 512k + 4 tokens, restored
+    for the whole prompt, gives stock's logits. (On this build a 4-token call's rows round
+    as a longer call's, so a short call there would pass too; the rule's least piece is 8.)"""
+    stock = stock_llama(model_path, n_ctx=2048, threads=2)
+    pc = make_cache("prefix-before-short", qa_bank=False)
+    pc.preload()
+    runner = internals(pc).runner
+    passages = [" ".join(NOTES[i:] + NOTES[:i]) * 7 for i in range(3)]
+    question = "\nQuestion: When is the review and who checks the hiring requests before it?\nAnswer:"
+    for _ in range(400):  # the last passage trimmed until its cut is 4 tokens past a 512 boundary
+        layout = runner.lay_out("", [], spec=TextPrompt("Context:\n" + "\n\n".join(passages) + question,
+                                                         tuple(passages)), max_new_tokens=24)
+        excess = (layout.ends[-2] - 4) % 512
+        if excess == 0:
+            break
+        passages[-1] = passages[-1][: len(passages[-1]) - max(1, excess * 3 // 2)]  # ~4 characters a token
+    assert layout.ends[-2] % 512 == 4 and layout.ends[-2] > 1024  # a cut: a multiple of the rule's 4
+    spec = TextPrompt("Context:\n" + "\n\n".join(passages) + question, tuple(passages))
+    assert runner.prefill_text(spec) > 0
+    runner.flush()
+    reference = stock_last_logits(stock, engine.tokenize(spec.text, True))
+    options = RunOptions(max_new_tokens=24, stop=(), sampling=Sampling(), trim=False, keep_logits=True)
+    result = drain(runner.run(runner.lay_out("", [], spec=spec, max_new_tokens=24), options))
+    assert result.reused_tokens > 1024  # the prefix run's state, restored
+    assert result.next_token_logits is not None and np.array_equal(result.next_token_logits, reference)

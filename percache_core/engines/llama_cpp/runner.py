@@ -286,7 +286,7 @@ class PromptRunner(StateRunner):
             result.approximate = True  # not stock's calls, whatever was composed
         else:
             self._prefill(result, segments, keys, depth, options, should_stop, new_states)
-        return [], call_starts(engine, [len(segment) for segment in segments])
+        return [], call_starts(engine, [len(segment) for segment in segments], ends_prompt=not options.prefix_only)
 
     def _prefill(
         self,
@@ -316,7 +316,8 @@ class PromptRunner(StateRunner):
                 result.moved_tokens += moved
                 result.approximate = result.approximate or moved > 0
             else:
-                engine.eval(segments[index], should_stop, ends_prompt=index == len(segments) - 1)
+                last = index == len(segments) - 1 and not options.prefix_only  # a prefix run's end is a cut
+                engine.eval(segments[index], should_stop, ends_prompt=last)
             if engine.n_past != expected:
                 raise Preempted("prefill pre-empted by a user question")
             keep = index < len(keys) and result.layout.segments[index].keep_state
@@ -365,14 +366,18 @@ class PromptRunner(StateRunner):
         for index in early:  # a cut at each (allowed by the rule), its state saved now
             starts += self._eval_to(prompt, layout.state_point(index), should_stop)
             parent = saved_now(self, index, keys[index], parent, new_states)
-        starts += self._eval_to(prompt, len(prompt), should_stop)  # stock's short last call made as it is
+        # to the prompt's end in stock's calls (a prefix run's end is a cut: the question follows)
+        starts += self._eval_to(prompt, len(prompt), should_stop, ends_prompt=not options.prefix_only)
         return [i for i in wanted if i not in early], starts
 
-    def _eval_to(self, prompt: list[int], end: int, should_stop: StopCheck | None) -> list[int]:
-        """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`);
+    def _eval_to(
+        self, prompt: list[int], end: int, should_stop: StopCheck | None, *, ends_prompt: bool = False
+    ) -> list[int]:
+        """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`),
+        which *ends_prompt* or is a cut in it (:func:`~percache_core.kv.cuts.feed_calls`);
         where its calls started."""
         engine = self.engine
-        start, ends_prompt = engine.n_past, end == len(prompt)
+        start = engine.n_past
         calls = feed_calls(engine, start, end, ends_prompt=ends_prompt)
         eval_or_stop(engine, prompt[start:end], should_stop, ends_prompt=ends_prompt)
         return [call_start for call_start, _ in calls]
@@ -391,7 +396,7 @@ class PromptRunner(StateRunner):
                 # what the context held is gone: stored states only, then stock's calls
                 end = sum(map(len, segments))
                 self.restorer.restore_or_reset(keys, self.restorer.usable(layout, keys, candidates, end))
-                self._eval_to([t for segment in segments for t in segment], end, None)
+                self._eval_to([t for segment in segments for t in segment], end, None, ends_prompt=True)
                 return
             depth, _ = self.restorer.restore_or_reset(keys, candidates)
             again = RunResult(layout)
