@@ -280,7 +280,7 @@ class PromptRunner(StateRunner):
         if layout.stock_calls:  # composed chunks: one call per segment, an approximate run
             held = sum(1 for end in layout.ends[: len(segments)] if end <= engine.n_past)  # whole segments in place
             if held < len(segments) and engine.n_past > (layout.ends[held - 1] if held else 0):
-                self._eval_to(prompt, layout.ends[held], should_stop)  # the rest of a segment begun
+                eval_to(self.engine, prompt, layout.ends[held], should_stop)  # the rest of a segment begun
                 held += 1
             self._prefill(result, segments, keys, held, options, should_stop, None)
             result.approximate = True  # not stock's calls, whatever was composed
@@ -364,23 +364,11 @@ class PromptRunner(StateRunner):
         parent = self.restorer.stored_parent(keys, result.depth)
         starts: list[int] = []
         for index in early:  # a cut at each (allowed by the rule), its state saved now
-            starts += self._eval_to(prompt, layout.state_point(index), should_stop)
+            starts += eval_to(self.engine, prompt, layout.state_point(index), should_stop)
             parent = saved_now(self, index, keys[index], parent, new_states)
         # to the prompt's end in stock's calls (a prefix run's end is a cut: the question follows)
-        starts += self._eval_to(prompt, len(prompt), should_stop, ends_prompt=not options.prefix_only)
+        starts += eval_to(self.engine, prompt, len(prompt), should_stop, ends_prompt=not options.prefix_only)
         return [i for i in wanted if i not in early], starts
-
-    def _eval_to(
-        self, prompt: list[int], end: int, should_stop: StopCheck | None, *, ends_prompt: bool = False
-    ) -> list[int]:
-        """Prefill *prompt* from the sequence's end to *end* (pre-empted: :class:`Preempted`),
-        which *ends_prompt* or is a cut in it (:func:`~percache_core.kv.cuts.feed_calls`);
-        where its calls started."""
-        engine = self.engine
-        start = engine.n_past
-        calls = feed_calls(engine, start, end, ends_prompt=ends_prompt)
-        eval_or_stop(engine, prompt[start:end], should_stop, ends_prompt=ends_prompt)
-        return [call_start for call_start, _ in calls]
 
     def _rebuilder(
         self, result: RunResult, segments: list[list[int]], keys: list[str], options: RunOptions
@@ -396,13 +384,25 @@ class PromptRunner(StateRunner):
                 # what the context held is gone: stored states only, then stock's calls
                 end = sum(map(len, segments))
                 self.restorer.restore_or_reset(keys, self.restorer.usable(layout, keys, candidates, end))
-                self._eval_to([t for segment in segments for t in segment], end, None, ends_prompt=True)
+                eval_to(self.engine, [t for segment in segments for t in segment], end, None, ends_prompt=True)
                 return
             depth, _ = self.restorer.restore_or_reset(keys, candidates)
             again = RunResult(layout)
             self._prefill(again, segments, keys, depth, replace(options, keep_logits=False), None, None)
 
         return rebuild
+
+
+def eval_to(
+    engine: Engine, prompt: list[int], end: int, should_stop: StopCheck | None, *, ends_prompt: bool = False
+) -> list[int]:
+    """Prefill *prompt* from *engine*'s sequence end to *end* (pre-empted:
+    :class:`Preempted`), which *ends_prompt* or is a cut in it
+    (:func:`~percache_core.kv.cuts.feed_calls`); where its calls started."""
+    start = engine.n_past
+    calls = feed_calls(engine, start, end, ends_prompt=ends_prompt)
+    eval_or_stop(engine, prompt[start:end], should_stop, ends_prompt=ends_prompt)
+    return [call_start for call_start, _ in calls]
 
 
 def saved_now(
