@@ -447,6 +447,7 @@ def _questions(
             "app_states_prefilled": sum(r.app_states_prefilled for r in idle),
             "app_requests_run": sum(r.app_requests_run for r in idle),
             "app_answers_stored": sum(r.app_answers_stored for r in idle),
+            "prefill_tokens": sum(r.prefill_tokens for r in idle),  # over idle_seconds: the rounds' prefill rate
             "predicted": [q for r in idle for q in r.predicted],
         },
         "shapes": stats["app_requests"]["shapes"],
