@@ -266,16 +266,14 @@ def _last_logits(engine: Engine, pieces: list[list[int]], should_stop: Callable[
     return np.array(engine.last_logits(), copy=True)
 
 
-def eval_or_stop(
-    engine: Engine, tokens: Sequence[int], should_stop: Callable[[], bool] | None, *, ends_prompt: bool = False
-) -> None:
-    """``engine.eval(tokens, ends_prompt=...)``, polled between its calls (idle work: a
-    self-check's step, a prefill), which raises :class:`~percache_core.errors.Preempted`
-    when *should_stop()* turns true (a user's question waits for the engine)."""
+def eval_or_stop(engine: Engine, tokens: Sequence[int], should_stop: Callable[[], bool] | None) -> None:
+    """``engine.eval(tokens)``, polled between its calls (idle work: a self-check's step, a
+    prefill), which raises :class:`~percache_core.errors.Preempted` when *should_stop()*
+    turns true (a user's question waits for the engine)."""
     expected = engine.n_past + len(tokens)
     if should_stop is not None and should_stop():
         raise Preempted("pre-empted by a user question")
-    engine.eval(tokens, should_stop, ends_prompt=ends_prompt)
+    engine.eval(tokens, should_stop)
     if engine.n_past != expected:
         raise Preempted("pre-empted by a user question")
 

@@ -397,11 +397,12 @@ def eval_to(
     engine: Engine, prompt: list[int], end: int, should_stop: StopCheck | None, *, ends_prompt: bool = False
 ) -> list[int]:
     """Prefill *prompt* from *engine*'s sequence end to *end* (pre-empted:
-    :class:`Preempted`), which *ends_prompt* or is a cut in it
-    (:func:`~percache_core.kv.cuts.feed_calls`); where its calls started."""
-    start = engine.n_past
-    calls = feed_calls(engine, start, end, ends_prompt=ends_prompt)
-    eval_or_stop(engine, prompt[start:end], should_stop, ends_prompt=ends_prompt)
+    :class:`Preempted`), which *ends_prompt* or is a cut in it, in the calls of
+    :func:`~percache_core.kv.cuts.feed_calls` (each fed as one call of its own); where they
+    started."""
+    calls = feed_calls(engine, engine.n_past, end, ends_prompt=ends_prompt)
+    for call_start, call_end in calls:
+        eval_or_stop(engine, prompt[call_start:call_end], should_stop)
     return [call_start for call_start, _ in calls]
 
 
