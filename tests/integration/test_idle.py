@@ -118,12 +118,24 @@ def test_a_similar_question_served_from_the_bank_gets_its_own_answer_later(make_
     assert own.source == "qa_bank" and own.matched_question == paraphrase
 
 
-def test_a_user_question_preempts_a_running_round(make_cache):
+def test_a_user_question_preempts_a_running_round(make_cache, engine, monkeypatch):
     reference = make_cache("reference", qa_bank=False, chunk_states=False, **IDLE)
     expected = reference.answer("Why is the booking API late?").text
-    # two summary calls: the question arrives once the first one's tokens are counted
+    # two summary calls: the question arrives while the second one holds the model (asked
+    # between the two, it may take the model before the round does: then nothing waits)
     pc = make_cache(**{**IDLE, "prediction_stride": 5, "abstract_batch_chunks": 5})
+    scheduler = internals(pc).scheduler
+    in_second_call = threading.Event()
     done = {}
+    round_eval = engine.eval
+
+    def eval_watched(tokens, should_stop=None, **options):
+        report = scheduler.round_report
+        if threading.current_thread() is worker and report is not None and report.prefill_tokens:
+            in_second_call.set()  # the round holds the model, its first call counted
+        return round_eval(tokens, should_stop, **options)
+
+    monkeypatch.setattr(engine, "eval", eval_watched)
 
     def idle_round():
         done["report"] = pc.warm(progress=False)
@@ -131,11 +143,7 @@ def test_a_user_question_preempts_a_running_round(make_cache):
 
     worker = threading.Thread(target=idle_round)
     worker.start()
-    deadline = time.monotonic() + 120
-    scheduler = internals(pc).scheduler
-    while scheduler.round_report is None or scheduler.round_report.prefill_tokens == 0:
-        assert time.monotonic() < deadline and worker.is_alive()
-        time.sleep(0.01)
+    assert in_second_call.wait(120)
     answer = pc.answer("Why is the booking API late?")
     answer_end = time.monotonic()
     worker.join()
