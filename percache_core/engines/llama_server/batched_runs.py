@@ -7,7 +7,11 @@ so it starts where the server alone would start the same request.
 - On a model whose every layer attends to the whole context (no sliding window), the
   request goes to the slot the server picks (``id_slot: -1``, ``cache_prompt``, unchecked),
   after the deepest stored state is restored into the run's slot: the server reuses what it
-  holds for it as for its own clients, its RAM prompt cache (``--cache-ram``) included. A
+  holds for it as for its own clients, its RAM prompt cache (``--cache-ram``) included.
+  Where a run leased before it is computing a prompt that begins with most of its own (two
+  clients asking over the same passages at once), it first waits for that run to be done,
+  so that the server finds the shared prefix in the slot it ran in or in its prompt cache
+  rather than prefilling it twice side by side (the server alone does). A
   later run that starts alone is still computed as on an empty server, whatever such a
   request left: it erases the other slots first (``SlotPool.clear_others``), and in one
   shared KV cache without a sliding window every cell below the cache's head is occupied
@@ -39,9 +43,11 @@ from ...kv.cuts import CutRule
 from ...kv.tiers import TieredStateStore
 from ...serving.prompting import PromptLayout
 from ...serving.state_runner import RunOptions, RunResult, StopCheck
-from .run_start import RunStarts, stored_starts
+from .run_start import LIVE_CUT_GAIN, RunStarts, stored_starts
 from .server import LlamaServer
 from .slot_pool import SlotPool, SlotRun
+
+TWIN_WAIT_S = 60.0  # the longest a batched run waits for a run computing most of its prompt
 
 
 class Runner(Protocol):
@@ -95,6 +101,24 @@ class BatchedRuns:
             stored = stored_starts(runner.states, runner.budget_bytes, layout, keys, len(layout.tokens))
         return held > (stored[0].n_tokens if stored else 0)
 
+    def _wait_for_twin(self, run: SlotRun, layout: PromptLayout, should_stop: StopCheck | None) -> None:
+        """Where a run leased before this one computes a prompt that begins with most of
+        this one's (at least half, and ``LIVE_CUT_GAIN`` tokens more than any stored state
+        holds), wait until it is done (at most ``TWIN_WAIT_S``): the server then finds that
+        prefix in the slot it ran in or in its prompt cache, instead of prefilling it a
+        second time beside it."""
+        runner, tokens = self.runner, layout.tokens
+        least = max(LIVE_CUT_GAIN, len(tokens) // 2)
+        if self._restores:
+            with runner.store_lock:
+                keys = runner._keys(layout, runner.states)
+                stored = stored_starts(runner.states, runner.budget_bytes, layout, keys, len(tokens))
+            least = max(least, (stored[0].n_tokens if stored else 0) + LIVE_CUT_GAIN)
+        twin = runner.pool.twin(run, tokens, least)
+        if twin is not None and runner.pool.leases.wait_done_computing(twin, should_stop, TWIN_WAIT_S):
+            with runner.store_lock:
+                runner.prefix_waits += 1
+
     @property
     def _restores(self) -> bool:
         """Whether stored states may be restored (chunk states on, a cut rule measured)."""
@@ -108,6 +132,7 @@ class BatchedRuns:
         runner, layout = self.runner, result.layout
         try:
             if self.server_places:
+                self._wait_for_twin(run, layout, how[0])
                 if self._restores:
                     with runner.store_lock:
                         keys = runner._keys(layout, runner.states)

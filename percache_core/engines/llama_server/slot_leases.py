@@ -33,9 +33,12 @@ Requests that other clients send the server directly are not seen here.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+POLL_S = 0.05  # how often a waiter checks whether its client went away
 
 
 @dataclass(eq=False)
@@ -141,6 +144,19 @@ class SlotLeases:
         may follow): leases taken from now on do not share its batches."""
         with self._cond:
             mark.computing = False
+            self._cond.notify_all()
+
+    def wait_done_computing(self, mark: RunMark, should_stop: Callable[[], bool] | None, timeout_s: float) -> bool:
+        """Wait until *mark*'s run is done computing (True), *should_stop* says stop or
+        *timeout_s* passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while mark.computing:
+                left = deadline - time.monotonic()
+                if left <= 0 or (should_stop is not None and should_stop()):
+                    return False
+                self._cond.wait(min(POLL_S, left))
+        return True
 
     def wait_until_no_saves(self, mark: RunMark) -> None:
         """Wait until every lease other than *mark*'s computes or shares batches (a run that

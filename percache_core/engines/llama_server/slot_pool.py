@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ...serving.live_prefix import common_prefix
 from .slot import ServerCuts, ServerSlot
 from .slot_leases import RunMark, SlotLeases
 from .states import SlotStates
@@ -47,6 +48,8 @@ class SlotPool:
         self.takings = [SlotStates(runner, slot, store_lock) for slot in self.slots]
         self._uses = 0
         self._erased: set[int] = set()  # slots erased by clear_others and not leased since
+        self._prompts: dict[int, tuple[int, Sequence[int], RunMark]] = {}  # leased slot -> (lease order, prompt, run)
+        self._prompts_lock = threading.Lock()
 
     def chooser(self, tokens: Sequence[int]) -> Callable[[list[int]], int]:
         """Picks, among free slots, the one holding the longest prefix of *tokens*, the
@@ -67,8 +70,29 @@ class SlotPool:
             self.slots[index].last_used = self._uses
             self._erased.discard(index)
             run = SlotRun(self.slots[index], self.takings[index], mark)
-            run.taking.settle()
-            yield run
+            with self._prompts_lock:
+                self._prompts[index] = (self._uses, tokens, mark)
+            try:
+                run.taking.settle()
+                yield run
+            finally:
+                with self._prompts_lock:
+                    self._prompts.pop(index, None)
+
+    def twin(self, run: SlotRun, tokens: Sequence[int], least: int) -> RunMark | None:
+        """The run leased before *run* and still computing whose prompt shares the most
+        leading tokens with *tokens*, at least *least* of them; None where there is none."""
+        with self._prompts_lock:
+            mine = self._prompts.get(run.slot.index)
+            if mine is None:
+                return None
+            shared = [
+                (common_prefix(prompt, tokens), mark)
+                for order, prompt, mark in self._prompts.values()
+                if order < mine[0] and mark.computing
+            ]
+        found = max(shared, key=lambda pair: pair[0], default=(0, None))
+        return found[1] if found[0] >= least else None
 
     def settle(self) -> None:
         """Make the slot saves that relayed replies left, in the slots free now (a leased
