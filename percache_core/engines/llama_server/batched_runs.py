@@ -104,18 +104,24 @@ class BatchedRuns:
     def _wait_for_twin(self, run: SlotRun, layout: PromptLayout, should_stop: StopCheck | None) -> None:
         """Where a run leased before this one computes a prompt that begins with most of
         this one's (at least half, and ``LIVE_CUT_GAIN`` tokens more than any stored state
-        holds), wait until it is done (at most ``TWIN_WAIT_S``): the server then finds that
-        prefix in the slot it ran in or in its prompt cache, instead of prefilling it a
-        second time beside it."""
-        runner, tokens = self.runner, layout.tokens
-        least = max(LIVE_CUT_GAIN, len(tokens) // 2)
+        holds or a recently finished prompt shares, which the server likely still holds),
+        wait until it is done (at most ``TWIN_WAIT_S``): the server then finds that prefix
+        in the slot it ran in or in its prompt cache, instead of prefilling it a second time
+        beside it. A run is waited for by one run at most, and a waiting run by none (no
+        chains): of several runs over one prefix at once, they pair up."""
+        runner, tokens, pool = self.runner, layout.tokens, self.runner.pool
+        held = pool.recent_prefix(tokens)
         if self._restores:
             with runner.store_lock:
                 keys = runner._keys(layout, runner.states)
                 stored = stored_starts(runner.states, runner.budget_bytes, layout, keys, len(tokens))
-            least = max(least, (stored[0].n_tokens if stored else 0) + LIVE_CUT_GAIN)
-        twin = runner.pool.twin(run, tokens, least)
-        if twin is not None and runner.pool.leases.wait_done_computing(twin, should_stop, TWIN_WAIT_S):
+            held = max(held, stored[0].n_tokens if stored else 0)
+        twin = pool.twin(run, tokens, max(len(tokens) // 2, held + LIVE_CUT_GAIN))
+        if twin is None:
+            return
+        with pool.waiting(run, twin):
+            waited = pool.leases.wait_done_computing(twin, should_stop, TWIN_WAIT_S)
+        if waited:
             with runner.store_lock:
                 runner.prefix_waits += 1
 

@@ -14,6 +14,7 @@ before anything else uses that slot (:meth:`SlotPool.lease`) or when the runner 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from ...serving.live_prefix import common_prefix
 from .slot import ServerCuts, ServerSlot
 from .slot_leases import RunMark, SlotLeases
 from .states import SlotStates
+
+RECENT_PROMPTS = 32  # finished leases' prompts kept to tell what a server likely still holds
 
 if TYPE_CHECKING:
     from ...serving.state_runner import StateRunner
@@ -49,6 +52,8 @@ class SlotPool:
         self._uses = 0
         self._erased: set[int] = set()  # slots erased by clear_others and not leased since
         self._prompts: dict[int, tuple[int, Sequence[int], RunMark]] = {}  # leased slot -> (lease order, prompt, run)
+        self._finished: deque[Sequence[int]] = deque(maxlen=RECENT_PROMPTS)  # the latest leases' prompts
+        self._waiting: dict[RunMark, RunMark] = {}  # a run waiting for a twin -> that twin (see twin)
         self._prompts_lock = threading.Lock()
 
     def chooser(self, tokens: Sequence[int]) -> Callable[[list[int]], int]:
@@ -78,21 +83,46 @@ class SlotPool:
             finally:
                 with self._prompts_lock:
                     self._prompts.pop(index, None)
+                    self._finished.append(tokens)
+
+    def recent_prefix(self, tokens: Sequence[int]) -> int:
+        """The most leading tokens of *tokens* that the prompt of one of the latest
+        ``RECENT_PROMPTS`` finished leases shares (a server keeps those in its slots or its
+        prompt cache, as far as another request has not pushed them out)."""
+        with self._prompts_lock:
+            return max((common_prefix(prompt, tokens) for prompt in self._finished), default=0)
 
     def twin(self, run: SlotRun, tokens: Sequence[int], least: int) -> RunMark | None:
-        """The run leased before *run* and still computing whose prompt shares the most
-        leading tokens with *tokens*, at least *least* of them; None where there is none."""
+        """The run leased before *run*, still computing, not itself waiting for a twin and
+        not yet waited for, whose prompt shares the most leading tokens with *tokens*, at
+        least *least* of them; None where there is none. (One follower a run: the slot a
+        run leaves holds its prompt for one next request; the server saves it for others
+        only once another request starts while it is idle.)"""
         with self._prompts_lock:
             mine = self._prompts.get(run.slot.index)
             if mine is None:
                 return None
+            taken = set(self._waiting) | set(self._waiting.values())
             shared = [
                 (common_prefix(prompt, tokens), mark)
                 for order, prompt, mark in self._prompts.values()
-                if order < mine[0] and mark.computing
+                if order < mine[0] and mark.computing and mark not in taken
             ]
         found = max(shared, key=lambda pair: pair[0], default=(0, None))
         return found[1] if found[0] >= least else None
+
+    @contextmanager
+    def waiting(self, run: SlotRun, twin: RunMark) -> Iterator[None]:
+        """*run* waits for *twin* within this block: no other run waits for either
+        meanwhile (a run after them goes on beside them, or waits for another run, rather
+        than behind a chain of waits or a run already waited for)."""
+        with self._prompts_lock:
+            self._waiting[run.mark] = twin
+        try:
+            yield
+        finally:
+            with self._prompts_lock:
+                self._waiting.pop(run.mark, None)
 
     def settle(self) -> None:
         """Make the slot saves that relayed replies left, in the slots free now (a leased
