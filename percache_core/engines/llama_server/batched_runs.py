@@ -88,18 +88,20 @@ class BatchedRuns:
         state may be restored (chunk states off, as on a default server for a sliding-window
         model) it always does: what the server reuses for it (its slot's cells, its RAM
         prompt cache) is all there is to start from."""
-        runner = self.runner
         if options.restore_depth is not None:
             return False
         if self.server_places or not self._restores:
             return True
         held = run.slot.held_prefix(layout.tokens)  # exact cells or a batched run's: the server reuses either
-        if not held:
-            return False
+        return bool(held) and held > self._deepest_stored(layout)
+
+    def _deepest_stored(self, layout: PromptLayout) -> int:
+        """The tokens of the deepest stored state a run of *layout* may start from (0: none)."""
+        runner = self.runner
         with runner.store_lock:
             keys = runner._keys(layout, runner.states)
             stored = stored_starts(runner.states, runner.budget_bytes, layout, keys, len(layout.tokens))
-        return held > (stored[0].n_tokens if stored else 0)
+        return stored[0].n_tokens if stored else 0
 
     def _wait_for_twin(self, run: SlotRun, layout: PromptLayout, should_stop: StopCheck | None) -> None:
         """Where a run leased before this one computes a prompt that begins with most of
@@ -112,10 +114,7 @@ class BatchedRuns:
         runner, tokens, pool = self.runner, layout.tokens, self.runner.pool
         held = pool.recent_prefix(tokens)
         if self._restores:
-            with runner.store_lock:
-                keys = runner._keys(layout, runner.states)
-                stored = stored_starts(runner.states, runner.budget_bytes, layout, keys, len(tokens))
-            held = max(held, stored[0].n_tokens if stored else 0)
+            held = max(held, self._deepest_stored(layout))
         twin = pool.twin(run, tokens, max(len(tokens) // 2, held + LIVE_CUT_GAIN))
         if twin is None:
             return

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-POLL_S = 0.05  # how often a waiter checks whether its client went away
+from .prefix_claims import WAIT_POLL_S
 
 
 @dataclass(eq=False)
@@ -155,7 +155,7 @@ class SlotLeases:
                 left = deadline - time.monotonic()
                 if left <= 0 or (should_stop is not None and should_stop()):
                     return False
-                self._cond.wait(min(POLL_S, left))
+                self._cond.wait(min(WAIT_POLL_S, left))
         return True
 
     def wait_until_no_saves(self, mark: RunMark) -> None:
