@@ -335,6 +335,7 @@ def load(model_path: Path, folder: Path, sessions: list[Messages], shape: tuple[
                         runner = internals(pc).runtime.runner
                         row["batched_runs"] = row.get("batched_runs", 0) + runner.batched_runs
                         row["prefix_waits"] = row.get("prefix_waits", 0) + runner.prefix_waits
+                        row["company_waits"] = row.get("company_waits", 0) + runner.company_waits
             finally:
                 server.close()
     for name, runs in measured.items():

@@ -378,6 +378,7 @@ class ModelRuntime:
             "restore_failures": self._runner.restore_failures,
             "batched_runs": self._runner.batched_runs,
             "prefix_waits": self._runner.prefix_waits,
+            "company_waits": self._runner.company_waits,
             "storage_failures": self._runner.storage_failures,
             "corrupt_dropped": self._states.local.corrupt_dropped,
         }

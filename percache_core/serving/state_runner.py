@@ -174,6 +174,7 @@ class StateRunner:
         self.storage_failures = 0
         self.batched_runs = 0  # runs that shared a server's batches with another (nothing of them kept)
         self.prefix_waits = 0  # runs that waited for a prefix another run computed, then restored it
+        self.company_waits = 0  # runs that would have started alone under load, joined by another while waiting
         self.writer = StateWriter("percache-states")  # new states stored off the answer's time
 
     @property

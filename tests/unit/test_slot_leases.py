@@ -195,3 +195,23 @@ def test_a_run_waits_until_another_is_done_computing_or_gives_up() -> None:
     with leases.one(first) as (_, leader):
         assert not leases.wait_done_computing(leader, None, 0.1)  # still computing: it gave up
         assert not leases.wait_done_computing(leader, lambda: True, 10.0)  # its client went away
+
+
+def test_a_run_waiting_for_company_goes_on_once_another_lease_computes_beside_it() -> None:
+    leases = SlotLeases(2)
+    with leases.one(first) as (_, waiting):
+        joined = threading.Event()
+
+        def join() -> None:
+            with leases.one(first) as (_, other):
+                assert other.batched
+                joined.wait(10.0)
+
+        beside = threading.Thread(target=join)
+        threading.Timer(0.1, beside.start).start()
+        started = time.monotonic()
+        assert leases.wait_batched(waiting, 10.0) and waiting.batched and time.monotonic() - started < 5.0
+        joined.set()
+        beside.join()
+    with leases.one(first) as (_, alone):
+        assert not leases.wait_batched(alone, 0.05) and not alone.batched  # nobody came: it runs alone

@@ -1,5 +1,6 @@
-"""Twins on a server's slots: which run a batched run waits for, and what a server likely
-still holds (``SlotPool.twin``, ``SlotPool.recent_prefix``)."""
+"""Twins on a server's slots: which run a batched run waits for, what a server likely
+still holds (``SlotPool.twin``, ``SlotPool.recent_prefix``), and whether the server is under
+load (``SlotPool.under_load``)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def test_finished_prompts_are_what_the_server_likely_still_holds() -> None:
         assert pool.recent_prefix(SHARED + [2]) == 0  # still running: not finished
     assert pool.recent_prefix(SHARED + [2]) == len(SHARED)
     assert pool.recent_prefix([7, 8]) == 0
+
+
+def test_the_server_is_under_load_while_the_latest_finished_run_was_batched() -> None:
+    pool = slot_pool(2)
+    assert not pool.under_load()  # nothing ran yet
+    with pool.lease(SHARED + [1]), pool.lease(SHARED + [2]):
+        pass
+    assert pool.under_load()  # the two shared the server's batches
+    with pool.lease(SHARED + [3]):
+        pass
+    assert not pool.under_load()  # the latest ran alone
+

@@ -112,7 +112,7 @@ def _lease_slots(engine: LlamaServer) -> None:
     verdict = slots_independent(engine)
     if verdict >= FRESH:
         engine.use_every_slot()
-    engine.slots_shared = verdict == ISOLATED  # runs alone erase the other free slots first
+    engine.slots_shared = verdict == ISOLATED  # runs alone empty the other free slots first
     if verdict == FRESH and engine.chunk_state_problem is None:
         engine.slots_problem = (
             "a state restored in one of its slots does not give a fresh prefill's output (measured at start): start it "

@@ -156,6 +156,8 @@ class ServerRunner(StateRunner):
         with self.pool.lease(layout.tokens, idle=options.idle) as run:
             self.flush()
             alone = self.pool.leases.alone_now(run.mark)  # (an overlap that ended before it sent anything: alone)
+            if alone and self.engine.slots_shared and self.batched.found_company(run, layout, options):
+                alone = self.pool.leases.alone_now(run.mark)
             if not alone and options.decode and not options.idle and self.batched.takes(run, layout, options):
                 return (yield from self.batched.run(run, RunResult(layout), options, (should_stop, started)))
             if self.engine.slots_shared and not run.mark.batched:  # alone: as on an empty server

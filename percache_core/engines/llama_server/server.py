@@ -136,7 +136,7 @@ class LlamaServer:
         self.model_path: Path | None = None  # the GGUF (a started server's, or /props' when readable)
         self._n_ubatch = 512  # llama-server's default -ub (a started server's: its launch's)
         self.slots_problem: str | None = None  # why its slots hold no exact states (slot_probe)
-        self.slots_shared = False  # one KV cache: a run alone erases the other free slots first (slot_probe)
+        self.slots_shared = False  # one KV cache: a run alone empties the other free slots first (slot_probe)
         self.batch_invariant = False  # started so that a batched run computes as alone (ServerLaunch.batch_invariant)
         self.binary_digest: str | None = None  # a started batch-invariant server's binary's sha256 (its kernels' changes are not in build_info)
 

@@ -111,6 +111,7 @@ class SlotLeases:
                     mark.batched = True
                     for other, _ in self._leased.values():
                         other.batched = other.batched or other.computing
+                    self._cond.notify_all()  # (a run waiting for company: wait_batched)
                 self._leased[slot] = (mark, "idle" if idle else "user")
         try:
             yield slot, mark
@@ -157,6 +158,12 @@ class SlotLeases:
                     return False
                 self._cond.wait(min(WAIT_POLL_S, left))
         return True
+
+    def wait_batched(self, mark: RunMark, timeout_s: float) -> bool:
+        """Wait until a lease taken from now on computes beside *mark*'s run, at most
+        *timeout_s*; returns whether one does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: mark.batched, timeout_s)
 
     def wait_until_no_saves(self, mark: RunMark) -> None:
         """Wait until every lease other than *mark*'s computes or shares batches (a run that

@@ -16,11 +16,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ...kv.engine import Decoding
 from ...serving.live_prefix import common_prefix
+from .server_http import ServerError
+from .server_streams import InSlot
 from .slot import ServerCuts, ServerSlot
 from .slot_leases import RunMark, SlotLeases
 from .states import SlotStates
@@ -52,7 +55,7 @@ class SlotPool:
         self._uses = 0
         self._erased: set[int] = set()  # slots erased by clear_others and not leased since
         self._prompts: dict[int, tuple[int, Sequence[int], RunMark]] = {}  # leased slot -> (lease order, prompt, run)
-        self._finished: deque[Sequence[int]] = deque(maxlen=RECENT_PROMPTS)  # the latest leases' prompts
+        self._finished: deque[tuple[Sequence[int], RunMark]] = deque(maxlen=RECENT_PROMPTS)  # the latest leases' prompts
         self._waiting: dict[RunMark, RunMark] = {}  # a run waiting for a twin -> that twin (see twin)
         self._prompts_lock = threading.Lock()
 
@@ -83,14 +86,19 @@ class SlotPool:
             finally:
                 with self._prompts_lock:
                     self._prompts.pop(index, None)
-                    self._finished.append(tokens)
+                    self._finished.append((tokens, mark))
 
     def recent_prefix(self, tokens: Sequence[int]) -> int:
         """The most leading tokens of *tokens* that the prompt of one of the latest
         ``RECENT_PROMPTS`` finished leases shares (a server keeps those in its slots or its
         prompt cache, as far as another request has not pushed them out)."""
         with self._prompts_lock:
-            return max((common_prefix(prompt, tokens) for prompt in self._finished), default=0)
+            return max((common_prefix(prompt, tokens) for prompt, _ in self._finished), default=0)
+
+    def under_load(self) -> bool:
+        """Whether the latest finished lease shared the server's batches with another."""
+        with self._prompts_lock:
+            return bool(self._finished) and self._finished[-1][1].batched
 
     def twin(self, run: SlotRun, tokens: Sequence[int], least: int) -> RunMark | None:
         """The run leased before *run*, still computing, not itself waiting for a twin and
@@ -134,22 +142,33 @@ class SlotPool:
                         taking.settle()
 
     def clear_others(self, run: SlotRun) -> None:
-        """Erase every other free slot's cells (their pending saves made first), for a run
-        on a server whose slots share one KV cache: a run computes as on an empty server
-        only so (:mod:`~percache_core.engines.llama_server.slot_probe`). Slots erased
-        before and not leased since are left alone. A slot still leased by a run that is
-        done computing (ending) is waited for: its cells would otherwise stay beside this
-        run's."""
+        """Empty every other free slot (their pending saves made first), for a run on a
+        server whose slots share one KV cache: a run computes as on an empty server only so
+        (:mod:`~percache_core.engines.llama_server.slot_probe`). Where the run's slot holds
+        nothing PerCache may go on from, a one-token request in it has the server save its
+        idle slots to its RAM prompt cache and clear them (:func:`clear_idle_slots`:
+        the requests of other clients over those prompts, batched later, still find them,
+        as on the server alone); the slots it did not clear, and all of them where the run's
+        slot holds such cells, are erased. Slots emptied before and not leased since are
+        left alone. A slot still leased by a run that is done computing (ending) is waited
+        for: its cells would otherwise stay beside this run's."""
         self.leases.wait_while_ending(run.mark)
-        for index, slot in enumerate(self.slots):
-            if slot is run.slot or index in self._erased:
-                continue
-            with self.leases.if_free(index) as free:
-                if free:
-                    self.takings[index].settle()
-                    slot.server.erase_slot(index)
-                    slot.content = None
-                    self._erased.add(index)
+        with ExitStack() as held:
+            free = [
+                index for index, slot in enumerate(self.slots)
+                if slot is not run.slot and index not in self._erased and held.enter_context(self.leases.if_free(index))
+            ]  # (held until emptied: no slot save runs meanwhile)
+            if not free:
+                return
+            for index in free:
+                self.takings[index].settle()
+            server = run.slot.server
+            left = clear_idle_slots(server, run.slot.index) if run.slot.content is None else free
+            for index in free:
+                if index in left:
+                    server.erase_slot(index)
+                self.slots[index].content = None
+                self._erased.add(index)
 
     def quiet_for(self, run: SlotRun) -> None:
         """Before *run* sends a request that the server places in a slot of its choice: wait
@@ -167,3 +186,22 @@ class SlotPool:
             if but is None or slot is not but.slot:
                 slot.content = None
                 self._erased.discard(index)
+
+
+def clear_idle_slots(server: LlamaServer, slot: int) -> list[int]:
+    """Start a one-token request in *slot* of *server* (prefill only, nothing reused): a
+    server with ``--cache-idle-slots`` (its default, with ``--cache-ram``, in one KV cache)
+    saves every idle slot to its RAM prompt cache and clears it as the request starts, so
+    that its requests over those prompts find them there. Returns the other slots still
+    holding tokens (``GET /slots``; every other slot where that endpoint is off)."""
+    for _ in server.complete([0], Decoding(0), cache_prompt=False, slot=InSlot(slot)):
+        pass
+    others = [index for index in range(server.total_slots) if index != slot]
+    try:
+        listed = server.http.call("GET", "/slots")
+    except ServerError:
+        return others
+    if not isinstance(listed, list):
+        return others
+    held = {int(entry.get("id", -1)) for entry in listed if isinstance(entry, dict) and entry.get("n_prompt_tokens")}
+    return [index for index in others if index in held]

@@ -14,8 +14,9 @@ and (where slot files work) restored from a state while another slot holds other
 Where restored ones match only once the other slots are emptied (measured on a default
 server, SmolLM2: restored beside another slot's tokens, other log-probabilities; restored
 into slot 0 or 2 with the others erased, identical), PerCache uses every slot and a run that
-computes alone first erases the other free slots (:attr:`LlamaServer.slots_shared`; such a
-server clears its idle slots itself when a request starts, so little is lost). Where fresh
+computes alone first empties the other free slots (:attr:`LlamaServer.slots_shared`; where it
+can, through the server's own idle-slot save to its RAM prompt cache, so that little is lost:
+``SlotPool.clear_others``). Where fresh
 requests match but restored ones do not, PerCache uses every slot and keeps no chunk states
 there (stored answers only); where fresh ones differ too, it uses one slot of that server
 (as exact as before, one request at a time).
