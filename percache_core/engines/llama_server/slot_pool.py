@@ -20,12 +20,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...kv.engine import Decoding
 from ...serving.live_prefix import common_prefix
 from .server_http import ServerError
-from .server_streams import InSlot
 from .slot import ServerCuts, ServerSlot
 from .slot_leases import RunMark, SlotLeases
+from .slot_probe import prefill_fresh
 from .states import SlotStates
 
 RECENT_PROMPTS = 32  # finished leases' prompts kept to tell what a server likely still holds
@@ -53,7 +52,7 @@ class SlotPool:
         self.slots = [ServerSlot(server, cuts, index) for index in range(self.leases.count)]
         self.takings = [SlotStates(runner, slot, store_lock) for slot in self.slots]
         self._uses = 0
-        self._erased: set[int] = set()  # slots erased by clear_others and not leased since
+        self._erased: set[int] = set()  # slots emptied by clear_others and not leased since
         self._prompts: dict[int, tuple[int, Sequence[int], RunMark]] = {}  # leased slot -> (lease order, prompt, run)
         self._finished: deque[tuple[Sequence[int], RunMark]] = deque(maxlen=RECENT_PROMPTS)  # the latest leases' prompts
         self._waiting: dict[RunMark, RunMark] = {}  # a run waiting for a twin -> that twin (see twin)
@@ -194,8 +193,7 @@ def clear_idle_slots(server: LlamaServer, slot: int) -> list[int]:
     saves every idle slot to its RAM prompt cache and clears it as the request starts, so
     that its requests over those prompts find them there. Returns the other slots still
     holding tokens (``GET /slots``; every other slot where that endpoint is off)."""
-    for _ in server.complete([0], Decoding(0), cache_prompt=False, slot=InSlot(slot)):
-        pass
+    prefill_fresh(server, [0], slot)
     others = [index for index in range(server.total_slots) if index != slot]
     try:
         listed = server.http.call("GET", "/slots")

@@ -57,7 +57,7 @@ def slots_independent(server: LlamaServer) -> int:
         for slot in range(server.total_slots):
             server.erase_slot(slot)
         reference = first_logprobs(server, prompt)
-        _prefill(server, other, 1)
+        prefill_fresh(server, other, 1)
         verdict = FRESH if first_logprobs(server, prompt) == reference else 0
         if verdict and server.chunk_state_problem is None:
             if _restored_logprobs(server, prompt, other) == reference:
@@ -70,7 +70,8 @@ def slots_independent(server: LlamaServer) -> int:
     return verdict
 
 
-def _prefill(server: LlamaServer, tokens: list[int], slot: int) -> None:
+def prefill_fresh(server: LlamaServer, tokens: list[int], slot: int) -> None:
+    """Prefill *tokens* in *slot* of *server*, nothing reused and nothing generated."""
     for _ in server.complete(tokens, Decoding(0), cache_prompt=False, slot=InSlot(slot)):
         pass
 
@@ -81,10 +82,10 @@ def _restored_logprobs(server: LlamaServer, prompt: list[int], other: list[int],
     assert server.slot_save_path is not None
     name = f"percache-probe-{uuid.uuid4().hex}.bin"
     try:
-        _prefill(server, prompt[:_STATE_TOKENS], 0)
+        prefill_fresh(server, prompt[:_STATE_TOKENS], 0)
         server.save_slot(name, 0)
         server.erase_slot(0)
-        _prefill(server, other, 1)
+        prefill_fresh(server, other, 1)
         if isolated:
             server.erase_slot(1)
         server.restore_slot(name, 0)
